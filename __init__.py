@@ -1,0 +1,29 @@
+"""bestiary: a plugin-based LLM model zoo and inference engine.
+
+The heavy parts (torch, the executor) load on first use, so `bestiary --help` and
+`bestiary list` start fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingConfig", "__version__"]
+
+if TYPE_CHECKING:
+    from bestiary.core.llm import LLM
+    from bestiary.core.sampling import SamplingConfig
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy top-level exports: `from bestiary import LLM, SamplingConfig`."""
+    if name == "LLM":
+        from bestiary.core.llm import LLM
+
+        return LLM
+    if name == "SamplingConfig":
+        from bestiary.core.sampling import SamplingConfig
+
+        return SamplingConfig
+    raise AttributeError(f"module 'bestiary' has no attribute {name!r}")

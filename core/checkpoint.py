@@ -1,0 +1,127 @@
+"""Checkpoint and engine directories: config.json + rank{N}.safetensors, written atomically.
+
+Rank files are streamed tensor by tensor: the safetensors header is computed up front
+from the model's target shapes, then each tensor is written at its offset as soon as it
+is produced, so a convert never holds more than a few tensors in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from bestiary.core.errors import BestiaryError, WeightsError
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8",
+    torch.int32: "I32", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3", torch.bool: "BOOL",
+}
+
+
+def rank_file(directory: Path, rank: int) -> Path:
+    """Path of rank `rank`'s weights."""
+    return Path(directory) / f"rank{rank}.safetensors"
+
+
+class StreamingSafetensorsWriter:
+    """Writes a .safetensors file whose tensor list is known in advance, one tensor at a time.
+
+    layout: (name, dtype, shape) of every tensor. `write(name, tensor)` may come in any
+    order; `close()` checks that every tensor was written.
+    """
+
+    def __init__(self, path: Path, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
+        self.path = path
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        header: dict = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}}
+        offset = 0
+        for name, dtype, shape in layout:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._entries[name] = (dtype, tuple(shape), offset, nbytes)
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._data_start = 8 + len(blob)
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(blob)))
+        self._file.write(blob)
+        self._file.truncate(self._data_start + offset)
+        self._pending = set(self._entries)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write `tensor` (must match the declared dtype and shape) at its offset."""
+        if name not in self._entries:
+            raise WeightsError(f"{self.path}: tensor {name!r} is not part of this rank's layout")
+        dtype, shape, offset, nbytes = self._entries[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise WeightsError(
+                f"{self.path}: tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}"
+            )
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self._file.seek(self._data_start + offset)
+        self._file.write(memoryview(data))
+        self._pending.discard(name)
+
+    def abort(self) -> None:
+        """Close after a failure (the caller removes the directory)."""
+        self._file.close()
+
+    def close(self) -> None:
+        """Flush; every declared tensor must have been written."""
+        self._file.close()
+        if self._pending:
+            raise WeightsError(f"{self.path}: tensor {sorted(self._pending)[0]!r} was never written")
+
+
+@contextlib.contextmanager
+def atomic_directory(output_dir: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory that becomes `output_dir` only if the block succeeds.
+
+    An existing `output_dir` is replaced at the end; on any error the temporary directory is
+    removed, so an interrupted convert never leaves a directory that looks valid.
+    """
+    output_dir = Path(output_dir).absolute()
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BestiaryError(f"{output_dir}: exists and is not a directory")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if output_dir.exists():
+        old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
+        output_dir.rename(old)
+    tmp.rename(output_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write a JSON object, indented, newline-terminated."""
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def load_rank_weights(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+    """All tensors of rank `rank` (memory-mapped); a missing or truncated file is a one-line error."""
+    from safetensors.torch import load_file
+
+    path = rank_file(directory, rank)
+    if not path.is_file():
+        raise WeightsError(f"{path}: rank file not found")
+    try:
+        return load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise WeightsError(f"{path}: not a readable .safetensors file ({err})") from None

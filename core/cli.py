@@ -1,0 +1,122 @@
+"""The `bestiary` command line: convert, build, run, eval, inspect, list, demo.
+
+User mistakes (BestiaryError) print one line `error: ...` on stderr and exit with code 2;
+bad flags are argparse errors (also exit code 2). Heavy modules load inside commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from collections.abc import Callable
+
+from bestiary.core.errors import BestiaryError
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(name: str):
+    """Register a `bestiary NAME` handler (its parser is added in `make_parser`)."""
+
+    def wrap(fn):
+        COMMANDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model) -> None:
+    """One --flag per field of a pydantic model (the schema is the single source of the options)."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+        kind = args[0] if args[0] in (int, float, str) else str
+        parser.add_argument(f"--{name}", type=positive_int if kind is int else kind, default=None,
+                            help=f"{field.description or ''} (default: {field.default})")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max_output_len", type=positive_int, default=64, help="New tokens per input.")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
+    parser.add_argument("--top_k", type=int, default=0, help="0 = off.")
+    parser.add_argument("--top_p", type=float, default=1.0, help="1.0 = off.")
+    parser.add_argument("--random_seed", type=int, default=None)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from bestiary import __version__
+    from bestiary.core.build import BuildConfig
+
+    parser = argparse.ArgumentParser(prog="bestiary", description="Plugin-based LLM model zoo and inference engine.")
+    parser.add_argument("--version", action="version", version=f"bestiary {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf -> checkpoint dir")
+    p.add_argument("--model_dir", required=True, help="HF model directory or a .gguf/.safetensors file.")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--tp_size", type=positive_int, default=1)
+    p.add_argument("--pp_size", type=positive_int, default=1)
+    p.add_argument("--architecture", default=None, help="Force a registered architecture (see `bestiary list`).")
+
+    p = sub.add_parser("build", help="checkpoint dir -> engine dir")
+    p.add_argument("--checkpoint_dir", required=True)
+    p.add_argument("--output_dir", required=True)
+    add_model_flags(p, BuildConfig)
+
+    p = sub.add_parser("run", help="generate text from an engine")
+    p.add_argument("--engine_dir", required=True)
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--input_text", nargs="+", help="One or more prompts.")
+    inputs.add_argument("--input_ids", nargs="+", help="Comma-separated token ids, one group per input.")
+    add_sampling_flags(p)
+    p.add_argument("--streaming", action="store_true", help="Print tokens as they are generated.")
+    p.add_argument("--chat", action="store_true", help="Wrap each input in the model's chat template.")
+    p.add_argument("--output_ids", action="store_true", help="Print generated ids instead of text.")
+    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+
+    p = sub.add_parser("eval", help="perplexity of an engine on a text file")
+    p.add_argument("--engine_dir", required=True)
+    p.add_argument("--text_file", required=True)
+    p.add_argument("--max_tokens", type=positive_int, default=None, help="Evaluate at most this many tokens.")
+    p.add_argument("--num_threads", type=positive_int, default=None)
+
+    p = sub.add_parser("inspect", help="config, tensor table, dtype and size of a checkpoint/engine dir")
+    p.add_argument("directory")
+
+    sub.add_parser("list", help="registered architectures")
+
+    p = sub.add_parser("demo", help="convert, build and chat with the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    p.add_argument("--max_output_len", type=positive_int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--workdir", default=None, help="Where to put the checkpoint and engine (default: a cache dir).")
+    p.add_argument("--num_threads", type=positive_int, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `bestiary` script."""
+    args = make_parser().parse_args(argv)
+    from bestiary.core import commands  # noqa: F401 - registers the handlers
+
+    try:
+        return COMMANDS[args.command](args) or 0
+    except BestiaryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

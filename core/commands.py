@@ -1,0 +1,188 @@
+"""Handlers of the `bestiary` subcommands (registered into cli.COMMANDS on import)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bestiary.core.cli import command
+from bestiary.core.errors import BestiaryError
+
+ERR = Console(stderr=True)
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+@command("convert")
+def cmd_convert(args: argparse.Namespace) -> int:
+    from bestiary.core.convert import convert
+
+    out = convert(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size, pp_size=args.pp_size,
+                  architecture=args.architecture, show_progress=sys.stderr.isatty())
+    ERR.print(f"checkpoint written to {out}")
+    return 0
+
+
+@command("build")
+def cmd_build(args: argparse.Namespace) -> int:
+    from bestiary.core.build import BuildConfig, build_engine
+    from bestiary.core.config import validate_config
+
+    flags = {k: getattr(args, k) for k in BuildConfig.model_fields if getattr(args, k) is not None}
+    build = validate_config(BuildConfig, flags, "build flags")
+    out = build_engine(args.checkpoint_dir, args.output_dir, build)
+    ERR.print(f"engine written to {out}")
+    return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from bestiary.core.config import validate_config
+    from bestiary.core.sampling import SamplingConfig
+
+    return validate_config(SamplingConfig, dict(
+        max_new_tokens=args.max_output_len, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        random_seed=args.random_seed), "sampling flags")
+
+
+def _parse_ids(groups: list[str]) -> list[list[int]]:
+    try:
+        return [[int(t) for t in g.replace(",", " ").split()] for g in groups]
+    except ValueError:
+        raise BestiaryError(f"--input_ids {' '.join(groups)!r}: expected comma-separated integers") from None
+
+
+@command("run")
+def cmd_run(args: argparse.Namespace) -> int:
+    from bestiary.core.llm import LLM
+
+    sampling = _sampling(args)
+    llm = LLM(args.engine_dir, num_threads=args.num_threads)
+    prompts: list = _parse_ids(args.input_ids) if args.input_ids else list(args.input_text)
+    if llm.tokenizer is None and not args.input_ids:
+        raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; use --input_ids")
+    as_ids = args.output_ids or llm.tokenizer is None
+    if args.streaming:
+        for prompt in prompts:
+            for piece in llm.generate_stream(prompt, sampling, chat=args.chat):
+                sys.stdout.write(f"{piece} " if as_ids and isinstance(piece, int) else str(piece))
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            _print_stats(llm.last_stats)
+        return 0
+    completions = llm.generate(prompts, sampling, chat=args.chat)
+    for c in completions:
+        print(" ".join(map(str, c.output_ids)) if as_ids else c.text)
+    _print_stats(llm.last_stats)
+    return 0
+
+
+def _print_stats(stats) -> None:
+    ttft = f"{stats.first_token_seconds * 1000:.0f} ms" if stats.first_token_seconds is not None else "-"
+    print(
+        f"[bestiary] {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated in {stats.seconds:.2f} s: "
+        f"{stats.tokens_per_second:.1f} tokens/s ({stats.decode_tokens_per_second:.1f} decode), first token {ttft}",
+        file=sys.stderr,
+    )
+
+
+@command("eval")
+def cmd_eval(args: argparse.Namespace) -> int:
+    from bestiary.core.engine import Engine
+    from bestiary.core.evaluate import perplexity
+
+    _threads(args.num_threads)
+    path = Path(args.text_file)
+    if not path.is_file():
+        raise BestiaryError(f"{path}: no such text file")
+    engine = Engine.load(args.engine_dir)
+    if engine.tokenizer is None:
+        raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; eval needs one")
+    ids = engine.tokenizer.encode(path.read_text())
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    result = perplexity(engine, ids)
+    print(json.dumps({"tokens": result.tokens, "nll": round(result.nll, 6), "perplexity": round(result.perplexity, 4)}))
+    return 0
+
+
+@command("inspect")
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from safetensors import safe_open
+
+    from bestiary.core.config import read_json
+
+    directory = Path(args.directory)
+    data = read_json(directory / "config.json")
+    out = Console()
+    config = data.get("pretrained_config", data)
+    table = Table(title=f"{directory} ({'engine' if 'pretrained_config' in data else 'checkpoint'})")
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in config.items():
+        table.add_row(key, json.dumps(value))
+    for key, value in data.get("build_config", {}).items():
+        table.add_row(f"build.{key}", json.dumps(value))
+    out.print(table)
+    for rank_path in sorted(directory.glob("rank*.safetensors")):
+        tensors = Table(title=rank_path.name)
+        for col in ("tensor", "shape", "dtype", "MiB"):
+            tensors.add_column(col, justify="right" if col == "MiB" else "left")
+        total = 0
+        try:
+            with safe_open(str(rank_path), framework="pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    shape = part.get_shape()
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    size = numel * _dtype_bytes(part.get_dtype())
+                    total += size
+                    tensors.add_row(key, str(tuple(shape)), part.get_dtype(), f"{size / 2**20:.2f}")
+        except Exception as err:  # noqa: BLE001
+            raise BestiaryError(f"{rank_path}: not a readable .safetensors file ({err})") from None
+        tensors.add_section()
+        tensors.add_row("total", "", "", f"{total / 2**20:.2f}")
+        out.print(tensors)
+    return 0
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1, "BOOL": 1}.get(name, 4)
+
+
+@command("list")
+def cmd_list(args: argparse.Namespace) -> int:
+    from bestiary.registry import default_registry
+
+    registry = default_registry()
+    table = Table(title="bestiary architectures")
+    for col in ("architecture", "package", "HF architectures", "model types", "supports", "description"):
+        table.add_column(col)
+    for name in registry.names():
+        spec = registry.specs[name]
+        table.add_row(name, spec.package, ", ".join(spec.hf_architectures), ", ".join(spec.hf_model_types),
+                      spec.supports.summary(), spec.description)
+    Console().print(table)
+    for failure in registry.failures:
+        ERR.print(f"[red]plugin {failure.name!r} (package {failure.package}) failed to load:[/red]")
+        ERR.print(failure.traceback, markup=False, highlight=False)
+    return 0
+
+
+@command("demo")
+def cmd_demo(args: argparse.Namespace) -> int:
+    from bestiary.core.demo import run_demo
+
+    _threads(args.num_threads)
+    return run_demo(args.prompt, args.max_output_len, args.dtype, args.workdir)

@@ -1,0 +1,162 @@
+"""The checkpoint config schema (config.json), as pydantic models.
+
+Fields and defaults follow the TensorRT-LLM checkpoint table; architectures extend
+`PretrainedConfig` by subclassing and adding their own fields. Unknown fields are an
+error (a typo in config.json must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from bestiary.core.errors import ConfigError
+
+DType = Literal["float32", "float16", "bfloat16"]
+
+
+class QuantAlgo(str, Enum):
+    """Weight/activation quantization algorithms of the checkpoint spec."""
+
+    W8A16 = "W8A16"
+    W4A16 = "W4A16"
+    W4A16_AWQ = "W4A16_AWQ"
+    W4A8_AWQ = "W4A8_AWQ"
+    W4A16_GPTQ = "W4A16_GPTQ"
+    FP8 = "FP8"
+    W8A8_SQ_PER_CHANNEL = "W8A8_SQ_PER_CHANNEL"
+
+
+class KVCacheQuantAlgo(str, Enum):
+    """KV cache quantization algorithms of the checkpoint spec."""
+
+    FP8 = "FP8"
+    INT8 = "INT8"
+
+
+class StrictModel(BaseModel):
+    """Base for every config model: unknown fields are errors, enums serialize as values."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=True, validate_assignment=True)
+
+
+class Mapping(StrictModel):
+    """How the model is split over ranks: world_size = tp_size * pp_size."""
+
+    world_size: int = Field(1, ge=1, description="Total number of ranks (tp_size * pp_size).")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks.")
+    pp_size: int = Field(1, ge=1, description="Pipeline-parallel ranks.")
+
+    @model_validator(mode="after")
+    def _check_world(self) -> "Mapping":
+        if self.world_size == 1 and self.tp_size * self.pp_size > 1:
+            object.__setattr__(self, "world_size", self.tp_size * self.pp_size)
+        if self.world_size != self.tp_size * self.pp_size:
+            raise ValueError(
+                f"world_size {self.world_size} != tp_size {self.tp_size} * pp_size {self.pp_size}"
+            )
+        return self
+
+    def tp_rank(self, rank: int) -> int:
+        """Tensor-parallel rank of global `rank` (ranks are tp-major within a pipeline stage)."""
+        return rank % self.tp_size
+
+    def pp_rank(self, rank: int) -> int:
+        """Pipeline stage of global `rank`."""
+        return rank // self.tp_size
+
+
+class QuantConfig(StrictModel):
+    """The `quantization` section of config.json."""
+
+    quant_algo: QuantAlgo | None = Field(None, description="Weight quantization algorithm.")
+    kv_cache_quant_algo: KVCacheQuantAlgo | None = Field(None, description="KV cache quantization.")
+    group_size: int = Field(64, ge=1, description="Group size of group-wise weight quantization.")
+    has_zero_point: bool = Field(False, description="Group-wise quantization stores zero points.")
+    pre_quant_scale: bool = Field(False, description="AWQ-style per-input-channel pre-scale.")
+    exclude_modules: list[str] | None = Field(None, description="Module name patterns left unquantized.")
+
+
+class PretrainedConfig(StrictModel):
+    """config.json of a checkpoint: the TensorRT-LLM checkpoint table.
+
+    Architectures subclass this and add their own fields (e.g. OPT's do_layer_norm_before).
+    """
+
+    architecture: str = Field(description="Registered architecture name, e.g. LlamaForCausalLM.")
+    dtype: DType = Field(description="Dtype of the weights.")
+    logits_dtype: DType = Field("float32", description="Dtype of the returned logits.")
+    vocab_size: int = Field(ge=1)
+    max_position_embeddings: int | None = Field(None, ge=1)
+    hidden_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1, description="Defaults to num_attention_heads.")
+    head_size: int | None = Field(None, ge=1, description="Defaults to hidden_size // num_attention_heads.")
+    hidden_act: str
+    intermediate_size: int | None = Field(None, ge=1)
+    norm_epsilon: float = 1e-5
+    position_embedding_type: Literal[
+        "learned_absolute", "rope_gpt_neox", "rope_gptj", "alibi", "alibi_with_scale", "relative", "chatglm"
+    ] = "learned_absolute"
+    use_parallel_embedding: bool = False
+    embedding_sharding_dim: int = 0
+    mapping: Mapping = Field(default_factory=Mapping)
+    quantization: QuantConfig = Field(default_factory=QuantConfig)
+
+    @model_validator(mode="after")
+    def _derive(self) -> "PretrainedConfig":
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_size is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by "
+                    f"num_attention_heads {self.num_attention_heads}; set head_size"
+                )
+            object.__setattr__(self, "head_size", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        return self
+
+    def to_json_dict(self) -> dict:
+        """Every field, defaults included (config.json writes them all)."""
+        return self.model_dump(mode="json")
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line: `source: field 'a.b': message` for the first error (+ count of the others)."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    more = len(err.errors()) - 1
+    tail = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
+    value = f" (got {first['input']!r})" if first["type"] not in ("missing",) and "input" in first else ""
+    return f"{source}: field '{loc}': {first['msg']}{value}{tail}"
+
+
+def validate_config(cls: type[PretrainedConfig], data: dict, source: str) -> PretrainedConfig:
+    """Validate `data` as `cls`; a bad field raises ConfigError naming the field and `source`."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def read_json(path: Path) -> dict:
+    """Read a JSON object from `path`, with one-line errors for a missing or malformed file."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,120 @@
+"""`bestiary convert`: any supported source -> checkpoint dir (config.json + rank{N}.safetensors).
+
+Everything that can be checked without reading weights (architecture, config, tp/pp
+splits, key maps in both directions) is checked before the output directory is created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from bestiary.core.checkpoint import StreamingSafetensorsWriter, atomic_directory, rank_file, write_json
+from bestiary.core.config import Mapping, PretrainedConfig
+from bestiary.core.errors import BestiaryError
+from bestiary.core.loader import Target, WeightsLoader, model_targets
+from bestiary.core.progress import progress
+from bestiary.core.sources import ModelSource, open_source
+from bestiary.registry import Registry, default_registry, resolve
+from bestiary.registry.spec import ArchitectureSpec
+
+DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+@dataclass
+class RankPlan:
+    """What one rank's file will hold and where each tensor comes from."""
+
+    rank: int
+    targets: list[Target]
+    sources: dict[str, list[str]]
+    tp_rank: int
+
+
+def source_dtype(source: ModelSource) -> str:
+    """The dtype the source was saved in (HF torch_dtype/dtype), float32 when unknown."""
+    name = str(source.hf_config.get("torch_dtype") or source.hf_config.get("dtype") or "float32")
+    return DTYPE_ALIASES.get(name.replace("torch.", ""), "float32")
+
+
+def build_config(spec: ArchitectureSpec, source: ModelSource, dtype: str, mapping: Mapping) -> PretrainedConfig:
+    """The checkpoint config of `source` for `spec` (ConfigError names the bad field)."""
+    from_hf = resolve(spec.from_hf_config)
+    return from_hf(source.hf_config, dtype, mapping, source=str(source.path))
+
+
+def instantiate(spec: ArchitectureSpec, config: PretrainedConfig, rank: int, device="meta") -> nn.Module:
+    """The architecture's model for `rank`; an impossible split is a one-line error."""
+    model_class = resolve(spec.model_class)
+    try:
+        return model_class(config, rank, device=device)
+    except ValueError as err:
+        m = config.mapping
+        raise BestiaryError(f"--tp_size {m.tp_size} --pp_size {m.pp_size}: {err}") from None
+
+
+def plan_ranks(loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig) -> list[RankPlan]:
+    """Targets and source keys of every rank; fails on a missing or unused source tensor."""
+    plans = []
+    for rank in range(config.mapping.world_size):
+        model = instantiate(spec, config, rank)
+        targets = model_targets(model)
+        sources = loader.plan(targets, model.layer_offset, model.source_aliases())
+        plans.append(RankPlan(rank, targets, sources, model.tp_rank))
+    loader.check_all_used(sorted({t.key for p in plans for t in p.targets}))
+    return plans
+
+
+def convert(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    dtype: str = "auto",
+    tp_size: int = 1,
+    pp_size: int = 1,
+    architecture: str | None = None,
+    customized_key_dict: dict | None = None,
+    registry: Registry | None = None,
+    show_progress: bool = True,
+) -> Path:
+    """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path."""
+    registry = registry or default_registry()
+    source = open_source(model_dir)
+    spec = registry.for_hf_config(source.hf_config, str(source.path), architecture)
+    if dtype != "auto" and dtype not in DTYPE_ALIASES:
+        raise BestiaryError(f"--dtype {dtype!r}: expected auto, float32, float16 or bfloat16")
+    dtype = source_dtype(source) if dtype == "auto" else DTYPE_ALIASES[dtype]
+    for flag, value in (("--tp_size", tp_size), ("--pp_size", pp_size)):
+        if value < 1:
+            raise BestiaryError(f"{flag} {value}: expected a positive integer")
+    config = build_config(spec, source, dtype, Mapping(tp_size=tp_size, pp_size=pp_size))
+    if config.num_hidden_layers < pp_size:
+        raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
+    loader = WeightsLoader(source.weights, spec, config, customized_key_dict, label=str(source.path))
+    plans = plan_ranks(loader, spec, config)
+    with atomic_directory(Path(output_dir)) as tmp, progress(show_progress) as bar:
+        task = bar.add_task("convert", total=sum(len(p.targets) for p in plans))
+        for plan in plans:
+            write_rank(tmp, plan, loader, config, bar, task)
+        write_json(tmp / "config.json", config.to_json_dict())
+        if source.tokenizer is not None:
+            (tmp / "tokenizer.json").write_text(source.tokenizer.tokenizer_json)
+            write_json(tmp / "tokenizer_config.json", source.tokenizer.tokenizer_config)
+    return Path(output_dir)
+
+
+def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: PretrainedConfig, bar, task) -> None:
+    """Stream rank `plan.rank`'s tensors into rank{N}.safetensors."""
+    layout = [(t.key, t.dtype, t.shape) for t in plan.targets]
+    writer = StreamingSafetensorsWriter(rank_file(tmp, plan.rank), layout, {"format": "pt"})
+    try:
+        for target in plan.targets:
+            for key, tensor in loader.load(target, plan.sources[target.key], config.mapping.tp_size, plan.tp_rank).items():
+                writer.write(key, tensor)
+            bar.advance(task)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()

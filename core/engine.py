@@ -1,0 +1,76 @@
+"""Loading an engine dir (or a checkpoint dir) into a ready model + tokenizer on one rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bestiary.core.build import FORMAT_VERSION, BuildConfig, finalize_build_config
+from bestiary.core.checkpoint import load_rank_weights
+from bestiary.core.config import PretrainedConfig, read_json, validate_config
+from bestiary.core.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.model import DecoderLM
+from bestiary.core.tokenizer import Tokenizer
+from bestiary.registry import default_registry, resolve
+
+
+def validate_model_config(data: dict, source: str) -> PretrainedConfig:
+    """A checkpoint config.json dict as its architecture's config class (errors name field and file)."""
+    arch = data.get("architecture")
+    if not arch:
+        raise ConfigError(f"{source}: field 'architecture' is missing")
+    spec = default_registry().get(arch)
+    return validate_config(resolve(spec.config_class), data, source)
+
+
+@dataclass
+class Engine:
+    """A loaded model for one rank, its limits and its tokenizer."""
+
+    directory: Path
+    config: PretrainedConfig
+    build: BuildConfig
+    model: DecoderLM
+    tokenizer: Tokenizer | None
+
+    @classmethod
+    def load(cls, directory: str | Path, rank: int = 0, device: str = "cpu") -> "Engine":
+        """Read config.json, build the model on the meta device and assign the rank's tensors."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise BestiaryError(f"{directory}: no such engine directory")
+        data = read_json(directory / "config.json")
+        if "pretrained_config" in data:
+            version = data.get("format_version")
+            if version != FORMAT_VERSION:
+                raise ConfigError(f"{directory / 'config.json'}: format_version {version!r}, expected {FORMAT_VERSION}")
+            model_data = data["pretrained_config"]
+            build = validate_config(BuildConfig, data.get("build_config", {}), str(directory / "config.json"))
+        else:  # a checkpoint dir runs with default limits
+            model_data, build = data, BuildConfig()
+        config = validate_model_config(model_data, str(directory / "config.json"))
+        build = finalize_build_config(build, model_data)
+        if config.mapping.world_size > 1:
+            raise BestiaryError(
+                f"{directory}: has {config.mapping.world_size} ranks (tp {config.mapping.tp_size}, "
+                f"pp {config.mapping.pp_size}); multi-rank execution is not available yet: convert with --tp_size 1"
+            )
+        spec = default_registry().get(config.architecture)
+        with torch.device("meta"):
+            model = resolve(spec.model_class)(config, rank, device="meta")
+        weights = load_rank_weights(directory, rank)
+        expected = set(model.state_dict().keys())
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        if missing or unexpected:
+            what = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {unexpected[0]!r}"
+            raise WeightsError(f"{directory}/rank{rank}.safetensors: {what}")
+        try:
+            model.load_state_dict(weights, strict=True, assign=True)
+        except RuntimeError as err:
+            raise WeightsError(f"{directory}/rank{rank}.safetensors: {str(err).splitlines()[-1].strip()}") from None
+        model.to(device)
+        model.eval()
+        model.prepare_for_inference()
+        return cls(directory, config, build, model, Tokenizer.from_dir(directory))

@@ -1,0 +1,61 @@
+"""`bestiary eval`: perplexity of an engine over a token sequence.
+
+PPL = exp(mean over t of -log p(x_t | x_<t)), over windows of at most max_seq_len tokens
+(each window starts with an empty cache), fed in chunks of max_num_tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bestiary.core.engine import Engine
+from bestiary.core.errors import BestiaryError
+from bestiary.core.kv_cache import KVCache, blocks_for
+from bestiary.core.layers.attention import AttentionMetadata
+
+
+@dataclass
+class Perplexity:
+    tokens: int  # predicted tokens
+    nll: float  # mean negative log-likelihood (nats)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll)
+
+
+@torch.inference_mode()
+def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of one window, computed chunk by chunk through a private KV cache."""
+    model, build = engine.model, engine.build
+    bs = build.tokens_per_block
+    blocks = list(range(blocks_for(len(ids), bs)))
+    cfg = model.config
+    kv = KVCache(len(model.transformer.layers), len(blocks), bs, cfg.num_key_value_heads // model.tp_size,
+                 cfg.head_size, model.dtype)
+    out = []
+    for start in range(0, len(ids), build.max_num_tokens):
+        chunk = ids[start : start + build.max_num_tokens]
+        meta = AttentionMetadata.build([len(chunk)], [start], [blocks], bs)
+        out.append(model(torch.tensor(chunk), meta, kv, all_logits=True).float())
+    return torch.cat(out)
+
+
+def perplexity(engine: Engine, ids: list[int]) -> Perplexity:
+    """Perplexity of `ids` under the engine's model."""
+    if len(ids) < 2:
+        raise BestiaryError("eval needs a text of at least 2 tokens")
+    window = engine.build.max_seq_len
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        logits = window_logits(engine, chunk)
+        targets = torch.tensor(chunk[1:])
+        total += torch.nn.functional.cross_entropy(logits[:-1], targets, reduction="sum").item()
+        count += len(chunk) - 1
+    return Perplexity(count, total / count)

@@ -1,0 +1,187 @@
+"""The executor: in-flight batching over a paged KV cache.
+
+Each `step()`:
+  1. admits waiting requests (FCFS) while the batch has room and the KV pool can promise
+     each one the blocks of its whole (prompt + max_new_tokens) length;
+  2. packs one chunk of work per running request, within max_num_tokens: the rest of a
+     prompt (chunked prefill) or the one token to decode;
+  3. runs the model once over the packed tokens and samples a token for every request
+     whose prompt is fully in the cache;
+  4. retires finished requests and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from bestiary.core.errors import BestiaryError
+from bestiary.core.kv_cache import BlockAllocator, KVCache, blocks_for
+from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.sampling import SamplingConfig, make_generator, sample
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation request and its state."""
+
+    prompt: list[int]
+    sampling: SamplingConfig
+    stop_ids: set[int]
+    id: int = field(default_factory=lambda: next(_ids))
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    reserved: int = 0  # blocks promised but not yet allocated
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Executor:
+    """Runs requests on one model rank with in-flight batching."""
+
+    def __init__(self, model, build, device: str = "cpu") -> None:
+        cfg = model.config
+        self.model = model
+        self.build = build
+        self.device = device
+        tokens = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
+        num_blocks = blocks_for(tokens, build.tokens_per_block)
+        kv_heads = cfg.num_key_value_heads // model.tp_size
+        self.kv = KVCache(len(model.transformer.layers), num_blocks, build.tokens_per_block, kv_heads,
+                          cfg.head_size, model.dtype, device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # --- requests ----------------------------------------------------------------------
+    def add(self, prompt: list[int], sampling: SamplingConfig, stop_ids: set[int] | None = None) -> Request:
+        """Queue a request; prompt and length limits are checked here."""
+        b = self.build
+        if not prompt:
+            raise BestiaryError("empty prompt: at least one input token is needed")
+        if len(prompt) > b.max_input_len:
+            raise BestiaryError(f"prompt of {len(prompt)} tokens exceeds the engine's max_input_len {b.max_input_len}")
+        vocab = self.model.config.vocab_size
+        if max(prompt) >= vocab or min(prompt) < 0:
+            raise BestiaryError(f"input id {max(prompt) if max(prompt) >= vocab else min(prompt)} is outside the vocabulary [0, {vocab})")
+        stops = set(stop_ids or ())
+        if sampling.end_id is not None:
+            stops = {sampling.end_id}
+        req = Request(list(prompt), sampling, set() if sampling.ignore_eos else stops)
+        req.generator = make_generator(sampling.random_seed)
+        if blocks_for(self._max_len(req), b.tokens_per_block) > self.allocator.num_blocks:
+            raise BestiaryError(f"request of {self._max_len(req)} tokens does not fit the KV cache")
+        self.waiting.append(req)
+        return req
+
+    def _max_len(self, req: Request) -> int:
+        return min(len(req.prompt) + req.sampling.max_new_tokens, self.build.max_seq_len)
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request now; its blocks go back to the pool."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self.allocator.free(req.blocks)
+        self.allocator.reserved -= req.reserved
+        req.blocks, req.reserved = [], 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ----------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.build.max_batch_size:
+            req = self.waiting[0]
+            need = blocks_for(self._max_len(req), self.build.tokens_per_block)
+            if not self.allocator.can_reserve(need):
+                break
+            self.waiting.popleft()
+            self.allocator.reserved += need
+            req.reserved = need
+            self.running.append(req)
+
+    def _grow(self, req: Request, tokens: int) -> None:
+        """Make sure req owns blocks for `tokens` tokens (from its reservation)."""
+        extra = blocks_for(tokens, self.build.tokens_per_block) - len(req.blocks)
+        if extra > 0:
+            req.blocks += self.allocator.allocate(extra)
+            req.reserved -= extra
+            self.allocator.reserved -= extra
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """(request, number of new tokens) for this step, within max_num_tokens."""
+        budget = self.build.max_num_tokens
+        work = []
+        for req in sorted(self.running, key=lambda r: r.num_cached < len(r.prompt)):  # decodes first
+            n = min(len(req.tokens) - req.num_cached, budget)
+            if n <= 0:
+                continue
+            work.append((req, n))
+            budget -= n
+        return work
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Request, int]]:
+        """Run one step; returns (request, new token) for every request that produced one."""
+        self._admit()
+        work = self._schedule()
+        if not work:
+            return []
+        ids: list[int] = []
+        for req, n in work:
+            self._grow(req, req.num_cached + n)
+            ids += req.tokens[req.num_cached : req.num_cached + n]
+        meta = AttentionMetadata.build(
+            [n for _, n in work], [r.num_cached for r, _ in work], [r.blocks for r, _ in work],
+            self.build.tokens_per_block, device=self.device,
+        )
+        logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv)  # [B, V]
+        ready = []
+        for i, (req, n) in enumerate(work):
+            req.num_cached += n
+            if req.num_cached == len(req.tokens):
+                ready.append(i)
+        if not ready:
+            return []
+        reqs = [work[i][0] for i in ready]
+        tokens = sample(logits[ready], [r.sampling for r in reqs], [r.generator for r in reqs])
+        for req, token in zip(reqs, tokens):
+            req.output.append(token)
+            self._check_stop(req, token)
+        return list(zip(reqs, tokens))
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        if token in req.stop_ids:
+            self._finish(req, "stop")
+        elif len(req.output) >= req.sampling.max_new_tokens or len(req.tokens) >= self.build.max_seq_len:
+            self._finish(req, "length")
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Step until every request in `requests` has finished."""
+        while any(not r.finished for r in requests):
+            if not self.running and not self.waiting:
+                break
+            self.step()
+        return requests

@@ -1,0 +1,1 @@
+"""bestiary.core.layers."""

@@ -1,0 +1,217 @@
+"""Attention over packed variable-length sequences with a paged KV cache.
+
+Inputs are packed: the tokens of all sequences of a step, one after the other, [T, ...].
+Sequence i contributes seq_lens[i] new tokens and already has context_lens[i] tokens in
+the KV cache. Keys/values of the new tokens are written to the pool slots in
+`slot_mapping`, then each query attends to its sequence's keys at positions
+<= its own (causal), or also to the whole prefix for a prefix-LM mask:
+
+    out = softmax(q k^T * scale + bias) v,   bias = alibi_slope_h * (j - i) or 0, -inf where masked
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bestiary.core.layers.linear import LoraDelta
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to know about one step's packed batch.
+
+    positions: [T] (or [2, T] for ChatGLM v1's 2D positions) position ids per token.
+    seq_lens / context_lens: new tokens and cached tokens per sequence (length B).
+    block_tables: [B, max_blocks] int64 indices into the KV pool's blocks.
+    slot_mapping: [T] int64 flat slot (block * block_size + offset) of each new token.
+    mask: "causal" or "prefix_lm" (bidirectional over the first prefix_lens[i] tokens).
+    last_token_index: [B] index in the packed tokens of each sequence's last new token.
+    lora: batched LoRA delta for this step, or None.
+    """
+
+    positions: torch.Tensor
+    seq_lens: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    mask: str = "causal"
+    prefix_lens: list[int] | None = None
+    last_token_index: torch.Tensor | None = None
+    lora: LoraDelta | None = None
+    _decode_bias: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def kv_lens(self) -> list[int]:
+        """Keys each sequence attends to after this step's write."""
+        return [c + s for c, s in zip(self.context_lens, self.seq_lens)]
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence brings exactly one new token."""
+        return all(s == 1 for s in self.seq_lens)
+
+    @classmethod
+    def build(
+        cls,
+        seq_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        positions: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+        **kwargs,
+    ) -> "AttentionMetadata":
+        """Metadata for sequences with `seq_lens` new tokens after `context_lens` cached ones.
+
+        positions default to context_len + arange(seq_len) per sequence.
+        """
+        pos_list: list[int] = []
+        slots: list[int] = []
+        for n, ctx, table in zip(seq_lens, context_lens, block_tables):
+            for p in range(ctx, ctx + n):
+                pos_list.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        ends = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0) - 1
+        return cls(
+            positions=torch.tensor(pos_list, dtype=torch.int64, device=device) if positions is None else positions,
+            seq_lens=list(seq_lens),
+            context_lens=list(context_lens),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_size=block_size,
+            last_token_index=ends.to(device),
+            **kwargs,
+        )
+
+    def decode_bias(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """[B, 1, 1, length] additive mask hiding the padding of a batched decode (None for B == 1)."""
+        if len(self.seq_lens) == 1:
+            return None
+        key = (length, dtype)
+        if key not in self._decode_bias:
+            lens = torch.tensor(self.kv_lens, device=device)
+            hidden = torch.arange(length, device=device)[None, :] >= lens[:, None]  # [B, L]
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+            self._decode_bias[key] = bias[:, None, None, :]
+        return self._decode_bias[key]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes [num_heads]: geometric sequence 2^(-8 i / n) (with the interleave for non-powers of 2)."""
+    import math
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def _mask_bias(
+    n: int, ctx: int, mask: str, prefix_len: int, slopes: torch.Tensor | None, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """Additive bias [H or 1, n, ctx + n] for n queries at positions ctx..ctx+n-1."""
+    q_pos = torch.arange(ctx, ctx + n, device=device)[:, None]  # [n, 1]
+    k_pos = torch.arange(ctx + n, device=device)[None, :]  # [1, L]
+    visible = k_pos <= q_pos
+    if mask == "prefix_lm":
+        visible = visible | (k_pos < prefix_len)
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
+    bias = bias[None]
+    if slopes is not None:
+        bias = bias + slopes.to(device)[:, None, None] * (k_pos - q_pos)[None].float()
+    return bias.to(dtype)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k, v [T, KVH, D] at flat `slots` [T] of pools [num_blocks, block_size, KVH, D]."""
+    k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
+    v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
+
+
+def _gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Keys of one or more sequences: pool[table] -> [B, length, KVH, D] (table [B, nb])."""
+    nb = -(-length // pool.shape[1])
+    kv = pool[table[:, :nb]]  # [B, nb, block_size, KVH, D]
+    return kv.flatten(1, 2)[:, :length]
+
+
+def decode_attention(
+    q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor,
+    scale: float, slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, H, D] against the cached keys -> [B, H*D]."""
+    b, h, d = q.shape
+    length = max(meta.kv_lens)
+    k = _gather_kv(k_pool, meta.block_tables, length)  # [B, L, KVH, D]
+    v = _gather_kv(v_pool, meta.block_tables, length)
+    kvh = k.shape[2]
+    qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
+    bias = meta.decode_bias(length, q.device, scores.dtype)
+    if bias is not None:
+        scores = scores + bias
+    if slopes is not None:
+        lens = torch.tensor(meta.kv_lens, device=q.device)
+        rel = torch.arange(length, device=q.device)[None, :] - (lens[:, None] - 1)  # [B, L]
+        scores = scores + (slopes.view(1, kvh, h // kvh, 1) * rel[:, None, None, :]).to(scores.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, KVH, G, D]
+    return out.reshape(b, h * d)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    """Packed sequences with any number of new tokens: q [T, H, D] -> [T, H*D]."""
+    outs = []
+    start = 0
+    for i, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens)):
+        qi = q[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
+        if ctx == 0:
+            ki, vi = k[start : start + n], v[start : start + n]  # [n, KVH, D]
+        else:
+            table = meta.block_tables[i : i + 1]
+            ki, vi = _gather_kv(k_pool, table, ctx + n)[0], _gather_kv(v_pool, table, ctx + n)[0]
+        ki, vi = ki.transpose(0, 1)[None].to(q.dtype), vi.transpose(0, 1)[None].to(q.dtype)  # [1, KVH, L, D]
+        prefix = meta.prefix_lens[i] if meta.prefix_lens else 0
+        simple = slopes is None and (meta.mask == "causal" or prefix <= 1)
+        if simple and ctx == 0:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            bias = _mask_bias(n, ctx, meta.mask, prefix, slopes, q.dtype, q.device)[None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        start += n
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class PagedAttention(nn.Module):
+    """The attention op of a layer: writes new K/V to the pool, then attends.
+
+    q [T, H, D], k/v [T, KVH, D] (local heads of this rank) -> [T, H*D].
+    """
+
+    def __init__(self, head_dim: int, scale: float | None = None, alibi: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.alibi = alibi  # [H_local] slopes or None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        k_pool: torch.Tensor, v_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+        if meta.is_decode:  # one query at the last position sees every key under any mask
+            return decode_attention(q, meta, k_pool, v_pool, self.scale, self.alibi)
+        return prefill_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi)

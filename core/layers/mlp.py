@@ -1,0 +1,82 @@
+"""Feed-forward blocks: gated (SwiGLU / GeGLU) and plain two-layer MLPs.
+
+Checkpoint names: mlp.fc (gate_proj), mlp.gate (up_proj), mlp.proj (down_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bestiary.core.layers.linear import LoraDelta, Linear, Parallel
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swiglu": F.silu,
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    """The activation function called `name` (HF names)."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"hidden_act {name!r} is not supported; expected one of {sorted(ACTIVATIONS)}") from None
+
+
+class GatedMLP(nn.Module):
+    """y = proj(act(fc(x)) * gate(x)): fc = gate_proj, gate = up_proj, proj = down_proj.
+
+    After loading, `fuse()` packs fc and gate into one [2 * I_local, H] matmul.
+    """
+
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool, tp_rank: int, tp_size: int, dtype, device=None):
+        super().__init__()
+        col = dict(bias=bias, parallel=Parallel.COLUMN, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
+        self.fc = Linear(hidden, inter, **col)
+        self.gate = Linear(hidden, inter, **col)
+        self.proj = Linear(inter, hidden, bias=bias, parallel=Parallel.ROW, tp_rank=tp_rank, tp_size=tp_size,
+                           dtype=dtype, device=device)
+        self.act = activation(act)
+        self._fused: torch.Tensor | None = None
+        self._fused_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Pack fc and gate weights into one [2 * I_local, H] tensor (inference speed)."""
+        inter = self.fc.weight.shape[0]
+        self._fused = torch.cat([self.fc.weight, self.gate.weight])
+        # fc/gate become views of the fused tensor: no second copy of the weights.
+        self.fc.weight.data, self.gate.weight.data = self._fused[:inter], self._fused[inter:]
+        if self.fc.bias is not None:
+            self._fused_bias = torch.cat([self.fc.bias, self.gate.bias])
+            self.fc.bias.data, self.gate.bias.data = self._fused_bias[:inter], self._fused_bias[inter:]
+
+    def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        if self._fused is not None and lora is None:
+            fg = F.linear(x, self._fused, self._fused_bias)  # [T, 2I]
+            f, g = fg.chunk(2, dim=-1)
+        else:
+            f, g = self.fc(x, lora), self.gate(x, lora)
+        return self.proj(self.act(f) * g, lora)
+
+
+class MLP(nn.Module):
+    """y = proj(act(fc(x))) (OPT, Falcon, ChatGLM v1)."""
+
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool, tp_rank: int, tp_size: int, dtype, device=None):
+        super().__init__()
+        self.fc = Linear(hidden, inter, bias=bias, parallel=Parallel.COLUMN, tp_rank=tp_rank, tp_size=tp_size,
+                         dtype=dtype, device=device)
+        self.proj = Linear(inter, hidden, bias=bias, parallel=Parallel.ROW, tp_rank=tp_rank, tp_size=tp_size,
+                           dtype=dtype, device=device)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        return self.proj(self.act(self.fc(x, lora)), lora)

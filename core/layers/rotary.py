@@ -1,0 +1,90 @@
+"""Rotary position embedding (RoPE): inverse frequencies, scaling, and its application.
+
+For position p and pair i of a head (i < rot_dim/2), with theta_i = base^(-2i/rot_dim):
+    x'_a = x_a cos(p theta_i) - x_b sin(p theta_i)
+    x'_b = x_b cos(p theta_i) + x_a sin(p theta_i)
+where (a, b) = (i, i + rot_dim/2) in neox style (half split) and (2i, 2i+1) in gptj
+style (interleaved). Dims past rot_dim are left unchanged (partial rotary).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from bestiary.core.errors import ConfigError
+
+
+def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """theta_i [rot_dim/2] in float64->float32, with HF's linear / llama3 scaling applied."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ConfigError(f"rotary_scaling: unsupported rope_type {kind!r}; expected linear or llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling (long wavelengths divided by factor, smooth band between)."""
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Applies RoPE in place to q and k heads packed as [T, n_heads, head_dim]."""
+
+    def __init__(
+        self, head_dim: int, rot_dim: int, base: float, scaling: dict | None, max_positions: int, style: str = "neox"
+    ) -> None:
+        super().__init__()
+        if style not in ("neox", "gptj"):
+            raise ConfigError(f"rotary style {style!r}: expected neox or gptj")
+        self.head_dim, self.rot_dim, self.style = head_dim, rot_dim, style
+        self.base, self.scaling = base, scaling
+        self.max_positions = max_positions
+        self._cos_sin: torch.Tensor | None = None  # [max_pos, rot_dim] = cat(cos, sin), float32
+
+    def _table(self, device: torch.device, needed: int) -> torch.Tensor:
+        table = self._cos_sin
+        if table is None or table.device != device or table.shape[0] < needed:
+            size = max(needed, self.max_positions)
+            inv_freq = rope_inv_freq(self.rot_dim, self.base, self.scaling)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)  # [P, rot/2]
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+            self._cos_sin = table
+        return table
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rot_dim/2] for `positions` [T]."""
+        table = self._table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
+        cs = table.index_select(0, positions).to(dtype).unsqueeze(1)
+        half = self.rot_dim // 2
+        return cs[..., :half], cs[..., half:]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x [T, n, head_dim] in place with cos/sin [T, 1, rot_dim/2]."""
+        half = self.rot_dim // 2
+        if self.style == "neox":
+            a, b = x[..., :half], x[..., half : self.rot_dim]
+        else:
+            pairs = x[..., : self.rot_dim].unflatten(-1, (half, 2))
+            a, b = pairs[..., 0], pairs[..., 1]
+        a2 = a * cos - b * sin
+        b2 = b * cos + a * sin
+        a.copy_(a2)
+        b.copy_(b2)

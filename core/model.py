@@ -1,0 +1,137 @@
+"""The generic decoder-only language model every architecture builds on.
+
+    ids [T] -> transformer.vocab_embedding -> transformer.layers[*] -> transformer.ln_f
+            -> lm_head (last token of each sequence, or every token) -> logits [B or T, V]
+
+An architecture subclasses `DecoderLM` and provides `make_layer` (and, if it differs,
+`make_final_norm` / `embed`). Module paths equal checkpoint names, so a rank file loads
+with `load_state_dict`. Under pipeline parallelism a rank holds only its stage's layers
+(local indices 0..n-1, global index = `layer_offset` + local).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bestiary.core.config import PretrainedConfig
+from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.layers.embedding import Embedding
+from bestiary.core.layers.linear import Linear, Parallel
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a config dtype string."""
+    return TORCH_DTYPES[name]
+
+
+def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """Global indices of the layers of pipeline stage `pp_rank` (earlier stages take the remainder)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+class Transformer(nn.Module):
+    """Container whose attribute names are the checkpoint's `transformer.*` sections."""
+
+
+class DecoderLM(nn.Module):
+    """Embedding + decoder layers + final norm + lm_head for one (tp, pp) rank."""
+
+    def __init__(self, config: PretrainedConfig, rank: int = 0, device: torch.device | str | None = "meta") -> None:
+        super().__init__()
+        mapping = config.mapping
+        self.config = config
+        self.rank = rank
+        self.tp_rank, self.tp_size = mapping.tp_rank(rank), mapping.tp_size
+        self.pp_rank, self.pp_size = mapping.pp_rank(rank), mapping.pp_size
+        self.dtype = torch_dtype(config.dtype)
+        layers = pp_layer_range(config.num_hidden_layers, self.pp_size, self.pp_rank)
+        self.layer_offset = layers.start
+        self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        self.transformer = Transformer()
+        if self.is_first_stage:
+            self.transformer.vocab_embedding = Embedding(config.vocab_size, config.hidden_size, self.dtype, device)
+        self.transformer.layers = nn.ModuleList(self.make_layer(i, device) for i in layers)
+        if self.is_last_stage:
+            self.transformer.ln_f = self.make_final_norm(device)
+            if not self.shares_embedding:
+                if config.vocab_size % self.tp_size:
+                    raise ValueError(f"vocab_size {config.vocab_size} is not divisible by tp_size {self.tp_size}")
+                self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, parallel=Parallel.COLUMN,
+                                      tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=self.dtype, device=device)
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                module.name = name
+
+    # --- what an architecture provides -------------------------------------------------
+    def make_layer(self, layer_idx: int, device) -> nn.Module:
+        """The decoder layer of global index `layer_idx`: forward(x, meta, k_pool, v_pool) -> x."""
+        raise NotImplementedError
+
+    def make_final_norm(self, device) -> nn.Module:
+        """The final norm (transformer.ln_f)."""
+        raise NotImplementedError
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """Whether lm_head reuses the input embedding (override from the config)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    @property
+    def shares_embedding(self) -> bool:
+        """lm_head is the embedding tensor itself (tied, one tp rank, one stage): no lm_head.weight."""
+        return self.tie_word_embeddings and self.tp_size == 1 and self.pp_size == 1
+
+    def source_aliases(self) -> dict[str, str]:
+        """Canonical keys filled from another canonical key's source (tied lm_head on TP/PP)."""
+        if self.tie_word_embeddings and not self.shares_embedding and self.is_last_stage:
+            return {"lm_head.weight": "transformer.vocab_embedding.weight"}
+        return {}
+
+    def embed(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """ids [T] -> hidden [T, H]."""
+        return self.transformer.vocab_embedding(ids)
+
+    # --- inference ---------------------------------------------------------------------
+    def prepare_for_inference(self) -> None:
+        """Called once after the weights are loaded: fusions and packed layouts."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in logits_dtype (gathered over tp ranks)."""
+        weight = self.transformer.vocab_embedding.weight if self.shares_embedding else self.lm_head.weight
+        out = torch.nn.functional.linear(hidden, weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(out) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, out)
+            out = torch.cat(parts, dim=-1)
+        return out.to(torch_dtype(self.config.logits_dtype))
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: "KVCacheLike",
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """ids [T] -> logits [B, V] of each sequence's last token ([T, V] with all_logits)."""
+        x = self.embed(ids, meta)  # [T, H]
+        for i, layer in enumerate(self.transformer.layers):
+            x = layer(x, meta, kv_cache.k[i], kv_cache.v[i])
+        if not all_logits:
+            x = x.index_select(0, meta.last_token_index)  # [B, H]
+        x = self.transformer.ln_f(x)
+        return self.logits(x)
+
+
+class KVCacheLike:  # pragma: no cover - typing aid
+    """Per-layer pools: k[i], v[i] of shape [num_blocks, block_size, KVH, D]."""
+
+    k: torch.Tensor
+    v: torch.Tensor

@@ -1,0 +1,22 @@
+"""Rich progress bars on stderr (stdout stays for generated text)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+STDERR = Console(stderr=True)
+
+
+@contextlib.contextmanager
+def progress(enabled: bool = True) -> Iterator[Progress]:
+    """A Progress on stderr; disabled (no output) when `enabled` is False."""
+    bar = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=STDERR, disable=not enabled, transient=False,
+    )
+    with bar:
+        yield bar

@@ -1,0 +1,42 @@
+"""The LLaMA architecture plugin, registered through the `bestiary.architectures` entry point."""
+
+from __future__ import annotations
+
+from bestiary.plugins import hookimpl
+from bestiary.registry import ArchitectureSpec, Supports
+
+# Canonical section -> HF LLaMA section (the loader's default map is this one too).
+KEY_MAP = {
+    "transformer": "model",
+    "vocab_embedding": "embed_tokens",
+    "lm_head": "lm_head",
+    "ln_f": "norm",
+    "attention": "self_attn",
+    "qkv": ["q_proj", "k_proj", "v_proj"],
+    "dense": "o_proj",
+    "fc": "gate_proj",
+    "gate": "up_proj",
+    "proj": "down_proj",
+    "input_layernorm": "input_layernorm",
+    "post_layernorm": "post_attention_layernorm",
+}
+
+SPEC = ArchitectureSpec(
+    name="LlamaForCausalLM",
+    hf_architectures=("LlamaForCausalLM",),
+    hf_model_types=("llama",),
+    gguf_architectures=("llama",),
+    config_class="bestiary.models.llama.config:LlamaConfig",
+    model_class="bestiary.models.llama.model:LlamaForCausalLM",
+    from_hf_config="bestiary.models.llama.config:from_hf_config",
+    key_map=KEY_MAP,
+    postprocess={"*.attention.qkv.*": "bestiary.core.postprocess:concat_dim0"},
+    description="LLaMA 1/2/3, SmolLM: RMSNorm, RoPE (linear/llama3 scaling), GQA, SwiGLU",
+    supports=Supports(),
+)
+
+
+@hookimpl
+def bestiary_register_architectures(register) -> None:
+    """Register LlamaForCausalLM."""
+    register(SPEC)

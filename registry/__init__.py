@@ -1,0 +1,6 @@
+"""bestiary.registry: the architecture registry and the spec plugins register."""
+
+from bestiary.registry.registry import DuplicateArchitectureError, Registry, default_registry
+from bestiary.registry.spec import ArchitectureSpec, Supports, resolve
+
+__all__ = ["ArchitectureSpec", "DuplicateArchitectureError", "Registry", "Supports", "default_registry", "resolve"]
