@@ -21,6 +21,7 @@ import torch
 from bestiary.core.errors import BestiaryError
 from bestiary.core.kv_cache import BlockAllocator, KVCache, blocks_for
 from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.model import DecoderLM
 from bestiary.core.sampling import SamplingConfig, make_generator, sample
 
 _ids = itertools.count()
@@ -155,7 +156,9 @@ class Executor:
             ids += req.tokens[req.num_cached : req.num_cached + n]
         meta = AttentionMetadata.build(
             [n for _, n in work], [r.num_cached for r, _ in work], [r.blocks for r, _ in work],
-            self.build.tokens_per_block, device=self.device,
+            self.build.tokens_per_block, positions=self._positions(work), device=self.device,
+            mask=self.model.mask_kind,
+            prefix_lens=[self.model.prefix_len(r.prompt) for r, _ in work] if self.model.mask_kind != "causal" else None,
         )
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv)  # [B, V]
         ready = []
@@ -171,6 +174,13 @@ class Executor:
             req.output.append(token)
             self._check_stop(req, token)
         return list(zip(reqs, tokens))
+
+    def _positions(self, work: list[tuple[Request, int]]) -> torch.Tensor | None:
+        """Architecture position ids for the packed tokens (None: the default ctx + arange)."""
+        if type(self.model).position_ids is DecoderLM.position_ids:
+            return None
+        parts = [self.model.position_ids(r.tokens, r.num_cached, n) for r, n in work]
+        return torch.cat(parts, dim=-1)
 
     def _check_stop(self, req: Request, token: int) -> None:
         if token in req.stop_ids:

@@ -92,6 +92,21 @@ class DecoderLM(nn.Module):
             return {"lm_head.weight": "transformer.vocab_embedding.weight"}
         return {}
 
+    # Attention mask kind of this architecture: "causal", or "prefix_lm" (bidirectional
+    # over the first `prefix_len(tokens)` tokens of a sequence, e.g. ChatGLM v1).
+    mask_kind: str = "causal"
+
+    def prefix_len(self, tokens: list[int]) -> int:
+        """Length of the bidirectional prefix of a sequence (prefix_lm only)."""
+        return 0
+
+    def position_ids(self, tokens: list[int], start: int, count: int) -> torch.Tensor:
+        """Position ids [count] (or [2, count]) of tokens[start:start+count] of a sequence.
+
+        `tokens` is the whole sequence so far (prompt + output). Default: start..start+count-1.
+        """
+        return torch.arange(start, start + count, dtype=torch.int64)
+
     def embed(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """ids [T] -> hidden [T, H]."""
         return self.transformer.vocab_embedding(ids)

@@ -76,6 +76,8 @@ class AttentionMetadata:
             for p in range(ctx, ctx + n):
                 pos_list.append(p)
                 slots.append(table[p // block_size] * block_size + p % block_size)
+        if positions is not None:
+            positions = positions.to(device)
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         ends = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0) - 1
