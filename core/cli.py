@@ -106,10 +106,10 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `bestiary` script."""
     args = make_parser().parse_args(argv)
-    from bestiary.core import commands  # noqa: F401 - registers the handlers
+    from bestiary.core import cli, commands  # noqa: F401 - registers the handlers (also under `python -m`)
 
     try:
-        return COMMANDS[args.command](args) or 0
+        return cli.COMMANDS[args.command](args) or 0
     except BestiaryError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

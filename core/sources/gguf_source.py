@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
@@ -98,15 +99,14 @@ def _architecture(reader: Any, path: Path | str) -> str:
     arch = _require(reader, "general.architecture", path)
     if arch not in TENSOR_NAMES:
         raise BestiaryError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(TENSOR_NAMES))})"
+            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(TENSOR_NAMES))})"
         )
     return arch
 
 
 def _read_gguf(path: Path) -> Any:
     """A GGUFReader over `path`; BestiaryError (one line) for a missing, truncated or corrupt file."""
-    import gguf  # local: only GGUF users need it
-
     if not path.is_file():
         raise BestiaryError(f"{path}: no such GGUF file")
     try:
@@ -157,8 +157,6 @@ def _permute_heads(reader: Any, path: Path | str, arch: str) -> dict[str, int]:
 
 def _dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
     """float32 values of raw GGUF tensor data (rows of bytes for quantized types, typed otherwise)."""
-    import gguf
-
     if data.dtype != np.uint8:  # F32/F16/F64/I8..I64: the reader already typed the array
         return data.astype(np.float32)  # a copy: never hand out views of the read-only mmap
     return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
@@ -179,7 +177,8 @@ class GGUFWeights:
             key = hf_name(tensor.name, self.arch)
             if key is None:
                 raise WeightsError(
-                    f"{self.path}: GGUF tensor {tensor.name!r} has no known HF name for architecture {self.arch!r}"
+                    f"{self.path}: GGUF tensor {tensor.name!r} has no known HF name "
+                    f"for architecture {self.arch!r}"
                 )
             self._tensors[key] = tensor
         self._permute_heads = _permute_heads(self.reader, self.path, self.arch)  # HF suffix -> heads
@@ -244,7 +243,9 @@ class GGUFWeights:
 # ---- config --------------------------------------------------------------------------------------
 
 
-def _llama3_rope_factors(head_dim: int, theta: float, factor: float, low: float, high: float, orig: int) -> np.ndarray:
+def _llama3_rope_factors(
+    head_dim: int, theta: float, factor: float, low: float, high: float, orig: int
+) -> np.ndarray:
     """llama.cpp's rope_freqs for Llama-3 RoPE scaling (convert_hf_to_gguf.py, LlamaModel). [head_dim/2]"""
     freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     low_wavelen, high_wavelen = orig / low, orig / high
@@ -274,12 +275,24 @@ def _rope_scaling_from_freqs(reader: Any, path: Path | str, head_dim: int, theta
     found = _dequantize(tensor.data, tensor.tensor_type).reshape(-1)
     if np.allclose(found, 1.0):
         return None
-    params = {"factor": float(found.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
-    expected = _llama3_rope_factors(head_dim, theta, params["factor"], params["low_freq_factor"],
-                                    params["high_freq_factor"], params["original_max_position_embeddings"])
+    params = {
+        "factor": float(found.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = _llama3_rope_factors(
+        head_dim,
+        theta,
+        params["factor"],
+        params["low_freq_factor"],
+        params["high_freq_factor"],
+        params["original_max_position_embeddings"],
+    )
     if found.shape != expected.shape or not np.allclose(found, expected, rtol=1e-4, atol=1e-4):
-        raise ConfigError(f"{path}: tensor 'rope_freqs.weight' does not match Llama-3 RoPE scaling; not supported")
+        raise ConfigError(
+            f"{path}: tensor 'rope_freqs.weight' does not match Llama-3 RoPE scaling; not supported"
+        )
     return {"rope_type": "llama3", **params}
 
 
@@ -301,14 +314,19 @@ def _rope_scaling(reader: Any, path: Path | str, arch: str) -> dict | None:
 
 def _llama_config(reader: Any, path: Path | str) -> dict:
     """HF LlamaConfig dict from llama.* metadata and the tensor list."""
-    key = lambda name: _require(reader, f"llama.{name}", path)  # noqa: E731
+
+    def key(name: str) -> Any:
+        return _require(reader, f"llama.{name}", path)
+
     hidden = int(key("embedding_length"))
     n_head = int(key("attention.head_count"))
     n_kv = int(_meta(reader, "llama.attention.head_count_kv", n_head))
     head_dim = int(_meta(reader, "llama.attention.key_length", hidden // n_head))
     rope_dim = _meta(reader, "llama.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ConfigError(f"{path}: llama.rope.dimension_count {rope_dim} != head_dim {head_dim} (partial RoPE)")
+        raise ConfigError(
+            f"{path}: llama.rope.dimension_count {rope_dim} != head_dim {head_dim} (partial RoPE)"
+        )
     theta = float(_meta(reader, "llama.rope.freq_base", 10000.0))
     names = {t.name for t in reader.tensors}
     vocab = _meta(reader, "llama.vocab_size")

