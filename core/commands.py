@@ -16,6 +16,11 @@ from bestiary.core.errors import BestiaryError
 ERR = Console(stderr=True)
 
 
+def stdout_console() -> Console:
+    """Console for tables on stdout; wide when piped, so names are never cut."""
+    return Console() if sys.stdout.isatty() else Console(width=240)
+
+
 def _threads(n: int | None) -> None:
     if n:
         import torch
@@ -123,7 +128,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     directory = Path(args.directory)
     data = read_json(directory / "config.json")
-    out = Console()
+    out = stdout_console()
     config = data.get("pretrained_config", data)
     table = Table(title=f"{directory} ({'engine' if 'pretrained_config' in data else 'checkpoint'})")
     table.add_column("field")
@@ -167,13 +172,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     registry = default_registry()
     table = Table(title="bestiary architectures")
-    for col in ("architecture", "package", "HF architectures", "model types", "supports", "description"):
-        table.add_column(col)
+    for col in ("architecture", "package", "HF architectures", "model types", "supports"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("description")
     for name in registry.names():
         spec = registry.specs[name]
         table.add_row(name, spec.package, ", ".join(spec.hf_architectures), ", ".join(spec.hf_model_types),
                       spec.supports.summary(), spec.description)
-    Console().print(table)
+    stdout_console().print(table)
     for failure in registry.failures:
         ERR.print(f"[red]plugin {failure.name!r} (package {failure.package}) failed to load:[/red]")
         ERR.print(failure.traceback, markup=False, highlight=False)

@@ -13,15 +13,15 @@ from bestiary.core.config import PretrainedConfig, read_json, validate_config
 from bestiary.core.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.model import DecoderLM
 from bestiary.core.tokenizer import Tokenizer
-from bestiary.registry import default_registry, resolve
+from bestiary.registry import Registry, default_registry, resolve
 
 
-def validate_model_config(data: dict, source: str) -> PretrainedConfig:
+def validate_model_config(data: dict, source: str, registry: Registry | None = None) -> PretrainedConfig:
     """A checkpoint config.json dict as its architecture's config class (errors name field and file)."""
     arch = data.get("architecture")
     if not arch:
         raise ConfigError(f"{source}: field 'architecture' is missing")
-    spec = default_registry().get(arch)
+    spec = (registry or default_registry()).get(arch)
     return validate_config(resolve(spec.config_class), data, source)
 
 
@@ -36,8 +36,11 @@ class Engine:
     tokenizer: Tokenizer | None
 
     @classmethod
-    def load(cls, directory: str | Path, rank: int = 0, device: str = "cpu") -> "Engine":
+    def load(
+        cls, directory: str | Path, rank: int = 0, device: str = "cpu", registry: Registry | None = None
+    ) -> "Engine":
         """Read config.json, build the model on the meta device and assign the rank's tensors."""
+        registry = registry or default_registry()
         directory = Path(directory)
         if not directory.is_dir():
             raise BestiaryError(f"{directory}: no such engine directory")
@@ -50,14 +53,14 @@ class Engine:
             build = validate_config(BuildConfig, data.get("build_config", {}), str(directory / "config.json"))
         else:  # a checkpoint dir runs with default limits
             model_data, build = data, BuildConfig()
-        config = validate_model_config(model_data, str(directory / "config.json"))
+        config = validate_model_config(model_data, str(directory / "config.json"), registry)
         build = finalize_build_config(build, model_data)
         if config.mapping.world_size > 1:
             raise BestiaryError(
                 f"{directory}: has {config.mapping.world_size} ranks (tp {config.mapping.tp_size}, "
                 f"pp {config.mapping.pp_size}); multi-rank execution is not available yet: convert with --tp_size 1"
             )
-        spec = default_registry().get(config.architecture)
+        spec = registry.get(config.architecture)
         with torch.device("meta"):
             model = resolve(spec.model_class)(config, rank, device="meta")
         weights = load_rank_weights(directory, rank)

@@ -80,10 +80,12 @@ class Completion:
 class LLM:
     """A loaded engine with an executor: generate for a batch of prompts, or stream one."""
 
-    def __init__(self, path: str | Path, dtype: str = "auto", num_threads: int | None = None) -> None:
+    def __init__(
+        self, path: str | Path, dtype: str = "auto", num_threads: int | None = None, registry=None
+    ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.engine = Engine.load(ensure_engine(path, dtype))
+        self.engine = Engine.load(ensure_engine(path, dtype), registry=registry)
         self.tokenizer = self.engine.tokenizer
         self.executor = Executor(self.engine.model, self.engine.build)
         self.last_stats = GenerationStats()

@@ -61,10 +61,16 @@ class EngineRunner:
 
     @torch.inference_mode()
     def feed(self, ids: list[int], all_logits: bool = False, position_shift: int = 0) -> torch.Tensor:
-        """Append `ids`; logits [len(ids), V] (all_logits) or [1, V] of the last one."""
+        """Append `ids`; logits [len(ids), V] (all_logits) or [1, V] of the last one.
+
+        position_shift (a deliberate bug for the broken variants): every position after
+        the first is moved by this much. A uniform shift would go unnoticed by RoPE,
+        which only sees relative positions; this one changes the distances to token 0.
+        """
         start = len(self.tokens)
         self.tokens += ids
-        positions = self.model.position_ids(self.tokens, start, len(ids)) + position_shift
+        positions = self.model.position_ids(self.tokens, start, len(ids))
+        positions = positions + position_shift * (positions > 0)
         meta = AttentionMetadata.build(
             [len(ids)], [start], [self.blocks], self.block_size, positions=positions,
             mask=self.model.mask_kind,
@@ -95,3 +101,91 @@ def prefill_and_decode_diffs(engine: Engine, hf_model, prompt: list[int], steps:
         worst = max(worst, (ours - ref[-1]).abs().max().item())
         scale = max(scale, ref[-1].abs().max().item())
     return worst, scale
+
+
+# --- greedy generation against HF ----------------------------------------------------------
+def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], int | None]:
+    """HF's greedy `generate` tokens (EOS ignored) and the first step whose top-2 logit
+    margin is below 1e-3 * max|logit| (None when no step is that close to a tie)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0,
+                                output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    for step, logits in enumerate(out.logits):
+        top2 = logits[0].float().topk(2).values
+        if (top2[0] - top2[1]).item() < 1e-3 * logits[0].float().abs().max().item():
+            return tokens, step
+    return tokens, None
+
+
+def greedy_mismatch(ours: list[int], ref: list[int], near_tie: int | None) -> str | None:
+    """None when `ours` equals `ref` before the first near-tie step (all of it without one), else a message."""
+    end = len(ref) if near_tie is None else near_tie
+    if ours[:end] == ref[:end]:
+        return None
+    first = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    return (f"greedy tokens differ at step {first} (first HF near-tie step: {near_tie}): "
+            f"ours {ours} vs HF {ref}")
+
+
+# --- TP/PP checkpoints ---------------------------------------------------------------------
+def reassemble_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Whole tensors of a tp x pp checkpoint dir, keyed as a tp 1 / pp 1 checkpoint would be.
+
+    Each rank's layers are renumbered to global indices; tp shards are concatenated along
+    the tensor's tp dim; attention.qkv is re-assembled per q/k/v part (rank r's first kv
+    head is r * KVH // tp, so a kv head replicated on several ranks is taken once, after
+    checking the copies are equal); replicated tensors must be equal on every rank.
+    """
+    from bestiary.core.checkpoint import load_rank_weights
+    from bestiary.core.config import read_json
+    from bestiary.core.convert import instantiate
+    from bestiary.core.engine import validate_model_config
+    from bestiary.core.loader import model_targets
+    from bestiary.registry import default_registry
+
+    config = validate_model_config(read_json(ckpt / "config.json"), str(ckpt))
+    spec = default_registry().get(config.architecture)
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    tp_dims: dict[str, int] = {}
+    for rank in range(config.mapping.world_size):
+        model = instantiate(spec, config, rank)
+        weights = load_rank_weights(ckpt, rank)
+        for target in model_targets(model):
+            key = _global_layer_key(target.key, model.layer_offset)
+            shards.setdefault(key, {})[model.tp_rank] = weights[target.key]
+            tp_dims[key] = target.tp_dim
+    return {key: _join_shards(key, [parts[r] for r in sorted(parts)], tp_dims[key], config)
+            for key, parts in shards.items()}
+
+
+def _global_layer_key(key: str, layer_offset: int) -> str:
+    parts = key.split(".")
+    if len(parts) > 2 and parts[1] == "layers":
+        parts[2] = str(int(parts[2]) + layer_offset)
+    return ".".join(parts)
+
+
+def _join_shards(key: str, tensors: list[torch.Tensor], tp_dim: int, config) -> torch.Tensor:
+    if tp_dim < 0 or len(tensors) == 1:
+        assert all(torch.equal(t, tensors[0]) for t in tensors), f"{key}: replicated copies differ across tp ranks"
+        return tensors[0]
+    if ".attention.qkv." in key:
+        return _join_qkv(key, tensors, config)
+    return torch.cat(tensors, dim=tp_dim)
+
+
+def _join_qkv(key: str, tensors: list[torch.Tensor], config) -> torch.Tensor:
+    tp, kvh, d = len(tensors), config.num_key_value_heads, config.head_size
+    q_rows = config.num_attention_heads // tp * d
+    qs, ks, vs = [], {}, {}
+    for rank, tensor in enumerate(tensors):
+        kv_rows = (tensor.shape[0] - q_rows) // 2
+        q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+        first = rank * kvh // tp
+        if first in ks:
+            assert torch.equal(ks[first], k) and torch.equal(vs[first], v), f"{key}: replicated kv head {first} differs"
+        qs.append(q)
+        ks[first], vs[first] = k, v
+    return torch.cat(qs + [ks[i] for i in sorted(ks)] + [vs[i] for i in sorted(vs)])
