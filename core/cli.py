@@ -53,7 +53,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     from bestiary import __version__
-    from bestiary.core.build import BuildConfig
+    from bestiary.core.build_config import BuildConfig
 
     parser = argparse.ArgumentParser(prog="bestiary", description="Plugin-based LLM model zoo and inference engine.")
     parser.add_argument("--version", action="version", version=f"bestiary {__version__}")

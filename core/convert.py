@@ -92,7 +92,8 @@ def convert(
     config = build_config(spec, source, dtype, Mapping(tp_size=tp_size, pp_size=pp_size))
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
-    loader = WeightsLoader(source.weights, spec, config, customized_key_dict, label=str(source.path))
+    loader = WeightsLoader(source.weights, spec, config, customized_key_dict, label=str(source.path),
+                           source_model_type=source.hf_config.get("model_type"))
     plans = plan_ranks(loader, spec, config)
     with atomic_directory(Path(output_dir)) as tmp, progress(show_progress) as bar:
         task = bar.add_task("convert", total=sum(len(p.targets) for p in plans))

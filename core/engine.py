@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from bestiary.core.build import FORMAT_VERSION, BuildConfig, finalize_build_config
+from bestiary.core.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
 from bestiary.core.checkpoint import load_rank_weights
 from bestiary.core.config import PretrainedConfig, read_json, validate_config
 from bestiary.core.errors import BestiaryError, ConfigError, WeightsError

@@ -1,12 +1,20 @@
 """The weights loader: translate canonical names, load rank slices lazily, postprocess, strictly.
 
 1. translate: a canonical key is mapped section by section (split on ".") through a key
-   map; a list value fans out (qkv -> [q_proj, k_proj, v_proj]), None drops the section.
+   map; a list value fans out (qkv -> [q_proj, k_proj, v_proj]), None drops the section,
+   and a callable value `(config) -> str | list[str] | None` is called with the model
+   config first (a fan-out whose length depends on it, e.g. one source per MoE expert).
    Map priority: customized_key_dict > the layer map matching the module path >
-   the architecture's map > DEFAULT_KEY_MAP.
-2. load: each source key's slice for (tp_size, tp_dim, tp_rank), from the source.
+   the architecture's map for the source's HF model_type > its map > DEFAULT_KEY_MAP.
+2. load: each source key's slice for (tp_size, tp_dim, tp_rank), from the source. tp_dim
+   counts the target's dims; a source with fewer dims (a slice a postprocess stacks into
+   leading dims, e.g. one expert of [E, I, H]) is sliced along the same dim counted from
+   the end.
 3. postprocess: the hook matching the key (glob) turns the slices into target tensor(s).
-4. strict: every target filled, every source tensor used, every shape checked.
+   A hook marked `@slices_itself` gets the whole source tensors and `tp_rank=` instead,
+   for rank layouts a contiguous 1/tp slice cannot express (replicated MQA kv heads).
+4. strict: every target filled, every source tensor used (or matched by the spec's
+   ignored_source_keys), every shape checked.
 """
 
 from __future__ import annotations
@@ -67,6 +75,17 @@ def model_targets(model: nn.Module) -> list[Target]:
     return targets
 
 
+def slices_itself(hook):
+    """Mark a postprocess hook that cuts the rank's part itself.
+
+    The loader then passes it the whole (unsliced) source tensors and `tp_rank=` as a
+    keyword: `hook(key, tensors, config, tp_rank=r)`. For layouts a contiguous 1/tp slice
+    of each source cannot express, e.g. a fused qkv whose single kv head every rank holds.
+    """
+    hook.slices_itself = True
+    return hook
+
+
 def nearest(name: str, candidates: list[str], n: int = 3) -> str:
     """' (nearest: a, b)' listing the candidates closest to `name`, or ''."""
     close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
@@ -83,21 +102,25 @@ class WeightsLoader:
         config,
         customized_key_dict: dict | None = None,
         label: str = "",
+        source_model_type: str | None = None,
     ) -> None:
         self.source = source
         self.spec = spec
         self.config = config
         self.customized = dict(customized_key_dict or {})
         self.label = label
+        self.source_map = spec.source_key_maps.get(source_model_type or "", {})
         self._source_keys = set(source.keys())
         self._hooks = {pattern: resolve(ref) for pattern, ref in spec.postprocess.items()}
         self.used: set[str] = set()
 
     # --- 1. translate ------------------------------------------------------------------
     def key_map_for(self, module_path: str) -> dict:
-        """Default map < architecture map < matching layer maps < customized_key_dict."""
+        """Default map < architecture map < its map for the source's model_type < matching layer maps
+        < customized_key_dict."""
         merged = dict(DEFAULT_KEY_MAP)
         merged.update(self.spec.key_map)
+        merged.update(self.source_map)
         for pattern, layer_map in self.spec.layer_key_maps.items():
             if fnmatch.fnmatchcase(module_path, pattern):
                 merged.update(layer_map)
@@ -114,6 +137,8 @@ class WeightsLoader:
                 options.append([str(int(section) + layer_offset)])
                 continue
             mapped = key_map.get(section, section)
+            if callable(mapped):
+                mapped = mapped(self.config)
             if mapped is None:
                 continue
             options.append(list(mapped) if isinstance(mapped, (list, tuple)) else [mapped])
@@ -125,8 +150,11 @@ class WeightsLoader:
         by_key = {t.key: t for t in targets}
         plan: dict[str, list[str]] = {}
         for target in targets:
-            origin = by_key.get(aliases.get(target.key, target.key), target)
-            sources = self.translate(origin.key, origin.module_path, layer_offset)
+            origin_key, origin_path = target.key, target.module_path
+            if target.key in aliases:  # the aliased key may live on another pipeline stage
+                origin_key = aliases[target.key]
+                origin_path = by_key[origin_key].module_path if origin_key in by_key else origin_key.rpartition(".")[0]
+            sources = self.translate(origin_key, origin_path, layer_offset)
             missing = [s for s in sources if s not in self._source_keys]
             if missing:
                 raise WeightsError(
@@ -139,11 +167,14 @@ class WeightsLoader:
 
     def check_all_used(self, target_keys: list[str]) -> None:
         """Every source tensor must be consumed by some target (after all ranks were planned)."""
-        unused = sorted(self._source_keys - self.used)
+        ignored = self.spec.ignored_source_keys
+        unused = sorted(k for k in self._source_keys - self.used
+                        if not any(fnmatch.fnmatchcase(k, pattern) for pattern in ignored))
         if unused:
             raise WeightsError(
                 f"{self.label}: source tensor {unused[0]!r} is not used by any {self.spec.name} weight"
-                f"{nearest(unused[0], target_keys)}" + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+                f"{nearest(unused[0], sorted(self.used) + target_keys)}"
+                + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
             )
 
     # --- 2 + 3. load and postprocess -----------------------------------------------------
@@ -154,14 +185,33 @@ class WeightsLoader:
                 return fn
         return identity
 
+    def source_tp_dim(self, target: Target, source_key: str, tp_size: int) -> int:
+        """Dim of `source_key` to slice: the target's tp_dim, counted from the end when the source
+        has fewer dims (one expert's [I, H] of a stacked [E, I, H] target is sliced on dim 0)."""
+        if target.tp_dim < 0 or tp_size == 1:
+            return target.tp_dim
+        extra = len(target.shape) - len(self.source.shape(source_key))
+        if extra <= 0:
+            return target.tp_dim
+        if target.tp_dim < extra:
+            raise ValueError(f"tp_dim {target.tp_dim} of {target.key!r} {target.shape} is not in the source")
+        return target.tp_dim - extra
+
     def load(self, target: Target, sources: list[str], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
         """Target tensor(s) for one canonical key, cast to the target dtype, shapes checked."""
+        hook = self.hook_for(target.key)
+        whole = getattr(hook, "slices_itself", False)
         try:
-            tensors = [self.source.load(s, tp_size, target.tp_dim, tp_rank) for s in sources]
+            tensors = [self.source.load(s) if whole else
+                       self.source.load(s, tp_size, self.source_tp_dim(target, s, tp_size), tp_rank)
+                       for s in sources]
         except ValueError as err:  # a dim that does not split: the source shape is wrong
             raise WeightsError(f"{self.source.file_of(sources[0])}: {sources[0]!r} for {target.key!r}: {err}") from None
         try:
-            out = self.hook_for(target.key)(target.key, tensors, self.config)
+            if whole:
+                out = hook(target.key, tensors, self.config, tp_rank=tp_rank)
+            else:
+                out = hook(target.key, tensors, self.config)
         except WeightsError:
             raise
         except (ValueError, RuntimeError) as err:

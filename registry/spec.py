@@ -63,10 +63,16 @@ class ArchitectureSpec:
     from_hf_config: "module:function", `(hf_config: dict, dtype: str, mapping: Mapping) -> config`.
     key_map: canonical name section -> source section(s); overrides the loader's default map.
       A list fans out (qkv -> [q_proj, k_proj, v_proj]); None means "this section has no
-      counterpart" and is dropped from the source name.
+      counterpart" and is dropped from the source name. A callable value
+      `(config) -> str | list[str] | None` is evaluated with the model config (a fan-out
+      whose length the config decides, e.g. one source tensor per MoE expert).
+    source_key_maps: HF model_type of the source -> key map overriding `key_map` for such
+      sources (one architecture read from two namings, e.g. THUDM chatglm and HF glm).
     layer_key_maps: glob over canonical module paths -> key map overriding `key_map` there.
     postprocess: glob over canonical tensor keys -> "module:function" with signature
       `(key: str, tensors: list[Tensor], config) -> dict[str, Tensor]`.
+    ignored_source_keys: globs over source keys that no weight consumes on purpose (e.g.
+      rotary `inv_freq` buffers saved by the reference code); every other source key must be used.
     """
 
     name: str
@@ -77,8 +83,10 @@ class ArchitectureSpec:
     hf_model_types: tuple[str, ...] = ()
     gguf_architectures: tuple[str, ...] = ()
     key_map: dict[str, Any] = field(default_factory=dict)
+    source_key_maps: dict[str, dict[str, Any]] = field(default_factory=dict)
     layer_key_maps: dict[str, dict[str, Any]] = field(default_factory=dict)
     postprocess: dict[str, str] = field(default_factory=dict)
+    ignored_source_keys: tuple[str, ...] = ()
     description: str = ""
     supports: Supports = field(default_factory=Supports)
     package: str = ""  # filled in by the registry: the distribution that registered it

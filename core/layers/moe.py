@@ -1,0 +1,160 @@
+"""Sparse mixture of experts (Mixtral-style): a top-k router over n gated (SwiGLU) experts.
+
+For a token x [H], with router logits l = W_r x [E] and K = top_k:
+
+    S       = the K experts with the largest l_e
+    w_e     = exp(l_e) / sum_{j in S} exp(l_j)          (softmax over the top-k logits)
+    expert_e(x) = proj_e(act(fc_e x) * (gate_e x))
+    y       = sum_{e in S} w_e expert_e(x)
+
+w_e equals HF Mixtral's softmax over all E logits, top-k, renormalised over the k kept.
+
+Checkpoint names (module `mlp`): `mlp.router.weight` [E, H] (replicated), and the experts
+stacked on a leading dim: `mlp.fc.weight` [E, I, H] (gate_proj / w1), `mlp.gate.weight`
+[E, I, H] (up_proj / w3), `mlp.proj.weight` [E, H, I] (down_proj / w2).
+
+Tensor parallelism splits every expert along its FFN dim I (fc/gate tp_dim 1, proj tp_dim
+2): each rank computes a partial y over its I/tp slice of every expert, and one
+all-reduce sums them (the routing weights are linear, so they apply before the reduce).
+
+The forward is the torch reference: a loop over the experts that received tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
+from bestiary.core.layers.mlp import activation
+
+
+class ExpertLinear(nn.Module):
+    """E stacked bias-free linear maps: weight [E, out_local, in_local]; y = x W_e^T for expert e.
+
+    Column-parallel splits out_features (tp_dim 1), row-parallel in_features (tp_dim 2).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        parallel: Parallel,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> None:
+        super().__init__()
+        self.parallel = Parallel(parallel)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        split = out_features if self.parallel == Parallel.COLUMN else in_features
+        if self.parallel != Parallel.REPLICATED and split % tp_size:
+            raise ValueError(f"expert intermediate_size {split} is not divisible by tp_size {tp_size}")
+        out_local = out_features // tp_size if self.parallel == Parallel.COLUMN else out_features
+        in_local = in_features // tp_size if self.parallel == Parallel.ROW else in_features
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, out_local, in_local, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def tp_dim(self, param_name: str) -> int:
+        """Slicing dim of `weight` [E, out, in]: 1 (column), 2 (row), -1 (replicated)."""
+        return {Parallel.COLUMN: 1, Parallel.ROW: 2}.get(self.parallel, -1)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [N, in_local] -> [N, out_local] through expert `expert` (row-parallel: partial sum)."""
+        return F.linear(x, self.weight[expert])
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, "
+            f"parallel={self.parallel.value}, tp={self.tp_rank}/{self.tp_size}"
+        )
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, K] float32, experts [T, K] int64).
+
+    weights = softmax over the K largest logits of each token (computed in float32).
+    """
+    top, experts = torch.topk(logits.float(), top_k, dim=-1)  # [T, K]
+    return torch.softmax(top, dim=-1), experts
+
+
+class MoE(nn.Module):
+    """x [T, H] -> sum over the top-k experts of w_e * proj_e(act(fc_e x) * gate_e x).
+
+    Submodules match the checkpoint: `router` (Linear, replicated), `fc`, `gate`, `proj`
+    (ExpertLinear). After loading, `fuse()` packs fc and gate into one [E, 2 I_local, H].
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        act: str = "silu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
+        self.num_experts, self.top_k, self.tp_size = num_experts, top_k, tp_size
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
+        self.router = Linear(hidden, num_experts, parallel=Parallel.REPLICATED, dtype=dtype, device=device)
+        self.fc = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
+        self.gate = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
+        self.proj = ExpertLinear(num_experts, inter, hidden, Parallel.ROW, **tp)
+        self.act = activation(act)
+        self._fused: torch.Tensor | None = None  # [E, 2 I_local, H] once fused
+
+    def fuse(self) -> None:
+        """Pack fc and gate into one [E, 2 I_local, H] tensor; fc/gate become views of it."""
+        inter = self.fc.weight.shape[1]
+        self._fused = torch.cat([self.fc.weight, self.gate.weight], dim=1)
+        self.fc.weight.data, self.gate.weight.data = self._fused[:, :inter], self._fused[:, inter:]
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e on its tokens: x [N, H] -> partial proj_e(act(fc_e x) * gate_e x) [N, H]."""
+        if self._fused is not None:
+            f, g = F.linear(x, self._fused[e]).chunk(2, dim=-1)  # [N, I_local] each
+        else:
+            f, g = self.fc(x, e), self.gate(x, e)
+        return self.proj(self.act(f) * g, e)
+
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> this rank's partial output [T, H] (its I/tp slice of every expert)."""
+        weights, experts = route(self.router(x), self.top_k)  # [T, K], [T, K]
+        out = torch.zeros_like(x)  # [T, H]
+        for e in experts.unique().tolist():
+            tokens, slots = torch.where(experts == e)  # [N], [N]
+            y = self.expert(x.index_select(0, tokens), e)  # [N, H]
+            out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+    def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H], all-reduced over tp ranks. LoRA does not apply to experts."""
+        out = self.partial_forward(x)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out)
+        return out
+
+
+def stack_experts(key: str, tensors: list[torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Postprocess: E per-expert matrices [out, in] (the key map's fan-out order) -> [E, out, in].
+
+    A single source that is already stacked ([E, out, in]) passes through unchanged.
+    """
+    if len(tensors) == 1 and tensors[0].dim() == 3:
+        return {key: tensors[0]}
+    if any(t.dim() != 2 for t in tensors):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"{key}: expected per-expert 2-D matrices, got shapes {shapes}")
+    return {key: torch.stack(tensors)}

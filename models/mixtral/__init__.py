@@ -1,0 +1,69 @@
+"""The Mixtral architecture plugin, registered through the `bestiary.architectures` entry point.
+
+HF checkpoints (what transformers' save_pretrained writes) keep one matrix per expert:
+model.layers.N.block_sparse_moe.experts.M.{w1,w2,w3}.weight and the router
+block_sparse_moe.gate.weight. The key map fans each stacked canonical tensor out to the
+E per-expert sources (E from the config) and `stack_experts` stacks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bestiary.plugins import hookimpl
+from bestiary.registry import ArchitectureSpec, Supports
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """Key-map value: one canonical section -> `experts.{e}.{name}` for e in 0..E-1 of the config."""
+
+    name: str
+
+    def __call__(self, config) -> list[str]:
+        return [f"experts.{e}.{self.name}" for e in range(config.num_local_experts)]
+
+
+# Canonical section -> HF Mixtral section.
+KEY_MAP = {
+    "transformer": "model",
+    "vocab_embedding": "embed_tokens",
+    "lm_head": "lm_head",
+    "ln_f": "norm",
+    "attention": "self_attn",
+    "qkv": ["q_proj", "k_proj", "v_proj"],
+    "dense": "o_proj",
+    "input_layernorm": "input_layernorm",
+    "post_layernorm": "post_attention_layernorm",
+    "mlp": "block_sparse_moe",
+    "router": "gate",
+    "fc": PerExpert("w1"),  # gate_proj of each expert
+    "gate": PerExpert("w3"),  # up_proj
+    "proj": PerExpert("w2"),  # down_proj
+}
+
+STACK = "bestiary.core.layers.moe:stack_experts"
+
+SPEC = ArchitectureSpec(
+    name="MixtralForCausalLM",
+    hf_architectures=("MixtralForCausalLM",),
+    hf_model_types=("mixtral",),
+    config_class="bestiary.models.mixtral.config:MixtralConfig",
+    model_class="bestiary.models.mixtral.model:MixtralForCausalLM",
+    from_hf_config="bestiary.models.mixtral.config:from_hf_config",
+    key_map=KEY_MAP,
+    postprocess={
+        "*.attention.qkv.*": "bestiary.core.postprocess:concat_dim0",
+        "*.mlp.fc.weight": STACK,
+        "*.mlp.gate.weight": STACK,
+        "*.mlp.proj.weight": STACK,
+    },
+    description="Mixtral MoE: top-k routed SwiGLU experts (TP along the expert FFN dim), RoPE, GQA, RMSNorm",
+    supports=Supports(tensor_parallel=True, pipeline_parallel=True),
+)
+
+
+@hookimpl
+def bestiary_register_architectures(register) -> None:
+    """Register MixtralForCausalLM."""
+    register(SPEC)

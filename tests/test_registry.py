@@ -1,0 +1,86 @@
+"""The plugin system and the architecture registry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from bestiary.core.errors import BestiaryError
+from bestiary.plugins import hookimpl
+from bestiary.registry import ArchitectureSpec, DuplicateArchitectureError, Registry
+
+
+def plugin(**hooks) -> types.SimpleNamespace:
+    """A plugin object with the given hook implementations."""
+    return types.SimpleNamespace(**{name: hookimpl(fn) for name, fn in hooks.items()})
+
+
+def spec(name: str, **kw) -> ArchitectureSpec:
+    return ArchitectureSpec(name=name, config_class="x:Y", model_class="x:Y", from_hf_config="x:y", **kw)
+
+
+def test_builtin_llama_registered_through_entry_point():
+    registry = Registry.from_plugins()
+    llama = registry.get("LlamaForCausalLM")
+    assert llama.package == "bestiary"
+    assert "llama" in llama.hf_model_types
+    assert "llama" in registry.plugins.packages
+
+
+def test_broken_plugin_is_reported_and_others_keep_working():
+    def broken(register):
+        raise RuntimeError("plugin exploded on purpose")
+
+    registry = Registry.from_plugins({"broken": plugin(bestiary_register_architectures=broken)})
+    assert "LlamaForCausalLM" in registry.names()
+    (failure,) = [f for f in registry.failures if f.name == "broken"]
+    assert "plugin exploded on purpose" in failure.traceback and "Traceback" in failure.traceback
+
+
+def test_duplicate_name_names_both_packages():
+    def twice(register):
+        register(spec("LlamaForCausalLM"))
+
+    with pytest.raises(DuplicateArchitectureError, match="registered twice.*bestiary"):
+        Registry.from_plugins({"dup": plugin(bestiary_register_architectures=twice)})
+
+
+def test_lookup_by_hf_architecture_and_model_type():
+    registry = Registry.from_plugins()
+    assert registry.for_hf_config({"architectures": ["LlamaForCausalLM"]}, "c").name == "LlamaForCausalLM"
+    assert registry.for_hf_config({"model_type": "llama"}, "c").name == "LlamaForCausalLM"
+
+
+def test_unknown_architecture_lists_registered_ones():
+    registry = Registry.from_plugins()
+    with pytest.raises(BestiaryError, match=r"c/config.json: unknown architecture MambaLM; registered: .*Llama"):
+        registry.for_hf_config({"architectures": ["MambaLM"]}, "c/config.json")
+
+
+def test_claim_hook_and_conflict():
+    def reg(register):
+        register(spec("ToyA"))
+        register(spec("ToyB"))
+
+    claims_a = plugin(bestiary_register_architectures=reg,
+                      bestiary_claim_hf_config=lambda hf_config: "ToyA" if hf_config.get("toy") else None)
+    registry = Registry.from_plugins({"toys": claims_a})
+    assert registry.for_hf_config({"toy": 1, "model_type": "llama"}, "c").name == "ToyA"
+    assert registry.for_hf_config({"toy": 1}, "c", override="ToyB").name == "ToyB"
+    claims_b = plugin(bestiary_claim_hf_config=lambda hf_config: "ToyB" if hf_config.get("toy") else None)
+    registry = Registry.from_plugins({"toys": claims_a, "other": claims_b})
+    with pytest.raises(BestiaryError, match="'ToyA' and 'ToyB' both claim"):
+        registry.for_hf_config({"toy": 1}, "c")
+
+
+def test_list_imports_no_torch():
+    """`bestiary list` and `--help` stay light: no torch, no triton."""
+    code = (
+        "import sys; from bestiary.core.cli import main; main(['list']);"
+        "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
