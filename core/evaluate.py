@@ -33,9 +33,7 @@ def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     model, build = engine.model, engine.build
     bs = build.tokens_per_block
     blocks = list(range(blocks_for(len(ids), bs)))
-    cfg = model.config
-    kv = KVCache(len(model.transformer.layers), len(blocks), bs, cfg.num_key_value_heads // model.tp_size,
-                 cfg.head_size, model.dtype)
+    kv = KVCache.for_model(model, len(blocks), bs)
     out = []
     for start in range(0, len(ids), build.max_num_tokens):
         chunk = ids[start : start + build.max_num_tokens]

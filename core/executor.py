@@ -55,15 +55,12 @@ class Executor:
     """Runs requests on one model rank with in-flight batching."""
 
     def __init__(self, model, build, device: str = "cpu") -> None:
-        cfg = model.config
         self.model = model
         self.build = build
         self.device = device
         tokens = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
         num_blocks = blocks_for(tokens, build.tokens_per_block)
-        kv_heads = cfg.num_key_value_heads // model.tp_size
-        self.kv = KVCache(len(model.transformer.layers), num_blocks, build.tokens_per_block, kv_heads,
-                          cfg.head_size, model.dtype, device)
+        self.kv = KVCache.for_model(model, num_blocks, build.tokens_per_block)
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -26,6 +26,17 @@ class KVCache:
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
 
+    @classmethod
+    def for_model(cls, model, num_blocks: int, tokens_per_block: int) -> "KVCache":
+        """Pools sized for `model`'s local layers and the kv heads its tp rank holds."""
+        from bestiary.core.layers.self_attention import kv_heads_of_rank
+
+        cfg = model.config
+        kv_heads = len(kv_heads_of_rank(cfg.num_attention_heads, cfg.num_key_value_heads, model.tp_size, model.tp_rank))
+        device = next(model.parameters()).device
+        return cls(len(model.transformer.layers), num_blocks, tokens_per_block, kv_heads, cfg.head_size,
+                   model.dtype, device)
+
     @property
     def bytes_per_block(self) -> int:
         """Bytes of K + V one block takes over all layers."""

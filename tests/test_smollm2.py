@@ -102,3 +102,23 @@ def test_logits_parity(engine_dir, hf_model, hf_tokenizer):
     print(f"SmolLM2 fp32 prefill logits over {len(ids)} positions: max|diff| = {diff:.3e}")
     assert diff <= 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_chat_template_matches_hf(engine_dir, hf_tokenizer):
+    """--chat renders the GGUF's chat template exactly as transformers does."""
+    from bestiary.core.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(engine_dir)
+    messages = [{"role": "user", "content": "Hi there!"}]
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == expected
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    """`bestiary demo`: convert -> build -> chat, answer on stdout, tokens/s on stderr."""
+    cmd = [sys.executable, "-m", "bestiary.core.cli", "demo", "--workdir", str(tmp_path), "--max_output_len", "12"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "tokens/s" in result.stderr
+    assert (tmp_path / "smollm2-float32-engine" / "config.json").is_file()
