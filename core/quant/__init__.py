@@ -1,0 +1,1 @@
+"""bestiary.core.quant: weight-only and activation quantization, packed layouts, KV cache quantization."""
