@@ -2,12 +2,14 @@
 
 Each `step()`:
   1. admits waiting requests (FCFS) while the batch has room and the KV pool can promise
-     each one the blocks of its whole (prompt + max_new_tokens) length;
+     each one the blocks of its whole (prompt + max_new_tokens) length; a request first
+     takes the cached blocks of its longest already-computed prefix (block reuse) and
+     needs pool space only for the rest;
   2. packs one chunk of work per running request, within max_num_tokens: the rest of a
      prompt (chunked prefill) or the one token to decode;
   3. runs the model once over the packed tokens and samples a token for every request
      whose prompt is fully in the cache;
-  4. retires finished requests and frees their blocks.
+  4. retires finished requests and frees their blocks (full blocks stay cached for reuse).
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ from dataclasses import dataclass, field
 import torch
 
 from bestiary.core.errors import BestiaryError
-from bestiary.core.kv_cache import BlockAllocator, KVCache, blocks_for
+from bestiary.core.kv_cache import BlockAllocator, BlockKey, KVCache, KvCacheConfig, blocks_for, pool_tokens
 from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.model import DecoderLM
 from bestiary.core.sampling import SamplingConfig, make_generator, sample
 
 _ids = itertools.count()
+
+
+def supports_block_reuse(model: DecoderLM) -> bool:
+    """True when a token's K/V depend only on the tokens before it: a causal mask and the
+    default positions (prefix-LM masks and 2D positions see the whole prompt)."""
+    return model.mask_kind == "causal" and type(model).position_ids is DecoderLM.position_ids
 
 
 @dataclass
@@ -39,6 +47,8 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
     reserved: int = 0  # blocks promised but not yet allocated
+    block_keys: list[BlockKey] = field(default_factory=list)  # content keys of the full blocks so far
+    reuse_prefix: bool = True  # False: compute every prompt token (e.g. when context logits are wanted)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
 
@@ -54,14 +64,18 @@ class Request:
 class Executor:
     """Runs requests on one model rank with in-flight batching."""
 
-    def __init__(self, model, build, device: str = "cpu") -> None:
+    def __init__(self, model, build, device: str = "cpu", kv_cache_config: KvCacheConfig | None = None) -> None:
         self.model = model
         self.build = build
         self.device = device
-        tokens = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
+        kv_config = kv_cache_config or KvCacheConfig()
+        default = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
+        tokens = pool_tokens(default, kv_config, KVCache.bytes_per_token_for(model), device)
         num_blocks = blocks_for(tokens, build.tokens_per_block)
         self.kv = KVCache.for_model(model, num_blocks, build.tokens_per_block)
-        self.allocator = BlockAllocator(num_blocks)
+        # Reuse needs K/V that depend on the prefix only: causal masks and positions 0, 1, ...
+        self.reuse = kv_config.enable_block_reuse and supports_block_reuse(model)
+        self.allocator = BlockAllocator(num_blocks, build.tokens_per_block, enable_reuse=self.reuse)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -108,17 +122,54 @@ class Executor:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def peak_kv_bytes(self) -> int:
+        """Most K/V bytes held by referenced blocks at any time so far."""
+        return self.allocator.peak_used * self.kv.bytes_per_block
+
+    def check_kv_accounting(self) -> None:
+        """Invariant for tests: a request holds exactly the blocks of its cached tokens, and the
+        pool's blocks in use never exceed the running requests' tokens rounded up to blocks."""
+        bs, bound = self.build.tokens_per_block, 0
+        for req in self.running:
+            if len(req.blocks) != blocks_for(req.num_cached, bs):
+                raise AssertionError(f"request {req.id} holds {len(req.blocks)} blocks for {req.num_cached} tokens")
+            bound += blocks_for(req.num_cached, bs)
+        if self.allocator.num_used > bound:
+            raise AssertionError(f"{self.allocator.num_used} KV blocks in use for {bound} blocks of tokens")
+
     # --- one step ----------------------------------------------------------------------
     def _admit(self) -> None:
+        """Admit FCFS while the batch has room and the pool can promise each request's whole length.
+
+        A request reuses the cached blocks of its prompt's longest computed prefix, but never
+        its last prompt token (whose logits are needed). Already-referenced hits cost no pool
+        space; hits on evictable blocks and the blocks still to compute are reserved, so every
+        admitted request can finish: free + evictable - reserved >= 0 holds at all times.
+        """
+        bs = self.build.tokens_per_block
         while self.waiting and len(self.running) < self.build.max_batch_size:
             req = self.waiting[0]
-            need = blocks_for(self._max_len(req), self.build.tokens_per_block)
-            if not self.allocator.can_reserve(need):
+            need = blocks_for(self._max_len(req), bs)
+            queried = (len(req.prompt) - 1) // bs if self.reuse and req.reuse_prefix else 0
+            keys, hits = self.allocator.lookup(req.prompt, queried)
+            if not self.allocator.can_reserve(need - self.allocator.shared(hits)):
                 break
             self.waiting.popleft()
-            self.allocator.reserved += need
-            req.reserved = need
+            if queried:
+                self.allocator.acquire(hits, queried)
+            req.blocks, req.block_keys, req.num_cached = hits, keys, len(hits) * bs
+            req.reserved = need - len(hits)
+            self.allocator.reserved += req.reserved
             self.running.append(req)
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks of `req` that have just filled (their K/V are all computed)."""
+        bs, tokens = self.build.tokens_per_block, req.tokens
+        for b in range(len(req.block_keys), req.num_cached // bs):
+            parent = req.block_keys[-1] if req.block_keys else None
+            key = BlockKey(parent, tuple(tokens[b * bs : (b + 1) * bs]))
+            req.block_keys.append(self.allocator.register(req.blocks[b], key))
 
     def _grow(self, req: Request, tokens: int) -> None:
         """Make sure req owns blocks for `tokens` tokens (from its reservation)."""
@@ -161,6 +212,8 @@ class Executor:
         ready = []
         for i, (req, n) in enumerate(work):
             req.num_cached += n
+            if self.reuse and req.num_cached >= (len(req.block_keys) + 1) * self.build.tokens_per_block:
+                self._cache_full_blocks(req)
             if req.num_cached == len(req.tokens):
                 ready.append(i)
         if not ready:

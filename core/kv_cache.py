@@ -3,16 +3,65 @@
 Pools are [num_layers, num_blocks, tokens_per_block, KVH, D] for K and for V. A
 sequence owns a list of block indices (its block table); token p of the sequence lives
 in block table[p // tokens_per_block] at offset p % tokens_per_block.
+
+Block reuse (prefix caching): once a block is full, its content is named by a `BlockKey`,
+the block's token ids chained with the key of the block before it, so equal keys mean an
+equal whole prefix and therefore equal K/V (for causal attention with positions 0, 1, ...).
+A later request whose prompt starts with the same full blocks takes them instead of
+recomputing them. Blocks carry reference counts; a cached block nobody references stays in
+the pool (evictable, least recently used first) until a fresh block is needed.
 """
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 
 def blocks_for(tokens: int, tokens_per_block: int) -> int:
     """Blocks needed to hold `tokens` tokens."""
     return -(-tokens // tokens_per_block)
+
+
+class KvCacheConfig(BaseModel):
+    """Runtime settings of the paged KV cache (the GPT runtime's kvCacheConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = Field(
+        None, ge=1, description="Pool size in tokens (default: the engine's max_tokens_in_paged_kv_cache, "
+                                "else max_batch_size * max_seq_len).")
+    free_memory_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="Cap the pool at this fraction of the device's free memory "
+                                          "(CUDA: free GPU memory; CPU: MemAvailable).")
+    enable_block_reuse: bool = Field(True, description="Reuse the full blocks of a shared prefix across requests.")
+
+
+def free_memory_bytes(device: torch.device | str) -> int:
+    """Free memory of `device`: CUDA's mem_get_info, or the OS's MemAvailable on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_tokens(default_tokens: int, config: KvCacheConfig, bytes_per_token: int, device: torch.device | str) -> int:
+    """Pool size in tokens: config.max_tokens (or the default), capped by the memory fraction."""
+    tokens = config.max_tokens or default_tokens
+    if config.free_memory_fraction is not None:
+        tokens = min(tokens, int(config.free_memory_fraction * free_memory_bytes(device)) // bytes_per_token)
+    return tokens
 
 
 class KVCache:
@@ -26,16 +75,27 @@ class KVCache:
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
 
-    @classmethod
-    def for_model(cls, model, num_blocks: int, tokens_per_block: int) -> "KVCache":
-        """Pools sized for `model`'s local layers and the kv heads its tp rank holds."""
+    @staticmethod
+    def shape_for(model) -> tuple[int, int, int]:
+        """(local layers, kv heads of the rank, head dim) of `model`'s pools."""
         from bestiary.core.layers.self_attention import kv_heads_of_rank
 
         cfg = model.config
         kv_heads = len(kv_heads_of_rank(cfg.num_attention_heads, cfg.num_key_value_heads, model.tp_size, model.tp_rank))
+        return len(model.transformer.layers), kv_heads, cfg.head_size
+
+    @classmethod
+    def bytes_per_token_for(cls, model) -> int:
+        """Bytes of K + V one token takes over all local layers of `model`."""
+        layers, kv_heads, head_dim = cls.shape_for(model)
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, tokens_per_block: int) -> "KVCache":
+        """Pools sized for `model`'s local layers and the kv heads its tp rank holds."""
+        layers, kv_heads, head_dim = cls.shape_for(model)
         device = next(model.parameters()).device
-        return cls(len(model.transformer.layers), num_blocks, tokens_per_block, kv_heads, cfg.head_size,
-                   model.dtype, device)
+        return cls(layers, num_blocks, tokens_per_block, kv_heads, head_dim, model.dtype, device)
 
     @property
     def bytes_per_block(self) -> int:
@@ -43,35 +103,202 @@ class KVCache:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
 
-class BlockAllocator:
-    """Free list of block indices; reservations guarantee admitted requests can finish."""
+class BlockKey:
+    """The content of a full block: its token ids and the key of the block before it.
 
-    def __init__(self, num_blocks: int) -> None:
+    hash(key) = hash((hash(parent), tokens)) chains the whole prefix into one 64-bit value,
+    computed once, when the block fills. Equality also compares the tokens of every block
+    of the chain (stopping at the first shared parent object), so a hash collision can never
+    make two different prefixes share K/V.
+    """
+
+    __slots__ = ("parent", "tokens", "_hash")
+
+    def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...]) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self._hash = hash((parent._hash if parent is not None else 0, tokens))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        a, b = self, other
+        while a is not b:
+            if not isinstance(a, BlockKey) or not isinstance(b, BlockKey):
+                return False
+            if a._hash != b._hash or a.tokens != b.tokens:
+                return False
+            a, b = a.parent, b.parent
+        return True
+
+
+@dataclass
+class ReuseStats:
+    """Counters of block reuse since the allocator was made."""
+
+    lookups: int = 0  # requests whose prompt was looked up
+    queried_blocks: int = 0  # full prompt blocks those lookups could have reused
+    hit_blocks: int = 0  # blocks reused
+    hit_tokens: int = 0  # tokens whose K/V were reused instead of computed
+    evictions: int = 0  # cached blocks dropped to make room
+
+    @property
+    def hit_rate(self) -> float:
+        """hit_blocks / queried_blocks (0 when nothing was queried)."""
+        return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
+
+
+class BlockAllocator:
+    """Reference-counted blocks; reservations guarantee admitted requests can finish.
+
+    Every block is in exactly one state: free (no content worth keeping), referenced
+    (refs > 0, in some request's block table) or cached-unreferenced (evictable, kept in LRU
+    order). `num_free` counts what `allocate` can hand out: free + evictable. The executor
+    reserves, at admission, every block a request may still need, so `allocate` never fails.
+    """
+
+    def __init__(self, num_blocks: int, tokens_per_block: int = 1, enable_reuse: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.enable_reuse = enable_reuse
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, BlockKey] = {}
+        self._block_of: dict[BlockKey, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.reserved = 0  # blocks promised to running requests but not yet allocated
+        self.num_used = 0  # blocks with refs > 0
+        self.peak_used = 0
+        self.stats = ReuseStats()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` can hand out: free ones and cached ones nobody references."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks whose content is registered for reuse (referenced or not)."""
+        return len(self._block_of)
+
+    def refs(self, block: int) -> int:
+        """Reference count of `block`."""
+        return self._refs[block]
 
     def can_reserve(self, n: int) -> bool:
         """True if `n` more blocks can be promised."""
         return self.num_free - self.reserved >= n
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks from the free list."""
-        if n > len(self._free):
-            raise RuntimeError(f"KV cache out of blocks: need {n}, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        """Take `n` blocks (refs = 1): free ones first, then evict the least recently used cached ones."""
+        if n > self.num_free:
+            raise RuntimeError(f"KV cache out of blocks: need {n}, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._key_of.pop(block)]
+                self.stats.evictions += 1
+            self._refs[block] = 1
+            out.append(block)
+        self._count_used(n)
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        """Give blocks back."""
-        self._free.extend(reversed(blocks))
+        """Drop one reference to each block; unreferenced cached blocks become evictable.
 
+        The last block goes first, so a sequence's tail is evicted before its head.
+        """
+        for block in reversed(blocks):
+            refs = self._refs[block] - 1
+            if refs < 0:
+                raise RuntimeError(f"KV block {block} freed more often than taken")
+            self._refs[block] = refs
+            if refs == 0:
+                self.num_used -= 1
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    # --- reuse -------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], max_blocks: int) -> tuple[list[BlockKey], list[int]]:
+        """Keys and blocks of the longest cached run of full blocks at the start of `tokens`.
+
+        At most `max_blocks` blocks; takes no references (see `acquire`).
+        """
+        keys: list[BlockKey] = []
+        blocks: list[int] = []
+        if not self.enable_reuse:
+            return keys, blocks
+        bs, parent = self.tokens_per_block, None
+        for b in range(max_blocks):
+            block = self._block_of.get(BlockKey(parent, tuple(tokens[b * bs : (b + 1) * bs])))
+            if block is None:
+                break
+            parent = self._key_of[block]  # the stored key: later compares stop at identity
+            keys.append(parent)
+            blocks.append(block)
+        return keys, blocks
+
+    def shared(self, blocks: list[int]) -> int:
+        """How many of `blocks` are already referenced (taking them costs no pool space)."""
+        return sum(1 for b in blocks if self._refs[b] > 0)
+
+    def acquire(self, blocks: list[int], queried: int) -> None:
+        """Take a reference to cached `blocks` reused by one request (`queried` blocks were looked up)."""
+        newly = 0
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+                newly += 1
+            self._refs[block] += 1
+        self._count_used(newly)
+        self.stats.lookups += 1
+        self.stats.queried_blocks += queried
+        self.stats.hit_blocks += len(blocks)
+        self.stats.hit_tokens += len(blocks) * self.tokens_per_block
+
+    def register(self, block: int, key: BlockKey) -> BlockKey:
+        """Record that referenced, full `block` holds `key`'s content; returns the canonical key.
+
+        When an equal key is already cached (another request computed the same prefix at the
+        same time) that block stays the cached one and this one is freed normally later.
+        """
+        stored = self._block_of.get(key)
+        if stored is not None:
+            return self._key_of[stored]
+        self._block_of[key] = block
+        self._key_of[block] = key
+        return key
+
+    def _count_used(self, newly: int) -> None:
+        self.num_used += newly
+        if self.num_used > self.peak_used:
+            self.peak_used = self.num_used
+
+    # --- invariants --------------------------------------------------------------------
     def check_whole(self) -> None:
-        """Invariant for tests: every block is free again and nothing is reserved."""
-        if sorted(self._free) != list(range(self.num_blocks)) or self.reserved:
+        """Invariant for tests: no block is referenced or reserved; each is free or cached, once."""
+        free, cached = set(self._free), set(self._evictable)
+        problems = []
+        if len(free) != len(self._free):
+            problems.append("a block is on the free list twice")
+        if free & cached:
+            problems.append(f"blocks {sorted(free & cached)[:4]} are both free and cached")
+        if free | cached != set(range(self.num_blocks)):
+            problems.append(f"{self.num_blocks - len(free | cached)} blocks are still referenced")
+        if any(self._refs) or self.num_used:
+            problems.append(f"{sum(1 for r in self._refs if r)} blocks have references left")
+        if set(self._key_of) != cached or len(self._block_of) != len(self._key_of):
+            problems.append("the cached-block maps disagree with the evictable list")
+        if self.reserved:
+            problems.append(f"{self.reserved} blocks still reserved")
+        if problems:
             raise AssertionError(
-                f"KV pool not whole: {self.num_free}/{self.num_blocks} free, {self.reserved} reserved"
+                f"KV pool not whole ({len(free)} free + {len(cached)} cached of {self.num_blocks}): "
+                + "; ".join(problems)
             )

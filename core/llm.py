@@ -1,15 +1,22 @@
-"""The Python API: `LLM(path).generate(prompts, sampling)` and `generate_stream`.
+"""The Python API: `LLM(path).generate(prompts, sampling)`, `generate_stream` and the
+asyncio `generate_async`.
 
 `path` is an engine dir, a checkpoint dir, or any convertible source (HF dir, .gguf,
 ...), which is converted and built into a cache dir on first use.
+
+The asyncio API runs every executor call (add, step, cancel) on one worker thread, so the
+event loop stays free while the model runs; one stepping task per event loop serves all
+concurrent requests and hands each its tokens through its own asyncio.Queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +25,7 @@ import torch
 from bestiary.core.engine import Engine
 from bestiary.core.errors import BestiaryError
 from bestiary.core.executor import Executor, Request
+from bestiary.core.kv_cache import KvCacheConfig
 from bestiary.core.sampling import SamplingConfig
 from bestiary.core.tokenizer import StreamDecoder
 
@@ -77,18 +85,46 @@ class Completion:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
+@dataclass
+class Delta:
+    """What one request of `generate_async` produced in one executor step.
+
+    token_ids: the new ids (the stop token included when it stopped on one).
+    text: the new text (stop tokens left out, '' while a UTF-8 character is incomplete),
+    or None for an engine without a tokenizer.
+    finish_reason: None until the request's last delta: "stop", "length" or "cancelled".
+    """
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Stream:
+    """A request of the asyncio API and where its tokens go."""
+
+    request: Request
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
 class LLM:
     """A loaded engine with an executor: generate for a batch of prompts, or stream one."""
 
     def __init__(
-        self, path: str | Path, dtype: str = "auto", num_threads: int | None = None, registry=None
+        self, path: str | Path, dtype: str = "auto", num_threads: int | None = None, registry=None,
+        kv_cache_config: KvCacheConfig | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.engine = Engine.load(ensure_engine(path, dtype), registry=registry)
         self.tokenizer = self.engine.tokenizer
-        self.executor = Executor(self.engine.model, self.engine.build)
+        self.executor = Executor(self.engine.model, self.engine.build, kv_cache_config=kv_cache_config)
         self.last_stats = GenerationStats()
+        self._worker: ThreadPoolExecutor | None = None  # the one thread that calls the executor (async API)
+        self._streams: dict[int, _Stream] = {}  # request id -> stream; changed on the worker thread only
+        self._stepper: asyncio.Task | None = None
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, list):
@@ -108,10 +144,16 @@ class LLM:
             return None
         return self.tokenizer.decode([i for i in ids if i not in self._stop_ids()])
 
+    def _check_sync_allowed(self) -> None:
+        if self._streams:
+            raise BestiaryError(f"{len(self._streams)} generate_async requests are running: "
+                                "wait for them before calling generate / generate_stream")
+
     def generate(
         self, prompts: list[str | list[int]], sampling: SamplingConfig | None = None, chat: bool = False
     ) -> list[Completion]:
         """Generate for every prompt in one in-flight batch; completions in prompt order."""
+        self._check_sync_allowed()
         sampling = sampling or SamplingConfig()
         start = time.perf_counter()
         requests = [self.executor.add(self._prompt_ids(p, chat), sampling, self._stop_ids()) for p in prompts]
@@ -132,6 +174,7 @@ class LLM:
         self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False
     ) -> Iterator[str | int]:
         """Yield text deltas (or ids, without a tokenizer) as tokens are generated."""
+        self._check_sync_allowed()
         sampling = sampling or SamplingConfig()
         start = time.perf_counter()
         req = self.executor.add(self._prompt_ids(prompt, chat), sampling, self._stop_ids())
@@ -156,3 +199,106 @@ class LLM:
             stats.seconds = time.perf_counter() - start
             stats.generated_tokens = len(req.output)
             self.last_stats = stats
+
+    # --- asyncio -------------------------------------------------------------------------
+    async def generate_async(
+        self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False
+    ) -> AsyncIterator[Delta]:
+        """Yield a `Delta` per step that gives this request tokens; the last one has a finish_reason.
+
+        Any number of calls may run at once on one event loop: they share one in-flight batch.
+        Cancelling the consuming task (or closing the iterator) cancels the request and frees
+        its KV blocks. Limit errors (prompt too long, ...) are raised before the first delta.
+        """
+        sampling = sampling or SamplingConfig()
+        ids = self._prompt_ids(prompt, chat)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bestiary-executor")
+        req = await loop.run_in_executor(self._worker, self._add_stream, ids, sampling, queue, loop)
+        self._ensure_stepper(loop)
+        text = _TextDeltas(self.tokenizer, req.stop_ids) if self.tokenizer else None
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                tokens, reason = item
+                yield Delta(tokens, text.push(tokens, final=reason is not None) if text else None, reason)
+                if reason is not None:
+                    return
+        finally:
+            if not req.finished or req.id in self._streams:
+                self._worker.submit(self._drop_stream, req)
+
+    def _add_stream(self, ids: list[int], sampling: SamplingConfig, queue: asyncio.Queue,
+                    loop: asyncio.AbstractEventLoop) -> Request:
+        """(worker thread) Queue a request and start delivering its tokens."""
+        req = self.executor.add(ids, sampling, self._stop_ids())
+        self._streams[req.id] = _Stream(req, queue, loop)
+        return req
+
+    def _drop_stream(self, req: Request) -> None:
+        """(worker thread) Cancel a request whose consumer went away."""
+        self._streams.pop(req.id, None)
+        if not req.finished:
+            self.executor.cancel(req)
+
+    def _ensure_stepper(self, loop: asyncio.AbstractEventLoop) -> None:
+        task = self._stepper
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._stepper = loop.create_task(self._step_loop(), name="bestiary-step-loop")
+
+    async def _step_loop(self) -> None:
+        """Step the executor on the worker thread while any async request is unfinished."""
+        loop = asyncio.get_running_loop()
+        while self._streams:
+            await loop.run_in_executor(self._worker, self._step_and_deliver)
+        if self._stepper is asyncio.current_task():
+            self._stepper = None
+
+    def _step_and_deliver(self) -> None:
+        """(worker thread) One executor step; each stream with news gets (tokens, finish_reason)."""
+        try:
+            produced = self.executor.step() if self.executor.has_work else []
+        except Exception as err:  # every waiting consumer sees the failure; its request is dropped
+            for stream in self._streams.values():
+                self.executor.cancel(stream.request)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+            self._streams.clear()
+            return
+        news: dict[int, list[int]] = {}
+        for req, token in produced:
+            if req.id in self._streams:
+                news.setdefault(req.id, []).append(token)
+        for rid, stream in list(self._streams.items()):
+            req = stream.request
+            if rid in news or req.finished:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (news.get(rid, []), req.finish_reason))
+            if req.finished:
+                del self._streams[rid]
+
+    def close(self) -> None:
+        """Stop the asyncio API's worker thread (after the requests it runs)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+class _TextDeltas:
+    """Text deltas of one request's tokens: stop tokens left out, UTF-8 characters kept whole."""
+
+    def __init__(self, tokenizer, stop_ids: set[int]) -> None:
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop_ids = stop_ids
+
+    def push(self, tokens: list[int], final: bool) -> str:
+        """New text of `tokens`; at the end, whatever an incomplete character held back too."""
+        out = "".join(self.decoder.push(t) for t in tokens if t not in self.stop_ids)
+        if final and self.decoder.ids:
+            text = self.decoder.tokenizer.decode(self.decoder.ids)
+            if len(text) > len(self.decoder.emitted) and text.startswith(self.decoder.emitted):
+                out += text[len(self.decoder.emitted):]
+                self.decoder.emitted = text
+        return out

@@ -54,14 +54,14 @@ class DecoderLM(nn.Module):
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.transformer = Transformer()
         if self.is_first_stage:
-            self.transformer.vocab_embedding = Embedding(config.vocab_size, config.hidden_size, self.dtype, device)
+            self.transformer.vocab_embedding = Embedding(config.vocab_size, self.embedding_dim, self.dtype, device)
         self.transformer.layers = nn.ModuleList(self.make_layer(i, device) for i in layers)
         if self.is_last_stage:
             self.transformer.ln_f = self.make_final_norm(device)
             if not self.shares_embedding:
                 if config.vocab_size % self.tp_size:
                     raise ValueError(f"vocab_size {config.vocab_size} is not divisible by tp_size {self.tp_size}")
-                self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, parallel=Parallel.COLUMN,
+                self.lm_head = Linear(self.embedding_dim, config.vocab_size, bias=False, parallel=Parallel.COLUMN,
                                       tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=self.dtype, device=device)
         for name, module in self.named_modules():
             if isinstance(module, Linear):
@@ -75,6 +75,12 @@ class DecoderLM(nn.Module):
     def make_final_norm(self, device) -> nn.Module:
         """The final norm (transformer.ln_f)."""
         raise NotImplementedError
+
+    @property
+    def embedding_dim(self) -> int:
+        """Width of the token embedding and of lm_head's input: hidden_size, unless the
+        architecture projects in and out of it (OPT-350m's word_embed_proj_dim)."""
+        return self.config.hidden_size
 
     @property
     def tie_word_embeddings(self) -> bool:

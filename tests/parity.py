@@ -52,11 +52,9 @@ class EngineRunner:
 
     def __init__(self, engine: Engine, max_tokens: int = 512, block_size: int = 16) -> None:
         model = engine.model
-        cfg = model.config
         self.model, self.block_size = model, block_size
         self.blocks = list(range(blocks_for(max_tokens, block_size)))
-        self.kv = KVCache(len(model.transformer.layers), len(self.blocks), block_size,
-                          cfg.num_key_value_heads // model.tp_size, cfg.head_size, model.dtype)
+        self.kv = KVCache.for_model(model, len(self.blocks), block_size)
         self.tokens: list[int] = []
 
     @torch.inference_mode()
@@ -120,11 +118,12 @@ def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], 
 
 
 def greedy_mismatch(ours: list[int], ref: list[int], near_tie: int | None) -> str | None:
-    """None when `ours` equals `ref` before the first near-tie step (all of it without one), else a message."""
+    """None when `ours` equals `ref` before the first near-tie step (all of it without one),
+    else a message naming the first differing step."""
     end = len(ref) if near_tie is None else near_tie
     if ours[:end] == ref[:end]:
         return None
-    first = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    first = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), end))
     return (f"greedy tokens differ at step {first} (first HF near-tie step: {near_tie}): "
             f"ours {ours} vs HF {ref}")
 
@@ -169,7 +168,7 @@ def _global_layer_key(key: str, layer_offset: int) -> str:
 
 def _join_shards(key: str, tensors: list[torch.Tensor], tp_dim: int, config) -> torch.Tensor:
     if tp_dim < 0 or len(tensors) == 1:
-        assert all(torch.equal(t, tensors[0]) for t in tensors), f"{key}: replicated copies differ across tp ranks"
+        assert all(torch.equal(t, tensors[0]) for t in tensors), f"{key}: replicated copies differ"
         return tensors[0]
     if ".attention.qkv." in key:
         return _join_qkv(key, tensors, config)
@@ -185,7 +184,8 @@ def _join_qkv(key: str, tensors: list[torch.Tensor], config) -> torch.Tensor:
         q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
         first = rank * kvh // tp
         if first in ks:
-            assert torch.equal(ks[first], k) and torch.equal(vs[first], v), f"{key}: replicated kv head {first} differs"
+            same = torch.equal(ks[first], k) and torch.equal(vs[first], v)
+            assert same, f"{key}: replicated kv head {first} differs"
         qs.append(q)
         ks[first], vs[first] = k, v
     return torch.cat(qs + [ks[i] for i in sorted(ks)] + [vs[i] for i in sorted(vs)])

@@ -55,6 +55,18 @@ def test_mixed_workload_equals_each_alone(engine):
     ex.allocator.check_whole()
 
 
+def test_unwritten_kv_slots_never_leak(engine):
+    """Pools start as uninitialised memory: NaN in never-written slots must not reach a batched decode."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+    ex = executor(engine, max_batch_size=3)
+    ex.kv.k.fill_(float("nan"))
+    ex.kv.v.fill_(float("nan"))
+    reqs = [ex.add(p, SamplingConfig(max_new_tokens=6, **GREEDY)) for p in prompts]
+    ex.run(reqs)
+    assert [r.output for r in reqs] == [alone(engine, p, 6) for p in prompts]
+    ex.allocator.check_whole()
+
+
 def test_kv_blocks_in_use_track_tokens(engine):
     ex = executor(engine, max_batch_size=2)
     reqs = [ex.add([1, 2, 3, 4, 5], SamplingConfig(max_new_tokens=12, **GREEDY)) for _ in range(2)]

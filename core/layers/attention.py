@@ -7,17 +7,27 @@ the KV cache. Keys/values of the new tokens are written to the pool slots in
 <= its own (causal), or also to the whole prefix for a prefix-LM mask:
 
     out = softmax(q k^T * scale + bias) v,   bias = alibi_slope_h * (j - i) or 0, -inf where masked
+
+Instead of slopes, an architecture may give a `key_bias`: a function of the key positions
+j [L] -> [H_local, L] added the same way (bias_h(j) - bias_h(i) would be equivalent under the
+softmax; this form lets an architecture reproduce a reference's exact rounding, e.g.
+Falcon's bf16 ALiBi).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import LoraDelta
+
+# Additive per-head bias of key positions: k_pos [L] (int64) -> [H_local, L] (float32).
+KeyBias = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -43,7 +53,8 @@ class AttentionMetadata:
     prefix_lens: list[int] | None = None
     last_token_index: torch.Tensor | None = None
     lora: LoraDelta | None = None
-    _decode_bias: dict = field(default_factory=dict, repr=False)
+    _decode_padding: dict = field(default_factory=dict, repr=False)
+    _kernel_args: dict = field(default_factory=dict, repr=False)  # Triton's per-sequence tensors, by device
 
     @property
     def kv_lens(self) -> list[int]:
@@ -92,17 +103,19 @@ class AttentionMetadata:
             **kwargs,
         )
 
-    def decode_bias(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-        """[B, 1, 1, length] additive mask hiding the padding of a batched decode (None for B == 1)."""
+    def decode_padding(self, length: int, device: torch.device) -> torch.Tensor | None:
+        """[B, L] True at the key slots past each sequence's length in a batched decode (None for B == 1).
+
+        Those slots hold whatever the pool held (never-written memory may be NaN), so they are
+        masked out of both the scores and V, never only biased by -inf.
+        """
         if len(self.seq_lens) == 1:
             return None
-        key = (length, dtype)
-        if key not in self._decode_bias:
+        key = (length, device)
+        if key not in self._decode_padding:
             lens = torch.tensor(self.kv_lens, device=device)
-            hidden = torch.arange(length, device=device)[None, :] >= lens[:, None]  # [B, L]
-            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-            self._decode_bias[key] = bias[:, None, None, :]
-        return self._decode_bias[key]
+            self._decode_padding[key] = torch.arange(length, device=device)[None, :] >= lens[:, None]
+        return self._decode_padding[key]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -119,7 +132,8 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def _mask_bias(
-    n: int, ctx: int, mask: str, prefix_len: int, slopes: torch.Tensor | None, dtype: torch.dtype, device
+    n: int, ctx: int, mask: str, prefix_len: int, slopes: torch.Tensor | None, dtype: torch.dtype, device,
+    key_bias: KeyBias | None = None,
 ) -> torch.Tensor:
     """Additive bias [H or 1, n, ctx + n] for n queries at positions ctx..ctx+n-1."""
     q_pos = torch.arange(ctx, ctx + n, device=device)[:, None]  # [n, 1]
@@ -131,6 +145,8 @@ def _mask_bias(
     bias = bias[None]
     if slopes is not None:
         bias = bias + slopes.to(device)[:, None, None] * (k_pos - q_pos)[None].float()
+    if key_bias is not None:
+        bias = bias + key_bias(k_pos[0])[:, None, :]  # [H, 1, L]
     return bias.to(dtype)
 
 
@@ -149,7 +165,7 @@ def _gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Te
 
 def decode_attention(
     q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor,
-    scale: float, slopes: torch.Tensor | None,
+    scale: float, slopes: torch.Tensor | None, key_bias: KeyBias | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, H, D] against the cached keys -> [B, H*D]."""
     b, h, d = q.shape
@@ -159,13 +175,17 @@ def decode_attention(
     kvh = k.shape[2]
     qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
-    bias = meta.decode_bias(length, q.device, scores.dtype)
-    if bias is not None:
-        scores = scores + bias
     if slopes is not None:
         lens = torch.tensor(meta.kv_lens, device=q.device)
         rel = torch.arange(length, device=q.device)[None, :] - (lens[:, None] - 1)  # [B, L]
         scores = scores + (slopes.view(1, kvh, h // kvh, 1) * rel[:, None, None, :]).to(scores.dtype)
+    if key_bias is not None:
+        kb = key_bias(torch.arange(length, device=q.device))  # [H, L]
+        scores = scores + kb.view(1, kvh, h // kvh, length).to(scores.dtype)
+    padding = meta.decode_padding(length, q.device)  # [B, L] or None
+    if padding is not None:
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+        v = v.masked_fill(padding[:, :, None, None], 0.0)  # 0 * garbage could be NaN
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, KVH, G, D]
     return out.reshape(b, h * d)
@@ -174,6 +194,7 @@ def decode_attention(
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
+    key_bias: KeyBias | None = None,
 ) -> torch.Tensor:
     """Packed sequences with any number of new tokens: q [T, H, D] -> [T, H*D]."""
     outs = []
@@ -187,11 +208,11 @@ def prefill_attention(
             ki, vi = _gather_kv(k_pool, table, ctx + n)[0], _gather_kv(v_pool, table, ctx + n)[0]
         ki, vi = ki.transpose(0, 1)[None].to(q.dtype), vi.transpose(0, 1)[None].to(q.dtype)  # [1, KVH, L, D]
         prefix = meta.prefix_lens[i] if meta.prefix_lens else 0
-        simple = slopes is None and (meta.mask == "causal" or prefix <= 1)
+        simple = slopes is None and key_bias is None and (meta.mask == "causal" or prefix <= 1)
         if simple and ctx == 0:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            bias = _mask_bias(n, ctx, meta.mask, prefix, slopes, q.dtype, q.device)[None]
+            bias = _mask_bias(n, ctx, meta.mask, prefix, slopes, q.dtype, q.device, key_bias)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale, enable_gqa=True)
         outs.append(o[0].transpose(0, 1).reshape(n, -1))
         start += n
@@ -204,16 +225,19 @@ class PagedAttention(nn.Module):
     q [T, H, D], k/v [T, KVH, D] (local heads of this rank) -> [T, H*D].
     """
 
-    def __init__(self, head_dim: int, scale: float | None = None, alibi: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, head_dim: int, scale: float | None = None, alibi: torch.Tensor | None = None,
+        key_bias: KeyBias | None = None,
+    ) -> None:
         super().__init__()
         self.scale = scale if scale is not None else head_dim**-0.5
         self.alibi = alibi  # [H_local] slopes or None
+        self.key_bias = key_bias  # k_pos [L] -> [H_local, L], or None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
         k_pool: torch.Tensor, v_pool: torch.Tensor,
     ) -> torch.Tensor:
         write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-        if meta.is_decode:  # one query at the last position sees every key under any mask
-            return decode_attention(q, meta, k_pool, v_pool, self.scale, self.alibi)
-        return prefill_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi)
+        # Triton kernels on CUDA; on the CPU paged_attention_ref = decode/prefill_attention below.
+        return dispatch.paged_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi, self.key_bias)

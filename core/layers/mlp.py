@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import LoraDelta, Linear, Parallel
 
 ACTIVATIONS = {
@@ -43,6 +44,7 @@ class GatedMLP(nn.Module):
         self.proj = Linear(inter, hidden, bias=bias, parallel=Parallel.ROW, tp_rank=tp_rank, tp_size=tp_size,
                            dtype=dtype, device=device)
         self.act = activation(act)
+        self.act_name = act
         self._fused: torch.Tensor | None = None
         self._fused_bias: torch.Tensor | None = None
 
@@ -63,7 +65,7 @@ class GatedMLP(nn.Module):
             f, g = fg.chunk(2, dim=-1)
         else:
             f, g = self.fc(x, lora), self.gate(x, lora)
-        return self.proj(self.act(f) * g, lora)
+        return self.proj(dispatch.act_and_mul(f, g, self.act_name), lora)
 
 
 class MLP(nn.Module):
@@ -76,7 +78,8 @@ class MLP(nn.Module):
         self.proj = Linear(inter, hidden, bias=bias, parallel=Parallel.ROW, tp_rank=tp_rank, tp_size=tp_size,
                            dtype=dtype, device=device)
         self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        return self.proj(self.act(self.fc(x, lora)), lora)
+        return self.proj(dispatch.activation(self.fc(x, lora), self.act_name), lora)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
 from bestiary.core.layers.mlp import activation
 
@@ -113,6 +114,7 @@ class MoE(nn.Module):
         self.gate = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
         self.proj = ExpertLinear(num_experts, inter, hidden, Parallel.ROW, **tp)
         self.act = activation(act)
+        self.act_name = act
         self._fused: torch.Tensor | None = None  # [E, 2 I_local, H] once fused
 
     def fuse(self) -> None:
@@ -131,6 +133,10 @@ class MoE(nn.Module):
 
     def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial output [T, H] (its I/tp slice of every expert)."""
+        if dispatch.use_triton(x):  # routing + grouped expert GEMMs in kernels.moe
+            weights, experts = dispatch.moe_route(self.router(x), self.top_k)
+            return dispatch.fused_moe(x, self.fc.weight, self.gate.weight, self.proj.weight, weights, experts,
+                                      self.act_name)
         weights, experts = route(self.router(x), self.top_k)  # [T, K], [T, K]
         out = torch.zeros_like(x)  # [T, H]
         for e in experts.unique().tolist():

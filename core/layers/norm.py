@@ -1,10 +1,15 @@
-"""Normalisation layers (replicated across tensor-parallel ranks)."""
+"""Normalisation layers (replicated across tensor-parallel ranks).
+
+The math lives in bestiary.core.kernels.norms (Triton kernel + torch reference), picked by
+bestiary.core.kernels.dispatch.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from bestiary.core.kernels import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +22,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return dispatch.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass on the Triton path: [T, H] each."""
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -37,5 +42,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps).to(x.dtype)
+        return dispatch.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass on the Triton path: [T, H] each."""
+        return dispatch.add_layer_norm(x, residual, self.weight, self.bias, self.eps)

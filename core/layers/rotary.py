@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from bestiary.core.errors import ConfigError
+from bestiary.core.kernels import dispatch
 
 
 def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -77,14 +78,5 @@ class Rotary(nn.Module):
         return cs[..., :half], cs[..., half:]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate x [T, n, head_dim] in place with cos/sin [T, 1, rot_dim/2]."""
-        half = self.rot_dim // 2
-        if self.style == "neox":
-            a, b = x[..., :half], x[..., half : self.rot_dim]
-        else:
-            pairs = x[..., : self.rot_dim].unflatten(-1, (half, 2))
-            a, b = pairs[..., 0], pairs[..., 1]
-        a2 = a * cos - b * sin
-        b2 = b * cos + a * sin
-        a.copy_(a2)
-        b.copy_(b2)
+        """Rotate x [T, n, head_dim] in place with cos/sin [T, 1, rot_dim/2] (kernels.rotary)."""
+        dispatch.apply_rotary(x, cos, sin, self.rot_dim, self.style)

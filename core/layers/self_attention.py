@@ -4,6 +4,11 @@ Checkpoint layout of `attention.qkv.weight`: [Q; K; V] stacked on dim 0, head-ma
 ((H + 2 * KVH) * D, hidden). On a tensor-parallel rank it holds [Q_r; K_r; V_r], the
 rank's own heads (H / tp query heads, KVH / tp kv heads) — the loader slices q, k and v
 separately and concatenates them.
+
+With fewer kv heads than ranks (MQA, or GQA with KVH < tp; tp must then be a multiple of
+KVH) each rank holds the one kv head its query heads use, replicated on tp / KVH ranks:
+rank r holds query heads [r H/tp, (r+1) H/tp) and kv head r KVH // tp.
+`qkv_rank_slice` cuts a rank's rows out of a whole [Q; K; V] tensor either way.
 """
 
 from __future__ import annotations
@@ -11,9 +16,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bestiary.core.layers.attention import AttentionMetadata, PagedAttention
+from bestiary.core.layers.attention import AttentionMetadata, KeyBias, PagedAttention
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.rotary import Rotary
+
+
+def kv_heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """The kv heads rank `tp_rank` holds: its KVH / tp share, or, when tp is a multiple of
+    KVH, the single kv head r * KVH // tp that its query heads attend with (replicated)."""
+    if num_heads % tp_size:
+        raise ValueError(f"tp_size {tp_size} must divide num_attention_heads {num_heads}")
+    if num_kv_heads % tp_size == 0:
+        per_rank = num_kv_heads // tp_size
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    if tp_size % num_kv_heads == 0:
+        head = tp_rank * num_kv_heads // tp_size
+        return range(head, head + 1)
+    raise ValueError(
+        f"tp_size {tp_size} must divide num_key_value_heads {num_kv_heads} or be a multiple of it"
+    )
+
+
+def qkv_rank_slice(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, tp_rank: int
+) -> torch.Tensor:
+    """Rank `tp_rank`'s rows [Q_r; K_r; V_r] of a whole head-major qkv weight or bias.
+
+    qkv [(H + 2 KVH) * D, ...] -> [(H / tp + 2 KVH_r) * D, ...], KVH_r = len(kv_heads_of_rank(...)).
+    """
+    d = head_dim
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d])
+    per_rank = num_heads // tp_size
+    kv = kv_heads_of_rank(num_heads, num_kv_heads, tp_size, tp_rank)
+    q_r = q[tp_rank * per_rank * d : (tp_rank + 1) * per_rank * d]  # [H/tp * D, ...]
+    k_r, v_r = k[kv.start * d : kv.stop * d], v[kv.start * d : kv.stop * d]  # [KVH_r * D, ...]
+    return torch.cat([q_r, k_r, v_r])
 
 
 class SelfAttention(nn.Module):
@@ -32,21 +69,21 @@ class SelfAttention(nn.Module):
         rotary: Rotary | None = None,
         alibi: torch.Tensor | None = None,
         scale: float | None = None,
+        key_bias: KeyBias | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
     ) -> None:
         super().__init__()
-        if num_heads % tp_size or num_kv_heads % tp_size:
-            raise ValueError(
-                f"tp_size {tp_size} must divide num_attention_heads {num_heads} and num_key_value_heads {num_kv_heads}"
-            )
-        self.heads, self.kv_heads, self.head_dim = num_heads // tp_size, num_kv_heads // tp_size, head_dim
-        self.qkv = Linear(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias, parallel=Parallel.COLUMN,
-                          tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
+        kv_heads = kv_heads_of_rank(num_heads, num_kv_heads, tp_size, tp_rank)
+        self.heads, self.kv_heads, self.head_dim = num_heads // tp_size, len(kv_heads), head_dim
+        # out_features counts a replicated kv head once per rank that holds it: (H + 2 KVH_r tp) * D.
+        self.qkv = Linear(hidden, (num_heads + 2 * self.kv_heads * tp_size) * head_dim, bias=qkv_bias,
+                          parallel=Parallel.COLUMN, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
+                          device=device)
         self.dense = Linear(num_heads * head_dim, hidden, bias=dense_bias, parallel=Parallel.ROW,
                             tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
         self.rotary = rotary
-        self.attn = PagedAttention(head_dim, scale, alibi)
+        self.attn = PagedAttention(head_dim, scale, alibi, key_bias)
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor

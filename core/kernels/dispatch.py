@@ -1,0 +1,225 @@
+"""The one entry point layers call for an op: Triton kernel or torch reference.
+
+Mode, read once from the environment variable BESTIARY_KERNELS (default "auto"):
+
+    auto    Triton for CUDA tensors, the torch reference for every other device
+    triton  Triton always (CPU tensors then need TRITON_INTERPRET=1: the kernel tests)
+    torch   the torch reference always
+
+`set_mode(m)` changes it for the process and `kernels_mode(m)` for a `with` block (tests).
+Each op costs one mode/device check on top of the implementation it picks; the torch
+references are the exact tensor ops the layers ran before dispatch existed.
+
+The family modules (norms, rotary, activations, attention, moe, woq_gemm, lora, sampling)
+import triton, and `@triton.jit` reads TRITON_INTERPRET when it decorates a kernel, so a
+family is imported on the first call that needs it, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from bestiary.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bestiary.core.layers.attention import AttentionMetadata
+
+MODES = ("auto", "triton", "torch")
+ENV_VAR = "BESTIARY_KERNELS"
+
+
+def _checked(mode: str, source: str) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"{source}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+_mode: str = _checked(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
+_families: dict[str, ModuleType] = {}
+
+
+def mode() -> str:
+    """The current dispatch mode: auto, triton or torch."""
+    return _mode
+
+
+def set_mode(new: str) -> None:
+    """Set the dispatch mode for the whole process."""
+    global _mode
+    _mode = _checked(new, "kernels mode")
+
+
+@contextmanager
+def kernels_mode(new: str) -> Iterator[None]:
+    """Run a block under dispatch mode `new` (e.g. "triton" to force the kernels in tests)."""
+    old = _mode
+    set_mode(new)
+    try:
+        yield
+    finally:
+        set_mode(old)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when an op on `x` runs its Triton kernel (the one check per call)."""
+    return x.is_cuda if _mode == "auto" else _mode == "triton"
+
+
+def family(name: str) -> ModuleType:
+    """The kernel module `bestiary.core.kernels.<name>`, imported on first use."""
+    module = _families.get(name)
+    if module is None:
+        module = _families[name] = importlib.import_module(f"bestiary.core.kernels.{name}")
+    return module
+
+
+# --- norms ---------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * w over the last dim: x [..., H] -> [..., H]."""
+    m = family("norms")
+    return m.rms_norm(x, weight, eps) if use_triton(x) else m.rms_norm_ref(x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last dim: x [..., H] -> [..., H]."""
+    m = family("norms")
+    return m.layer_norm(x, weight, bias, eps) if use_triton(x) else m.layer_norm_ref(x, weight, bias, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual; (rms_norm(h), h)."""
+    m = family("norms")
+    fn = m.add_rms_norm if use_triton(x) else m.add_rms_norm_ref
+    return fn(x, residual, weight, eps)
+
+
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual; (layer_norm(h), h)."""
+    m = family("norms")
+    fn = m.add_layer_norm if use_triton(x) else m.add_layer_norm_ref
+    return fn(x, residual, weight, bias, eps)
+
+
+# --- rotary --------------------------------------------------------------------------------
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
+    """Rotate the first rot_dim dims of x [T, n, D] in place; cos/sin [T, 1, rot_dim/2]."""
+    m = family("rotary")
+    fn = m.apply_rotary if use_triton(x) else m.apply_rotary_ref
+    fn(x, cos, sin, rot_dim, style)
+
+
+def rotary_embedding(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rot_dim: int, style: str
+) -> None:
+    """Rotate x [T, n, D] in place at `positions` [T], from the table cos_sin [P, rot_dim] = [cos | sin]."""
+    m = family("rotary")
+    fn = m.rotary_embedding if use_triton(x) else m.rotary_embedding_ref
+    fn(x, positions, cos_sin, rot_dim, style)
+
+
+# --- activations ---------------------------------------------------------------------------
+
+
+def act_and_mul(f: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor:
+    """y = act(f) * g (the gated MLP's middle): f, g [T, I] -> [T, I]."""
+    m = family("activations")
+    return m.act_and_mul(f, g, act) if use_triton(f) else m.act_and_mul_ref(f, g, act)
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """y = act(x) elementwise (the plain MLP's middle)."""
+    m = family("activations")
+    return m.activation(x, act) if use_triton(x) else m.activation_ref(x, act)
+
+
+# --- attention -----------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: "AttentionMetadata",
+    k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
+    key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Attention of this step's queries q [T, H, D] over the (already written) paged cache -> [T, H*D]."""
+    m = family("attention")
+    fn = m.paged_attention if use_triton(q) else m.paged_attention_ref
+    return fn(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias)
+
+
+# --- MoE -----------------------------------------------------------------------------------
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, K] float32, experts [T, K] int64)."""
+    m = family("moe")
+    fn = m.moe_route if use_triton(logits) else m.moe_route_ref
+    return fn(logits, top_k, renormalize)
+
+
+def fused_moe(
+    x: torch.Tensor, w_fc: torch.Tensor, w_gate: torch.Tensor | None, w_proj: torch.Tensor,
+    weights: torch.Tensor, experts: torch.Tensor, act: str,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]): x [T, H] -> [T, H] (see moe.py for shapes)."""
+    m = family("moe")
+    fn = m.fused_moe if use_triton(x) else m.fused_moe_ref
+    return fn(x, w_fc, w_gate, w_proj, weights, experts, act)
+
+
+# --- weight-only GEMM ----------------------------------------------------------------------
+
+
+def woq_int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = (x @ q^T) * s + b, q int8 [N, K] per output channel: x [..., K] -> [..., N]."""
+    m = family("woq_gemm")
+    fn = m.woq_int8_linear if use_triton(x) else m.woq_int8_linear_ref
+    return fn(x, qweight, scales, bias)
+
+
+def woq_int4_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+    group_size: int, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ ((q - z) * s)^T + b with packed int4 q (layout in woq_gemm.py): x [..., K] -> [..., N]."""
+    m = family("woq_gemm")
+    fn = m.woq_int4_linear if use_triton(x) else m.woq_int4_linear_ref
+    return fn(x, qweight, scales, zeros, group_size, bias)
+
+
+# --- LoRA ----------------------------------------------------------------------------------
+
+
+def lora_sgmv(
+    x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor,
+    seg_adapters: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+) -> torch.Tensor:
+    """Per-segment LoRA delta [T, N] for packed x [T, K] (shapes in lora.py)."""
+    m = family("lora")
+    fn = m.lora_sgmv if use_triton(x) else m.lora_sgmv_ref
+    return fn(x, lora_a, lora_b, seg_starts, seg_adapters, ranks, scalings)
+
+
+# --- sampling ------------------------------------------------------------------------------
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with everything outside each row's top-k / top-p set to -inf."""
+    m = family("sampling")
+    return m.filter_logits(logits, top_k, top_p) if use_triton(logits) else m.filter_logits_ref(logits, top_k, top_p)

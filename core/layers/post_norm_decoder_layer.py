@@ -1,0 +1,32 @@
+"""The post-norm decoder layer (the original Transformer's; OPT-350m with do_layer_norm_before false).
+
+    h   = input_layernorm(x + attention(x))
+    out = post_layernorm(h + mlp(h))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bestiary.core.layers.attention import AttentionMetadata
+
+
+class PostNormDecoderLayer(nn.Module):
+    """Residual block that normalises after each residual add; same module names as PreNormDecoderLayer."""
+
+    def __init__(
+        self, input_layernorm: nn.Module, attention: nn.Module, post_layernorm: nn.Module, mlp: nn.Module
+    ):
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.attention = attention
+        self.post_layernorm = post_layernorm
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        h = self.input_layernorm(x + self.attention(x, meta, k_pool, v_pool))
+        return self.post_layernorm(h + self.mlp(h, meta.lora))

@@ -1,0 +1,71 @@
+"""Which quantization a linear layer gets, from the checkpoint's `quantization` section.
+
+    quant_algo      weight layout held by every selected Linear
+    W8A16           int8 per output channel, 16-bit activations
+    W4A16           int4 group-wise (group_size, optional zero points), 16-bit activations
+    W4A16_AWQ       W4A16 with zero points (imported from AWQ checkpoints)
+    W4A16_GPTQ      W4A16 with zero points (imported from GPTQ checkpoints)
+
+A Linear is selected unless its canonical name matches one of `exclude_modules` (a glob
+matched against the whole name or any dotted suffix of it: "lm_head", "mlp.proj",
+"*.attention.qkv"). Everything that can be refused is refused here, from shapes alone,
+before a weight is read: `check_model` raises ConfigError with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from bestiary.core.config import QuantConfig
+from bestiary.core.errors import ConfigError
+
+GROUP_SIZES = (32, 64, 128)
+INT8_ALGOS = ("W8A16",)
+INT4_ALGOS = ("W4A16", "W4A16_AWQ", "W4A16_GPTQ")
+WEIGHT_ONLY_ALGOS = INT8_ALGOS + INT4_ALGOS
+
+
+@dataclass(frozen=True)
+class LinearQuant:
+    """How one Linear's weight is stored: bits 8 (per channel) or 4 (group-wise)."""
+
+    algo: str
+    bits: int
+    group_size: int = 0  # 0: per output channel
+    has_zero_point: bool = False
+
+
+def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
+    """The weight layout of `quant`'s algorithm (None: weights stay float)."""
+    algo = quant.quant_algo
+    if algo is None:
+        return None
+    if algo in INT8_ALGOS:
+        return LinearQuant(algo, 8)
+    if algo in INT4_ALGOS:
+        zero = quant.has_zero_point or algo != "W4A16"
+        return LinearQuant(algo, 4, quant.group_size, zero)
+    raise ConfigError(f"quantization.quant_algo {algo!r}: not available yet; expected one of {', '.join(WEIGHT_ONLY_ALGOS)}")
+
+
+def is_excluded(name: str, patterns: list[str] | None) -> bool:
+    """True if module `name` matches an exclude pattern (whole name or a dotted suffix)."""
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}") for p in patterns or ())
+
+
+def quantizes(name: str, quant: QuantConfig) -> bool:
+    """True if the Linear called `name` holds quantized weights under `quant`."""
+    return quant.quant_algo is not None and not is_excluded(name, quant.exclude_modules)
+
+
+def check_linear(name: str, in_local: int, out_local: int, lq: LinearQuant) -> None:
+    """Refuse a layout this layer cannot take (ConfigError, one line naming the layer)."""
+    if lq.bits == 4:
+        if lq.group_size not in GROUP_SIZES:
+            raise ConfigError(f"--group_size {lq.group_size}: expected one of {', '.join(map(str, GROUP_SIZES))}")
+        if in_local % lq.group_size:
+            raise ConfigError(
+                f"--group_size {lq.group_size}: {name} has {in_local} input features (per rank), "
+                f"not a multiple of the group size; pick another group size or --exclude_modules {'.'.join(name.split('.')[-2:])}"
+            )

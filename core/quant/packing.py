@@ -1,0 +1,154 @@
+"""Weight quantizers and packed layouts (pure torch, no kernels).
+
+Checkpoint layouts (weights keep the checkpoint's (out_features N, in_features K) orientation):
+
+int8 per output channel (W8A16, and the weights of W8A8_SQ_PER_CHANNEL):
+    weight int8 [N, K];  weights_scaling_factor [N]
+    s[n] = max_k |w[n, k]| / 127,   q = clamp(round(w / s), -127, 127),   w ~ q[n, k] * s[n]
+
+int4 group-wise (W4A16 and the AWQ/GPTQ imports), group size G dividing K:
+    weight uint8 [N, K / 2], two 4-bit codes per byte, low nibble first (the layout of
+        core.kernels.woq_gemm):  weight[n, j] = q[n, 2j] | (q[n, 2j + 1] << 4),  q in 0..15
+    weights_scaling_factor [N, K / G];  weights_zero_point [N, K / G] or absent
+    w ~ (q[n, k] - z[n, k // G]) * s[n, k // G]
+    symmetric (no zero point): z = 8,  s = max|w| / 7 over the group,  q = clamp(round(w / s), -8, 7) + 8
+    asymmetric: s = (max w - min w) / 15,  z = clamp(round(-min w / s), 0, 15) (an integer, stored as float),
+                q = clamp(round(w / s) + z, 0, 15)
+
+fp8 per tensor (FP8): weight float8_e4m3fn [N, K];  weights_scaling_factor [] (scalar)
+    s = max|w| / 448,   q = fp8(w / s),   w ~ q * s
+
+The CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`) wants its own layout; `pack_int4_cpu`
+/ `unpack_int4_cpu` convert codes to and from it (see their docstrings), and
+`int4_cpu_scale_zeros` builds its [K / G, N, 2] (scale, offset) table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+CPU_INT4_BLOCK_N = 64  # rows per block of the aten CPU int4 layout
+
+
+# --- int8 per channel --------------------------------------------------------------------
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int8 [N, K], s float32 [N]) with w ~ q * s[:, None]."""
+    w = w.float()
+    s = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX  # [N]
+    q = torch.round(w / s[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, s
+
+
+def dequantize_int8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K], s [N] -> w float32 [N, K] = q * s."""
+    return q.float() * s.float()[:, None]
+
+
+# --- int4 group-wise ---------------------------------------------------------------------
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] integers in 0..15 -> uint8 [N, K/2], low nibble = even k."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def quantize_int4_groupwise(
+    w: torch.Tensor, group_size: int, zero_point: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """w [N, K] -> (codes uint8 [N, K] in 0..15, s float32 [N, K/G], z float32 [N, K/G] or None)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
+    if zero_point:
+        lo = g.amin(dim=-1).clamp(max=0.0)
+        hi = g.amax(dim=-1).clamp(min=0.0)
+        s = ((hi - lo) / 15).clamp(min=1e-12)  # [N, K/G]
+        z = torch.round(-lo / s).clamp(0, 15)
+        q = torch.round(g / s[..., None]) + z[..., None]
+        return q.clamp(0, 15).to(torch.uint8).reshape(n, k), s, z
+    s = (g.abs().amax(dim=-1) / 7).clamp(min=1e-12)
+    q = torch.round(g / s[..., None]).clamp(-8, 7) + 8
+    return q.to(torch.uint8).reshape(n, k), s, None
+
+
+def dequantize_int4(
+    codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """codes [N, K] (0..15), s/z [N, K/G] -> w float32 [N, K] = (q - z) * s (z None: 8)."""
+    q = codes.float()
+    scale = s.float().repeat_interleave(group_size, dim=1)
+    zero = z.float().repeat_interleave(group_size, dim=1) if z is not None else 8.0
+    return (q - zero) * scale
+
+
+# --- the aten CPU int4 layout ------------------------------------------------------------
+
+
+def _cpu_int4_check(n: int, k: int) -> None:
+    if n % 16 or k % 2:
+        raise ValueError(f"the CPU int4 layout needs out_features % 16 == 0 and even in_features, got [{n}, {k}]")
+
+
+def pack_int4_cpu(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0..15, N % 16 == 0) -> uint8 [N, K/2] in the layout of
+    `aten._convert_weight_to_int4pack_for_cpu`:
+
+    rows in blocks of 64, then one block of the remaining R = N % 64 rows, each block stored
+    k-major. Full block, for each k, 32 bytes: byte j = row j (low nibble) | row j + 32 (high).
+    Remainder block, for each k, R/2 bytes: byte j = row 2j (low) | row 2j + 1 (high).
+    """
+    n, k = codes.shape
+    _cpu_int4_check(n, k)
+    c = codes.to(torch.uint8)
+    full = n // CPU_INT4_BLOCK_N * CPU_INT4_BLOCK_N
+    blocks = c[:full].reshape(-1, CPU_INT4_BLOCK_N, k).transpose(1, 2)  # [nb, K, 64]
+    head = blocks[..., :32] | (blocks[..., 32:] << 4)  # [nb, K, 32]
+    rest = c[full:].t()  # [K, R]
+    tail = rest[:, 0::2] | (rest[:, 1::2] << 4)  # [K, R/2]
+    return torch.cat([head.reshape(-1), tail.reshape(-1)]).view(n, k // 2)
+
+
+def unpack_int4_cpu(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] in the aten CPU layout -> codes uint8 [N, K] (inverse of pack_int4_cpu)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    _cpu_int4_check(n, k)
+    flat = packed.reshape(-1)
+    full = n // CPU_INT4_BLOCK_N * CPU_INT4_BLOCK_N
+    head = flat[: full * k // 2].view(-1, k, 32)  # [nb, K, 32]
+    blocks = torch.cat([head & 0xF, head >> 4], dim=-1)  # [nb, K, 64]
+    tail = flat[full * k // 2 :].view(k, -1)  # [K, R/2]
+    rest = torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, -1)  # [K, R]
+    return torch.cat([blocks.transpose(1, 2).reshape(full, k), rest.t()])
+
+
+def int4_cpu_scale_zeros(s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """s, z [N, K/G] -> the aten CPU kernel's table [K/G, N, 2] of (scale, offset), in `dtype`.
+
+    The kernel computes w = (q - 8) * scale + offset, so offset = (8 - z) * s (0 when symmetric).
+    """
+    offset = (8.0 - z.float()) * s.float() if z is not None else torch.zeros_like(s, dtype=torch.float32)
+    return torch.stack([s.float().t(), offset.t()], dim=-1).to(dtype).contiguous()
+
+
+# --- fp8 per tensor ----------------------------------------------------------------------
+
+
+def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w -> (q float8_e4m3fn, s float32 scalar) with w ~ q * s."""
+    s = (w.float().abs().amax().clamp(min=1e-12) / FP8_MAX)
+    q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def dequantize_fp8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q float8 [...], s scalar -> float32 q * s."""
+    return q.float() * s.float()

@@ -1,0 +1,160 @@
+"""The quantized-weight slot of a `Linear`: packed weight + scales in the same layer class.
+
+`WeightOnlySlot.install(linear, lq)` swaps the layer's float `weight` for the packed one
+and adds `weights_scaling_factor` (and `weights_zero_point`) parameters, so the
+checkpoint names and `load_state_dict` work unchanged (layouts in core.quant.packing).
+
+After loading, `prepare(linear)` repacks for the device that will run it:
+
+    CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
+                to the compute dtype
+    CPU, int4:  weight repacked in place into aten._weight_int4pack_mm_for_cpu's layout
+                (same [N, K/2] uint8 shape), plus its [K/G, N, 2] (scale, offset) table
+    CUDA:       the checkpoint layout is what core.kernels.woq_gemm's Triton kernels read
+
+y = x W^T + b on the CPU: a step of at most `max_kernel_tokens` tokens (decode) runs the
+aten weight-only kernel; a longer one (prefill, big batches) dequantizes W to the compute
+dtype and runs one dense matmul, which is faster there (AMX). Activations are cast to the
+compute dtype (bfloat16, the "A16" of W8A16/W4A16) and the result back to x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bestiary.core.quant import packing
+from bestiary.core.quant.modes import LinearQuant, check_linear
+
+# Steps with more tokens than this dequantize to bf16 and run a dense matmul on the CPU
+# (the weight-only kernels do not scale with the batch; see docs/quantization.md).
+DEFAULT_MAX_KERNEL_TOKENS = 8
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class WeightOnlySlot:
+    """int8 per-channel or int4 group-wise weights of one Linear, and how to multiply by them."""
+
+    def __init__(self, lq: LinearQuant, shape: tuple[int, int]) -> None:
+        self.lq = lq
+        self.out_local, self.in_local = shape
+        self.compute_dtype = torch.bfloat16
+        self.max_kernel_tokens = DEFAULT_MAX_KERNEL_TOKENS
+        self.layout = "checkpoint"  # "cpu" once the int4 weight is in the aten CPU layout
+        self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
+
+    # --- building the layer ------------------------------------------------------------------
+    @classmethod
+    def install(cls, linear: nn.Module, lq: LinearQuant) -> "WeightOnlySlot":
+        """Replace linear.weight by the packed weight, add the scale (and zero point) parameters."""
+        n, k = linear.weight.shape
+        check_linear(linear.name, k, n, lq)
+        dtype, device = linear.weight.dtype, linear.weight.device
+        if lq.bits == 8:
+            linear.weight = _param(torch.empty(n, k, dtype=torch.int8, device=device))
+            linear.weights_scaling_factor = _param(torch.empty(n, dtype=dtype, device=device))
+        else:
+            groups = k // lq.group_size
+            linear.weight = _param(torch.empty(n, k // 2, dtype=torch.uint8, device=device))
+            linear.weights_scaling_factor = _param(torch.empty(n, groups, dtype=dtype, device=device))
+            if lq.has_zero_point:
+                linear.weights_zero_point = _param(torch.empty(n, groups, dtype=dtype, device=device))
+        slot = cls(lq, (n, k))
+        linear.quant = slot
+        return slot
+
+    def tp_dim(self, name: str, weight_dim: int, is_column: bool) -> int:
+        """Slicing dim of tensor `name` given the weight's (`weight_dim`): scales follow the out
+        dim of a column-parallel layer and, group-wise only, the group dim of a row-parallel one."""
+        if name == "weight":
+            return weight_dim
+        if is_column:
+            return 0
+        return 1 if self.lq.bits == 4 and weight_dim == 1 else -1
+
+    def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Float weight [N, K] -> {parameter name: tensor} in the checkpoint layout."""
+        if tuple(w.shape) != (self.out_local, self.in_local):
+            raise ValueError(f"weight {tuple(w.shape)} does not match the layer's {(self.out_local, self.in_local)}")
+        if self.lq.bits == 8:
+            q, s = packing.quantize_int8_per_channel(w)
+            return {"weight": q, "weights_scaling_factor": s.to(scale_dtype)}
+        codes, s, z = packing.quantize_int4_groupwise(w, self.lq.group_size, self.lq.has_zero_point)
+        out = {"weight": packing.pack_int4(codes), "weights_scaling_factor": s.to(scale_dtype)}
+        if z is not None:
+            out["weights_zero_point"] = z.to(scale_dtype)
+        return out
+
+    # --- reading the weight back -------------------------------------------------------------
+    def codes(self, linear: nn.Module) -> torch.Tensor:
+        """int4: codes uint8 [N, K] from whichever layout the weight is in."""
+        w = linear.weight
+        return packing.unpack_int4_cpu(w) if self.layout == "cpu" else packing.unpack_int4(w)
+
+    def dequantize(self, linear: nn.Module) -> torch.Tensor:
+        """The float32 weight [N, K] the packed tensors stand for."""
+        s = linear.weights_scaling_factor
+        if self.lq.bits == 8:
+            return packing.dequantize_int8(linear.weight, s)
+        z = getattr(linear, "weights_zero_point", None)
+        return packing.dequantize_int4(self.codes(linear), s, z, self.lq.group_size)
+
+    # --- running -----------------------------------------------------------------------------
+    def prepare(self, linear: nn.Module) -> None:
+        """Repack for the device the layer now lives on (idempotent)."""
+        if linear.weight.device.type != "cpu":
+            return
+        s = linear.weights_scaling_factor
+        if self.lq.bits == 8:
+            self._kernel_scales = s.to(self.compute_dtype).contiguous()
+            return
+        if self.out_local % 16:
+            return  # the aten layout needs N % 16 == 0: this layer always dequantizes
+        if self.layout != "cpu":
+            linear.weight.data = packing.pack_int4_cpu(packing.unpack_int4(linear.weight))
+            self.layout = "cpu"
+        z = getattr(linear, "weights_zero_point", None)
+        self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
+
+    def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
+        """Run the matmuls in `dtype` (float32 makes the layer exact to fp32 rounding: tests)."""
+        self.compute_dtype = dtype
+        self.prepare(linear)
+
+    def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] -> x W^T + b [..., N] in x's dtype."""
+        x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+        if x.device.type != "cpu":
+            y = self._device_matmul(linear, x2)
+        else:
+            xc = x2.to(self.compute_dtype)
+            if x2.shape[0] <= self.max_kernel_tokens and self._kernel_scales is not None:
+                y = self._cpu_kernel(linear, xc)
+            else:
+                y = F.linear(xc, self.dequantize(linear).to(self.compute_dtype))
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _cpu_kernel(self, linear: nn.Module, xc: torch.Tensor) -> torch.Tensor:
+        if self.lq.bits == 8:
+            return torch.ops.aten._weight_int8pack_mm(xc.contiguous(), linear.weight, self._kernel_scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xc.contiguous(), linear.weight, self.lq.group_size, self._kernel_scales)
+
+    def _device_matmul(self, linear: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        """CUDA and other devices: the Triton weight-only GEMMs on the checkpoint layout."""
+        from bestiary.core.kernels import dispatch
+
+        s = linear.weights_scaling_factor
+        if self.lq.bits == 8:
+            return dispatch.woq_int8_linear(x2, linear.weight, s)
+        z = getattr(linear, "weights_zero_point", None)
+        if self.lq.group_size in (64, 128):
+            return dispatch.woq_int4_linear(x2, linear.weight, s, z, self.lq.group_size)
+        return F.linear(x2, self.dequantize(linear).to(x2.dtype))
