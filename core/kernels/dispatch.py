@@ -7,6 +7,7 @@ Mode, read once from the environment variable BESTIARY_KERNELS (default "auto"):
     torch   the torch reference always
 
 `set_mode(m)` changes it for the process and `kernels_mode(m)` for a `with` block (tests).
+`LoraBatch` is the step's batched LoRA delta the linear layers call (meta.lora), on lora_sgmv.
 Each op costs one mode/device check on top of the implementation it picks; the torch
 references are the exact tensor ops the layers ran before dispatch existed.
 
@@ -21,6 +22,7 @@ import importlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -208,12 +210,67 @@ def woq_int4_linear(
 
 def lora_sgmv(
     x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor,
-    seg_adapters: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+    seg_adapters: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor, max_seg_len: int | None = None,
 ) -> torch.Tensor:
-    """Per-segment LoRA delta [T, N] for packed x [T, K] (shapes in lora.py)."""
+    """Per-segment LoRA delta [T, N] for packed x [T, K] (shapes in lora.py).
+
+    max_seg_len (the longest segment, known to the caller) spares the kernel path a device sync.
+    """
     m = family("lora")
-    fn = m.lora_sgmv if use_triton(x) else m.lora_sgmv_ref
-    return fn(x, lora_a, lora_b, seg_starts, seg_adapters, ranks, scalings)
+    if use_triton(x):
+        return m.lora_sgmv(x, lora_a, lora_b, seg_starts, seg_adapters, ranks, scalings, max_seg_len=max_seg_len)
+    return m.lora_sgmv_ref(x, lora_a, lora_b, seg_starts, seg_adapters, ranks, scalings)
+
+
+@dataclass
+class LoraWeights:
+    """One linear module's adapters, stacked and zero-padded to the largest rank R (lora.py's layout).
+
+    lora_a [L, R, K], lora_b [L, N, R] in the module's dtype; ranks [L] int32; scalings [L] float (alpha / r).
+    """
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+
+
+@dataclass
+class LoraBatch:
+    """One step's batched LoRA: the `LoraDelta` that core.layers.linear.Linear calls (meta.lora).
+
+    Sequence s of the packed batch covers rows seg_starts[s] .. seg_starts[s+1] - 1 and uses adapter
+    seg_adapters[s] (-1: none) of every module named in `modules` (keyed by Linear.name):
+
+        delta(module, x) = lora_sgmv(x, modules[module.name], seg_starts, seg_adapters)   x [T, K] -> [T, N]
+    """
+
+    modules: dict[str, LoraWeights]
+    seg_starts: torch.Tensor  # [B + 1] int32
+    seg_adapters: torch.Tensor  # [B] int32
+    max_seg_len: int
+
+    @classmethod
+    def build(
+        cls, modules: dict[str, LoraWeights], seq_lens: list[int], adapters: list[int],
+        device: torch.device | str = "cpu",
+    ) -> LoraBatch:
+        """The step's segments from its per-sequence new-token counts and adapter indices (-1: none)."""
+        if len(seq_lens) != len(adapters):
+            raise ValueError(f"LoRA batch: {len(seq_lens)} sequences but {len(adapters)} adapter indices")
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + n)
+        as_int = {"dtype": torch.int32, "device": device}
+        return cls(modules, torch.tensor(starts, **as_int), torch.tensor(adapters, **as_int), max(seq_lens, default=0))
+
+    def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The delta [T, N] for `module` on x [T, K], or None when no adapter touches the module."""
+        w = self.modules.get(getattr(module, "name", ""))
+        if w is None:
+            return None
+        return lora_sgmv(x, w.lora_a, w.lora_b, self.seg_starts, self.seg_adapters, w.ranks, w.scalings,
+                         self.max_seg_len)
 
 
 # --- sampling ------------------------------------------------------------------------------

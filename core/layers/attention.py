@@ -53,7 +53,11 @@ class AttentionMetadata:
     prefix_lens: list[int] | None = None
     last_token_index: torch.Tensor | None = None
     lora: LoraDelta | None = None
+    # First block of each sequence whose blocks sit one after another in the pool (None
+    # otherwise): its keys are then a view of the pool, no gather needed.
+    contiguous_from: list[int | None] = field(default_factory=list)
     _decode_padding: dict = field(default_factory=dict, repr=False)
+    _step_cache: dict = field(default_factory=dict, repr=False)  # per-step values shared by all layers
     _kernel_args: dict = field(default_factory=dict, repr=False)  # Triton's per-sequence tensors, by device
 
     @property
@@ -91,6 +95,8 @@ class AttentionMetadata:
             positions = positions.to(device)
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
+        kv_lens = [c + n for c, n in zip(context_lens, seq_lens)]
+        contiguous = [_contiguous_start(t, -(-kv // block_size)) for t, kv in zip(block_tables, kv_lens)]
         ends = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0) - 1
         return cls(
             positions=torch.tensor(pos_list, dtype=torch.int64, device=device) if positions is None else positions,
@@ -100,8 +106,16 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_size=block_size,
             last_token_index=ends.to(device),
+            contiguous_from=contiguous,
             **kwargs,
         )
+
+    def step_value(self, key, make):
+        """`make()` once per step for `key` (e.g. rotary cos/sin shared by every layer)."""
+        value = self._step_cache.get(key)
+        if value is None:
+            value = self._step_cache[key] = make()
+        return value
 
     def decode_padding(self, length: int, device: torch.device) -> torch.Tensor | None:
         """[B, L] True at the key slots past each sequence's length in a batched decode (None for B == 1).
@@ -116,6 +130,14 @@ class AttentionMetadata:
             lens = torch.tensor(self.kv_lens, device=device)
             self._decode_padding[key] = torch.arange(length, device=device)[None, :] >= lens[:, None]
         return self._decode_padding[key]
+
+
+def _contiguous_start(table: list[int], num_blocks: int) -> int | None:
+    """table[0] when table[:num_blocks] is table[0], table[0] + 1, ... (else None)."""
+    if not table or num_blocks == 0:
+        return None
+    first = table[0]
+    return first if table[:num_blocks] == list(range(first, first + num_blocks)) else None
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -156,9 +178,14 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: tor
     v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
 
 
-def _gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """Keys of one or more sequences: pool[table] -> [B, length, KVH, D] (table [B, nb])."""
+def _gather_kv(pool: torch.Tensor, table: torch.Tensor, length: int, start: int | None = None) -> torch.Tensor:
+    """Keys of one or more sequences: pool[table] -> [B, length, KVH, D] (table [B, nb]).
+
+    With `start` (one sequence whose blocks are start, start + 1, ...) a view of the pool.
+    """
     nb = -(-length // pool.shape[1])
+    if start is not None and table.shape[0] == 1:
+        return pool[start : start + nb].flatten(0, 1)[None, :length]  # [1, length, KVH, D], no copy
     kv = pool[table[:, :nb]]  # [B, nb, block_size, KVH, D]
     return kv.flatten(1, 2)[:, :length]
 
@@ -170,8 +197,9 @@ def decode_attention(
     """One new token per sequence: q [B, H, D] against the cached keys -> [B, H*D]."""
     b, h, d = q.shape
     length = max(meta.kv_lens)
-    k = _gather_kv(k_pool, meta.block_tables, length)  # [B, L, KVH, D]
-    v = _gather_kv(v_pool, meta.block_tables, length)
+    start = meta.contiguous_from[0] if b == 1 and meta.contiguous_from else None
+    k = _gather_kv(k_pool, meta.block_tables, length, start)  # [B, L, KVH, D]
+    v = _gather_kv(v_pool, meta.block_tables, length, start)
     kvh = k.shape[2]
     qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
@@ -205,7 +233,8 @@ def prefill_attention(
             ki, vi = k[start : start + n], v[start : start + n]  # [n, KVH, D]
         else:
             table = meta.block_tables[i : i + 1]
-            ki, vi = _gather_kv(k_pool, table, ctx + n)[0], _gather_kv(v_pool, table, ctx + n)[0]
+            first = meta.contiguous_from[i] if meta.contiguous_from else None
+            ki, vi = _gather_kv(k_pool, table, ctx + n, first)[0], _gather_kv(v_pool, table, ctx + n, first)[0]
         ki, vi = ki.transpose(0, 1)[None].to(q.dtype), vi.transpose(0, 1)[None].to(q.dtype)  # [1, KVH, L, D]
         prefix = meta.prefix_lens[i] if meta.prefix_lens else 0
         simple = slopes is None and key_bias is None and (meta.mask == "causal" or prefix <= 1)

@@ -12,6 +12,16 @@ from torch import nn
 from bestiary.core.layers.attention import AttentionMetadata
 
 
+def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) [T, H] each: the norm's fused kernel when it has one
+    (core RMSNorm / LayerNorm: one Triton kernel on CUDA), else the add then the norm."""
+    fused = getattr(norm, "add_and_norm", None)
+    if fused is not None:
+        return fused(x, residual)
+    h = x + residual
+    return norm(h), h
+
+
 class PreNormDecoderLayer(nn.Module):
     """Residual pre-norm block over any attention / mlp / norm modules with the layer interface."""
 
@@ -26,5 +36,6 @@ class PreNormDecoderLayer(nn.Module):
         self, x: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        h = x + self.attention(self.input_layernorm(x), meta, k_pool, v_pool)
-        return h + self.mlp(self.post_layernorm(h), meta.lora)
+        a = self.attention(self.input_layernorm(x), meta, k_pool, v_pool)
+        y, h = add_and_norm(self.post_layernorm, a, x)  # h = x + a, y = norm(h)
+        return h + self.mlp(y, meta.lora)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.layers.decoder_layer import add_and_norm
 
 
 class PostNormDecoderLayer(nn.Module):
@@ -28,5 +29,6 @@ class PostNormDecoderLayer(nn.Module):
         self, x: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        h = self.input_layernorm(x + self.attention(x, meta, k_pool, v_pool))
-        return self.post_layernorm(h + self.mlp(h, meta.lora))
+        h, _ = add_and_norm(self.input_layernorm, self.attention(x, meta, k_pool, v_pool), x)  # norm(x + attn)
+        out, _ = add_and_norm(self.post_layernorm, self.mlp(h, meta.lora), h)  # norm(h + mlp)
+        return out

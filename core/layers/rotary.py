@@ -70,6 +70,11 @@ class Rotary(nn.Module):
             self._cos_sin = table
         return table
 
+    def step_cos_sin(self, meta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin(meta.positions)`, computed once per step for every layer with the same rotary."""
+        key = ("rotary", self.rot_dim, self.base, repr(self.scaling), dtype)
+        return meta.step_value(key, lambda: self.cos_sin(meta.positions, dtype))
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, rot_dim/2] for `positions` [T]."""
         table = self._table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)

@@ -20,7 +20,7 @@ from torch import nn
 class Rotary2D(nn.Module):
     """Applies 2D RoPE in place to heads [T, n, head_dim] given positions [2, T].
 
-    Duck-types `Rotary` (`cos_sin` + `apply`) so `SelfAttention` takes either.
+    Duck-types `Rotary` (`cos_sin`, `step_cos_sin` + `apply`) so `SelfAttention` takes either.
     """
 
     def __init__(self, head_dim: int, base: float, max_positions: int) -> None:
@@ -29,6 +29,11 @@ class Rotary2D(nn.Module):
             raise ConfigError(f"2D rotary needs a head size divisible by 4, got {head_dim}")
         self.half = head_dim // 2
         self.inner = Rotary(self.half, self.half, base, None, max_positions, style="neox")
+
+    def step_cos_sin(self, meta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin(meta.positions)`, computed once per step for every layer."""
+        key = ("rotary2d", self.half, self.inner.base, dtype)
+        return meta.step_value(key, lambda: self.cos_sin(meta.positions, dtype))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [2, T] -> cos, sin [2, T, 1, head_dim/4] (index 0: positions, 1: block positions)."""

@@ -92,7 +92,7 @@ class SelfAttention(nn.Module):
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x, meta.lora).view(t, h + 2 * kvh, d)  # [T, H + 2 KVH, D]
         if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(meta.positions, qkv.dtype)
+            cos, sin = self.rotary.step_cos_sin(meta, qkv.dtype)  # shared by all layers of a step
             self.rotary.apply(qkv[:, : h + kvh], cos, sin)  # q and k heads in one go
         q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
         out = self.attn(q, k, v, meta, k_pool, v_pool)  # [T, H*D]

@@ -7,6 +7,7 @@ import torch
 from kernel_helpers import DOT_DTYPES, assert_close, assert_far
 
 from bestiary.core.kernels import dispatch
+from bestiary.core.layers.linear import Linear
 
 lora = dispatch.family("lora")
 K, N = 96, 129
@@ -47,3 +48,33 @@ def test_broken_variant_misses(device):
     out = lora.lora_sgmv(x, a, b, starts, torch.tensor([1, 0], dtype=torch.int32, device=device), ranks, scalings)
     ref = lora.lora_sgmv_ref(x, a, b, starts, torch.tensor([0, 1], dtype=torch.int32, device=device), ranks, scalings)
     assert_far(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["triton", "torch"])
+def test_lora_batch_through_a_linear_layer(mode, device):
+    """LoraBatch as the Linear layer's LoraDelta: y = x W^T + s_a B_a (A_a x) per sequence, either path."""
+    a, b, ranks, scalings = _adapters(torch.float32, device)
+    layer = Linear(K, N, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(N, K) / K**0.5)
+    layer.name = "transformer.layers.0.attention.qkv"
+    batch = dispatch.LoraBatch.build({layer.name: dispatch.LoraWeights(a, b, ranks, scalings)}, [2, 1, 3], [2, -1, 0],
+                                     device=device)
+    x = torch.randn(6, K).to(device)
+    with dispatch.kernels_mode(mode):
+        y = layer(x, batch)
+    base = x @ layer.weight.t()
+    want = base.clone()
+    for rows, ad in ((slice(0, 2), 2), (slice(3, 6), 0)):
+        r = int(ranks[ad])
+        want[rows] += float(scalings[ad]) * (x[rows] @ a[ad, :r].t()) @ b[ad, :, :r].t()
+    assert_close(y, want, torch.float32)
+    assert_far(y, base, torch.float32)  # the delta is really there
+    other = Linear(K, N, dtype=torch.float32).to(device)
+    other.name = "transformer.layers.0.mlp.fc"
+    assert batch(other, x) is None, "a module without adapters gets no delta"
+
+
+def test_lora_batch_checks_its_lengths():
+    with pytest.raises(ValueError, match="3 sequences but 2 adapter indices"):
+        dispatch.LoraBatch.build({}, [1, 1, 1], [0, 1])

@@ -38,9 +38,10 @@ def test_layer_norm(hidden, dtype, with_bias, device):
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("kind", ["rms", "layer", "layer_no_bias"])
 def test_fused_add_norm(kind, dtype, device):
     x, res, w, b = _inputs(129, dtype, device)
+    b = None if kind == "layer_no_bias" else b
     if kind == "rms":
         (y, h), (y_ref, h_ref) = norms.add_rms_norm(x, res, w, 1e-6), norms.add_rms_norm_ref(x, res, w, 1e-6)
     else:

@@ -38,16 +38,18 @@ def test_apply_rotary(head_dim, rot_dim, style, dtype, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_rotary_embedding_reads_positions(style, dtype, device):
-    """The table form: positions index cos_sin [P, rot_dim] inside the kernel."""
-    rot = Rotary(32, 32, 10000.0, {"rope_type": "linear", "factor": 2.0}, 16, style=style)
+@pytest.mark.parametrize("head_dim,rot_dim", [(32, 32), (30, 14)])
+def test_rotary_embedding_reads_positions(head_dim, rot_dim, style, dtype, device):
+    """The table form: positions index cos_sin [P, rot_dim] inside the kernel (partial rotary too)."""
+    rot = Rotary(head_dim, rot_dim, 10000.0, {"rope_type": "linear", "factor": 2.0}, 16, style=style)
     pos = POSITIONS.to(device)
     table = rot._table(pos.device, int(pos.max()) + 1)
-    qkv = _qkv(32, dtype, device)
+    qkv = _qkv(head_dim, dtype, device)
     out, ref = qkv.clone(), qkv.clone()
-    rotary.rotary_embedding(out[:, :4], pos, table, 32, style)
-    rotary.rotary_embedding_ref(ref[:, :4], pos, table, 32, style)
+    rotary.rotary_embedding(out[:, :4], pos, table, rot_dim, style)
+    rotary.rotary_embedding_ref(ref[:, :4], pos, table, rot_dim, style)
     assert_close(out, ref, dtype)
+    assert torch.equal(out[..., rot_dim:], qkv[..., rot_dim:]), "dims past rot_dim must stay untouched"
 
 
 def test_layer_dispatches(device):

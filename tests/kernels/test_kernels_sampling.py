@@ -46,3 +46,13 @@ def test_broken_variant_misses(device):
     out = sampling.filter_logits(logits, torch.tensor([4, 9], device=device), top_p)
     ref = sampling.filter_logits_ref(logits, torch.tensor([5, 10], device=device), top_p)
     assert_far(torch.nan_to_num(out, neginf=-1e4), torch.nan_to_num(ref, neginf=-1e4), torch.float32)
+
+
+def test_dispatch_filters_a_batch(device):
+    logits = torch.randn(3, 129).to(device)
+    top_k, top_p = torch.tensor([0, 7, 20], device=device), torch.tensor([0.8, 1.0, 0.5], device=device)
+    with dispatch.kernels_mode("triton"):
+        out = dispatch.filter_logits(logits, top_k, top_p)
+    with dispatch.kernels_mode("torch"):
+        ref = dispatch.filter_logits(logits, top_k, top_p)
+    assert torch.equal(torch.isfinite(out), torch.isfinite(ref)) and 1 < int(torch.isfinite(out).sum()) < 3 * 129

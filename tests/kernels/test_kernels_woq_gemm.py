@@ -42,9 +42,11 @@ def test_int8(m, k, bias, dtype, device):
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("group", [64, 128])
 @pytest.mark.parametrize("zeros", [False, True])
-def test_int4(group, zeros, dtype, device):
+@pytest.mark.parametrize("m", [3, 17])
+def test_int4(m, group, zeros, dtype, device):
+    """M 3 and 17 (a decode tile and a 64-row tile with one row), N 129 (a partial N tile)."""
     n, k = 129, 256
-    x = torch.randn(3, k).to(dtype).to(device)
+    x = torch.randn(m, k).to(dtype).to(device)
     _, qweight, scales, z = _int4(n, k, group, zeros, dtype, device)
     b = torch.randn(n).to(dtype).to(device)
     out = woq.woq_int4_linear(x, qweight, scales, z, group, b, block_k=32)
@@ -66,3 +68,17 @@ def test_broken_variant_misses(device):
     swapped = (qweight >> 4) | (qweight << 4)
     out = woq.woq_int4_linear(x, swapped, scales, None, 64)
     assert_far(out, woq.woq_int4_linear_ref(x, qweight, scales, None, 64), torch.float32)
+
+
+def test_dispatch_routes_both_formats(device):
+    x = torch.randn(2, 3, 128).to(device)  # a leading batch dim: [..., K]
+    q8 = torch.randint(-128, 128, (40, 128), dtype=torch.int8).to(device)
+    s8 = (torch.rand(40) / 100).to(device)
+    _, q4, s4, z4 = _int4(40, 128, 64, True, torch.float32, device)
+    for run in (lambda: dispatch.woq_int8_linear(x, q8, s8), lambda: dispatch.woq_int4_linear(x, q4, s4, z4, 64)):
+        with dispatch.kernels_mode("triton"):
+            out = run()
+        with dispatch.kernels_mode("torch"):
+            ref = run()
+        assert out.shape == (2, 3, 40)
+        assert_close(out, ref, torch.float32)
