@@ -197,13 +197,21 @@ class WeightsLoader:
             raise ValueError(f"tp_dim {target.tp_dim} of {target.key!r} {target.shape} is not in the source")
         return target.tp_dim - extra
 
+    def _slice_dim(self, target: Target, source_key: str, tp_size: int, transposed: bool) -> int:
+        """source_tp_dim, with dims 0 and 1 swapped for a 2-D source the hook transposes."""
+        dim = self.source_tp_dim(target, source_key, tp_size)
+        if transposed and dim in (0, 1) and len(self.source.shape(source_key)) == 2:
+            return 1 - dim
+        return dim
+
     def load(self, target: Target, sources: list[str], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
         """Target tensor(s) for one canonical key, cast to the target dtype, shapes checked."""
         hook = self.hook_for(target.key)
         whole = getattr(hook, "slices_itself", False)
+        flip = getattr(hook, "transposes_source", False)
         try:
             tensors = [self.source.load(s) if whole else
-                       self.source.load(s, tp_size, self.source_tp_dim(target, s, tp_size), tp_rank)
+                       self.source.load(s, tp_size, self._slice_dim(target, s, tp_size, flip), tp_rank)
                        for s in sources]
         except ValueError as err:  # a dim that does not split: the source shape is wrong
             raise WeightsError(f"{self.source.file_of(sources[0])}: {sources[0]!r} for {target.key!r}: {err}") from None

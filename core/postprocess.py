@@ -21,6 +21,15 @@ def concat_dim0(key: str, tensors: list[torch.Tensor], config) -> dict[str, torc
     return {key: torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]}
 
 
+def transposes_source(hook):
+    """Mark a hook whose 2-D source is the target transposed: the loader then slices the
+    source for a tp rank along the other dim (a column-parallel (out, in) target is cut on
+    dim 0, so its (in, out) source on dim 1)."""
+    hook.transposes_source = True
+    return hook
+
+
+@transposes_source
 def transpose(key: str, tensors: list[torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Source stored as (in, out) (Conv1D style): transpose to (out, in)."""
     (tensor,) = tensors

@@ -166,3 +166,32 @@ def test_smollm2_tp3_reassembles(tmp_path):
     assert_tp_reassembles(gguf, tmp_path, 3, heads=9, kv_heads=3)
     with pytest.raises(BestiaryError, match="--tp_size 2 .*must divide num_attention_heads 9"):
         convert(gguf, tmp_path / "tp2", tp_size=2, show_progress=False)
+
+
+def test_transposed_source_slices_along_the_other_dim(tmp_path):
+    """A Conv1D-style (in, out) source through the `transpose` hook converts at tp 2 into the
+    same shards as the (out, in) source: the loader slices it along the other dim."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from bestiary.registry import Registry
+
+    src = make_tiny_llama(tmp_path)
+    state = load_file(str(src / "model.safetensors"))
+    flipped_dir = tmp_path / "conv1d"
+    flipped_dir.mkdir()
+    (flipped_dir / "config.json").write_text((src / "config.json").read_text())
+    flipped = ("mlp.gate_proj.weight", "self_attn.o_proj.weight")  # column- and row-parallel targets
+    save_file({k: v.t().contiguous() if k.endswith(flipped) else v for k, v in state.items()},
+              str(flipped_dir / "model.safetensors"))
+    registry = Registry.from_plugins()
+    spec = registry.get("LlamaForCausalLM")
+    hook = "bestiary.core.postprocess:transpose"
+    registry.specs[spec.name] = dataclasses.replace(
+        spec, postprocess={**spec.postprocess, "*.mlp.fc.weight": hook, "*.attention.dense.weight": hook})
+    convert(src, tmp_path / "ref", tp_size=2, show_progress=False)
+    convert(flipped_dir, tmp_path / "flip", tp_size=2, registry=registry, show_progress=False)
+    for rank in range(2):
+        a, b = (load_file(str(tmp_path / d / f"rank{rank}.safetensors")) for d in ("ref", "flip"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
