@@ -31,6 +31,8 @@ def finalize_build_config(build: BuildConfig, model_config: dict) -> BuildConfig
     """Fill defaults that depend on the model and check the limits agree."""
     max_pos = model_config.get("max_position_embeddings") or 2048
     max_seq = build.max_seq_len or max_pos
+    if max_seq > max_pos:
+        raise BestiaryError(f"--max_seq_len {max_seq}: exceeds the model's max_position_embeddings {max_pos}")
     max_input = build.max_input_len or min(1024, max_seq - 1)
     if max_input >= max_seq:
         raise BestiaryError(f"--max_input_len {max_input}: must be smaller than --max_seq_len {max_seq}")

@@ -160,6 +160,13 @@ def test_run_errors(tiny, tmp_path):
     assert_user_error(run_cli("run", "--engine_dir", str(tiny / "engine"), "--input_text", "hi"), "tokenizer")
 
 
+def test_build_refuses_max_seq_len_past_the_positions(tiny, tmp_path):
+    result = run_cli("build", "--checkpoint_dir", str(tiny / "ckpt"), "--output_dir", str(tmp_path / "engine"),
+                     "--max_seq_len", "4096")
+    assert_user_error(result, "--max_seq_len 4096", "max_position_embeddings 128")
+    assert not (tmp_path / "engine").exists()
+
+
 def test_corrupt_engine_config(tiny, tmp_path):
     engine = tmp_path / "engine"
     shutil.copytree(tiny / "engine", engine)
