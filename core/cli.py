@@ -49,6 +49,44 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top_k", type=int, default=0, help="0 = off.")
     parser.add_argument("--top_p", type=float, default=1.0, help="1.0 = off.")
     parser.add_argument("--random_seed", type=int, default=None)
+    g = parser.add_argument_group("penalties, stopping and beam search (docs/sampling.md)")
+    g.add_argument("--num_beams", type=positive_int, default=None, help="Beam search width (1 = off).")
+    g.add_argument("--length_penalty", type=float, default=None, help="Beam score = cum log prob / len ** this (1.0).")
+    g.add_argument("--early_stopping", choices=["true", "false", "never"], default=None,
+                   help="Beam search end rule (false = HF's heuristic, the default).")
+    g.add_argument("--beam_search_diversity_rate", type=float, default=None, help="Rank penalty within a beam (0).")
+    g.add_argument("--repetition_penalty", type=float, default=None, help="Over prompt + output; 1.0 = off.")
+    g.add_argument("--presence_penalty", type=float, default=None, help="Over the output; 0 = off.")
+    g.add_argument("--frequency_penalty", type=float, default=None, help="Per occurrence in the output; 0 = off.")
+    g.add_argument("--min_length", type=int, default=None, help="Generated tokens before an end id may be chosen.")
+    g.add_argument("--top_p_decay", type=float, default=None, help="top_p *= this after each token (1.0 = off).")
+    g.add_argument("--top_p_min", type=float, default=None, help="Lower bound of the decayed top_p.")
+    g.add_argument("--top_p_reset_ids", type=int, default=None, help="This id resets the decayed top_p.")
+    g.add_argument("--stop_words", nargs="+", default=None, metavar="WORD",
+                   help="Text (or comma-separated ids like 13,198) that ends generation.")
+    g.add_argument("--bad_words", nargs="+", default=None, metavar="WORD",
+                   help="Text (or comma-separated ids) never generated.")
+    g.add_argument("--end_id", type=int, default=None, help="Stop token (default: the tokenizer's).")
+    g.add_argument("--ignore_eos", action="store_true", help="Generate until --max_output_len.")
+    g.add_argument("--output_log_probs", action="store_true",
+                   help="After each output, print a JSON line with log probs (and beams).")
+
+
+def add_quant_flags(parser: argparse.ArgumentParser) -> None:
+    """convert's quantization flags (docs/quantization.md; checked in core.quant.options)."""
+    q = parser.add_argument_group("quantization")
+    q.add_argument("--use_weight_only", action="store_true", help="Weight-only quantization of the linears.")
+    q.add_argument("--weight_only_precision", default=None, choices=["int8", "int4"],
+                   help="int8 per output channel (W8A16, default) or int4 group-wise (W4A16).")
+    q.add_argument("--group_size", type=positive_int, default=None,
+                   help="int4 group size: 32, 64 or 128 (default 128).")
+    q.add_argument("--has_zero_point", action="store_true", help="int4 with per-group zero points.")
+    q.add_argument("--exclude_modules", nargs="+", default=None, metavar="NAME",
+                   help="Module names or globs left unquantized, e.g. lm_head mlp.proj.")
+    q.add_argument("--int8_kv_cache", action="store_true", help="INT8 KV cache with per-layer scales.")
+    q.add_argument("--fp8_kv_cache", action="store_true", help="FP8 (e4m3) KV cache with per-layer scales.")
+    q.add_argument("--calib_text", default=None, metavar="FILE",
+                   help="Text file for calibration (KV cache scales); default: a short built-in text.")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -66,6 +104,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp_size", type=positive_int, default=1)
     p.add_argument("--pp_size", type=positive_int, default=1)
     p.add_argument("--architecture", default=None, help="Force a registered architecture (see `bestiary list`).")
+    add_quant_flags(p)
 
     p = sub.add_parser("build", help="checkpoint dir -> engine dir")
     p.add_argument("--checkpoint_dir", required=True)

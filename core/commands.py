@@ -31,9 +31,13 @@ def _threads(n: int | None) -> None:
 @command("convert")
 def cmd_convert(args: argparse.Namespace) -> int:
     from bestiary.core.convert import convert
+    from bestiary.core.quant.options import QuantFlags, quant_config_from_flags
 
+    flags = QuantFlags(**{f: getattr(args, f) for f in QuantFlags.__dataclass_fields__})
     out = convert(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size, pp_size=args.pp_size,
-                  architecture=args.architecture, show_progress=sys.stderr.isatty())
+                  architecture=args.architecture, show_progress=sys.stderr.isatty(),
+                  quantization=quant_config_from_flags(flags) if flags.any() else None,
+                  calib_text=args.calib_text)
     ERR.print(f"checkpoint written to {out}")
     return 0
 
@@ -54,9 +58,24 @@ def _sampling(args: argparse.Namespace):
     from bestiary.core.config import validate_config
     from bestiary.core.sampling import SamplingConfig
 
-    return validate_config(SamplingConfig, dict(
-        max_new_tokens=args.max_output_len, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        random_seed=args.random_seed), "sampling flags")
+    same = ("temperature", "top_k", "top_p", "random_seed", "length_penalty", "beam_search_diversity_rate",
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "top_p_decay", "top_p_min",
+            "top_p_reset_ids", "end_id", "ignore_eos", "output_log_probs")
+    fields = {name: getattr(args, name) for name in same}
+    fields.update(max_new_tokens=args.max_output_len, beam_width=args.num_beams)
+    if args.early_stopping is not None:
+        fields["early_stopping"] = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
+    for name in ("stop_words", "bad_words"):
+        if getattr(args, name):
+            fields[name] = [_word(w) for w in getattr(args, name)]
+    fields = {k: v for k, v in fields.items() if v is not None}
+    return validate_config(SamplingConfig, fields, "sampling flags")
+
+
+def _word(text: str) -> str | list[int]:
+    """A --stop_words/--bad_words value: comma-separated integers are ids, anything else text."""
+    parts = text.split(",")
+    return [int(p) for p in parts] if all(p.strip().isdigit() for p in parts) else text
 
 
 def _parse_ids(groups: list[str]) -> list[list[int]]:
@@ -87,8 +106,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     completions = llm.generate(prompts, sampling, chat=args.chat)
     for c in completions:
         print(" ".join(map(str, c.output_ids)) if as_ids else c.text)
+        if args.output_log_probs:
+            print(json.dumps(_log_prob_record(c)))
     _print_stats(llm.last_stats)
     return 0
+
+
+def _log_prob_record(c) -> dict:
+    """--output_log_probs: the output's log probs, and every beam's ids and score for beam search."""
+    record = {"cum_log_prob": c.cum_log_prob, "log_probs": c.log_probs, "finish_reason": c.finish_reason}
+    if c.beams:
+        record["beams"] = [{"output_ids": b.output_ids, "score": b.score, "cum_log_prob": b.cum_log_prob}
+                           for b in c.beams]
+    return record
 
 
 def _print_stats(stats) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from bestiary.core.checkpoint import StreamingSafetensorsWriter, atomic_directory, rank_file, write_json
-from bestiary.core.config import Mapping, PretrainedConfig
+from bestiary.core.config import Mapping, PretrainedConfig, QuantConfig
 from bestiary.core.errors import BestiaryError
 from bestiary.core.loader import Target, WeightsLoader, model_targets
 from bestiary.core.progress import progress
@@ -32,6 +33,9 @@ class RankPlan:
     targets: list[Target]
     sources: dict[str, list[str]]
     tp_rank: int
+    reads: list[Target] | None = None  # what the loader fills (float weights of quantized linears)
+    quantizers: dict | None = None  # weight key -> WeightOnlySlot that packs it
+    later: list[Target] | None = None  # written as placeholders, calibrated after (KV cache scales)
 
 
 def source_dtype(source: ModelSource) -> str:
@@ -56,15 +60,20 @@ def instantiate(spec: ArchitectureSpec, config: PretrainedConfig, rank: int, dev
         raise BestiaryError(f"--tp_size {m.tp_size} --pp_size {m.pp_size}: {err}") from None
 
 
-def plan_ranks(loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig) -> list[RankPlan]:
+def plan_ranks(
+    loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig, prequantized: bool = False
+) -> list[RankPlan]:
     """Targets and source keys of every rank; fails on a missing or unused source tensor."""
+    from bestiary.core.quant.convert import loader_targets
+
     plans = []
     for rank in range(config.mapping.world_size):
         model = instantiate(spec, config, rank)
         targets = model_targets(model)
-        sources = loader.plan(targets, model.layer_offset, model.source_aliases())
-        plans.append(RankPlan(rank, targets, sources, model.tp_rank))
-    loader.check_all_used(sorted({t.key for p in plans for t in p.targets}))
+        reads, quantizers, later = loader_targets(model, targets, prequantized)  # float linears: pack later
+        sources = loader.plan(reads, model.layer_offset, model.source_aliases())
+        plans.append(RankPlan(rank, targets, sources, model.tp_rank, reads, quantizers, later))
+    loader.check_all_used(sorted({t.key for p in plans for t in p.reads or p.targets}))
     return plans
 
 
@@ -78,8 +87,14 @@ def convert(
     customized_key_dict: dict | None = None,
     registry: Registry | None = None,
     show_progress: bool = True,
+    quantization: QuantConfig | None = None,
+    calib_text: str | Path | None = None,
 ) -> Path:
-    """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path."""
+    """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path.
+
+    `quantization` (see core.quant.options for the CLI flags) quantizes the linear weights
+    and/or selects a quantized KV cache (scales calibrated on `calib_text`, or a built-in text);
+    the section is written to config.json."""
     registry = registry or default_registry()
     source = open_source(model_dir)
     spec = registry.for_hf_config(source.hf_config, str(source.path), architecture)
@@ -90,15 +105,36 @@ def convert(
         if value < 1:
             raise BestiaryError(f"{flag} {value}: expected a positive integer")
     config = build_config(spec, source, dtype, Mapping(tp_size=tp_size, pp_size=pp_size))
+    from bestiary.core.quant import import_hf  # AWQ / GPTQ sources: imported, not quantized
+
+    hf_quant = import_hf.read_hf_quant(source)
+    if hf_quant is not None:
+        quantization = import_hf.import_quant_config(hf_quant, quantization)
+    if quantization is not None:
+        from bestiary.core.quant.calibrate import check_calibratable
+
+        config.quantization = quantization
+        check_calibratable(config)
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
-    loader = WeightsLoader(source.weights, spec, config, customized_key_dict, label=str(source.path),
+    weights = source.weights if hf_quant is None else import_hf.PrequantizedWeights(source.weights, hf_quant)
+    loader = WeightsLoader(weights, spec, config, customized_key_dict, label=str(source.path),
                            source_model_type=source.hf_config.get("model_type"))
-    plans = plan_ranks(loader, spec, config)
+    if hf_quant is not None:
+        import_hf.prepare_loader(loader, resolve(spec.model_class), config)
+    plans = plan_ranks(loader, spec, config, prequantized=hf_quant is not None)
+    if hf_quant is not None:
+        import_hf.check_plans(plans, loader, config)
     with atomic_directory(Path(output_dir)) as tmp, progress(show_progress) as bar:
-        task = bar.add_task("convert", total=sum(len(p.targets) for p in plans))
+        task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
         for plan in plans:
             write_rank(tmp, plan, loader, config, bar, task)
+        if config.quantization.kv_cache_quant_algo:
+            from bestiary.core.quant.calibrate import calibrate_kv_scales, calibration_ids
+
+            ids = calibration_ids(source.tokenizer, config.vocab_size, calib_text,
+                                  config.max_position_embeddings)
+            calibrate_kv_scales(tmp, config, resolve(spec.model_class), ids)
         write_json(tmp / "config.json", config.to_json_dict())
         if source.tokenizer is not None:
             (tmp / "tokenizer.json").write_text(source.tokenizer.tokenizer_json)
@@ -108,13 +144,22 @@ def convert(
 
 def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: PretrainedConfig, bar, task) -> None:
     """Stream rank `plan.rank`'s tensors into rank{N}.safetensors."""
+    from bestiary.core.model import torch_dtype
+    from bestiary.core.quant.convert import quantize_loaded
+
+    scale_dtype: torch.dtype = torch_dtype(config.dtype)
     layout = [(t.key, t.dtype, t.shape) for t in plan.targets]
     writer = StreamingSafetensorsWriter(rank_file(tmp, plan.rank), layout, {"format": "pt"})
     try:
-        for target in plan.targets:
+        for target in plan.reads or plan.targets:
             for key, tensor in loader.load(target, plan.sources[target.key], config.mapping.tp_size, plan.tp_rank).items():
-                writer.write(key, tensor)
+                slot = (plan.quantizers or {}).get(key)
+                packed = {key: tensor} if slot is None else quantize_loaded(key, tensor, slot, scale_dtype)
+                for name, part in packed.items():
+                    writer.write(name, part)
             bar.advance(task)
+        for target in plan.later or ():
+            writer.write(target.key, torch.ones(target.shape, dtype=target.dtype))  # calibrated after
     except BaseException:
         writer.abort()
         raise

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bestiary.core.beam import Beam, BeamSearch, fork_block_tables
 from bestiary.core.errors import BestiaryError
 from bestiary.core.kv_cache import BlockAllocator, BlockKey, KVCache, KvCacheConfig, blocks_for, pool_tokens
 from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.logits_processors import LogitsPipeline, ends_with_any
 from bestiary.core.model import DecoderLM
-from bestiary.core.sampling import SamplingConfig, make_generator, sample
+from bestiary.core.sampling import SamplingConfig, TokenChooser, make_generator, sample
 
 _ids = itertools.count()
 
@@ -51,6 +53,10 @@ class Request:
     reuse_prefix: bool = True  # False: compute every prompt token (e.g. when context logits are wanted)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    stop_words: list[list[int]] = field(default_factory=list)
+    chooser: TokenChooser | None = None  # None: the batched fast path (plain sampling / greedy)
+    search: BeamSearch | None = None  # beam_width > 1
+    context_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] float32 per prefill chunk
 
     @property
     def tokens(self) -> list[int]:
@@ -93,15 +99,50 @@ class Executor:
         stops = set(stop_ids or ())
         if sampling.end_id is not None:
             stops = {sampling.end_id}
+        if sampling.beam_width > b.max_num_tokens:
+            raise BestiaryError(f"beam_width {sampling.beam_width} exceeds the engine's max_num_tokens {b.max_num_tokens}")
         req = Request(list(prompt), sampling, set() if sampling.ignore_eos else stops)
         req.generator = make_generator(sampling.random_seed)
-        if blocks_for(self._max_len(req), b.tokens_per_block) > self.allocator.num_blocks:
-            raise BestiaryError(f"request of {self._max_len(req)} tokens does not fit the KV cache")
+        self._prepare_sampling(req, vocab)
+        if self._need_blocks(req) > self.allocator.num_blocks:
+            raise BestiaryError(f"request of {self._max_len(req)} tokens x {sampling.beam_width} beams "
+                                "does not fit the KV cache")
         self.waiting.append(req)
         return req
 
+    def _prepare_sampling(self, req: Request, vocab: int) -> None:
+        """Stop words, processors and the chooser / beam search a request asked for."""
+        s = req.sampling
+        try:
+            req.stop_words = s.token_words("stop_words")
+            for name, words in (("stop_words", req.stop_words), ("bad_words", s.token_words("bad_words"))):
+                bad = [t for w in words for t in w if t >= vocab]
+                if bad:
+                    raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            for name in ("end_id", "pad_id", "top_p_reset_ids"):
+                if (getattr(s, name) or 0) >= vocab:
+                    raise ValueError(f"{name} {getattr(s, name)} is outside the vocabulary [0, {vocab})")
+            pipeline = LogitsPipeline(s, vocab, req.stop_ids) if LogitsPipeline.wanted(s) else None
+        except ValueError as err:
+            raise BestiaryError(f"sampling: {err}") from None
+        if s.output_context_logits:
+            req.reuse_prefix = False  # every prompt position must be computed
+        if s.is_beam_search:
+            req.search = BeamSearch(s, req.prompt, req.stop_ids, req.stop_words, pipeline,
+                                    self._max_len(req) - len(req.prompt))
+        elif s.needs_chooser:
+            req.chooser = TokenChooser(s, req.generator, pipeline, req.prompt)
+
     def _max_len(self, req: Request) -> int:
         return min(len(req.prompt) + req.sampling.max_new_tokens, self.build.max_seq_len)
+
+    def _need_blocks(self, req: Request) -> int:
+        """Most blocks `req` can hold at once: beams share the prompt's full blocks and
+        hold at most the rest of the length each."""
+        bs, w = self.build.tokens_per_block, req.sampling.beam_width
+        need = blocks_for(self._max_len(req), bs)
+        shared = len(req.prompt) // bs
+        return shared + w * (need - shared)
 
     def cancel(self, req: Request) -> None:
         """Stop a request now; its blocks go back to the pool."""
@@ -115,6 +156,10 @@ class Executor:
         if req in self.running:
             self.running.remove(req)
         self.allocator.free(req.blocks)
+        if req.search is not None:
+            for beam in req.search.beams:
+                self.allocator.free(beam.blocks)
+                beam.blocks = []
         self.allocator.reserved -= req.reserved
         req.blocks, req.reserved = [], 0
 
@@ -132,9 +177,10 @@ class Executor:
         pool's blocks in use never exceed the running requests' tokens rounded up to blocks."""
         bs, bound = self.build.tokens_per_block, 0
         for req in self.running:
-            if len(req.blocks) != blocks_for(req.num_cached, bs):
-                raise AssertionError(f"request {req.id} holds {len(req.blocks)} blocks for {req.num_cached} tokens")
-            bound += blocks_for(req.num_cached, bs)
+            for seq in req.search.beams if req.search is not None and req.search.beams else [req]:
+                if len(seq.blocks) != blocks_for(seq.num_cached, bs):
+                    raise AssertionError(f"request {req.id} holds {len(seq.blocks)} blocks for {seq.num_cached} tokens")
+                bound += blocks_for(seq.num_cached, bs)
         if self.allocator.num_used > bound:
             raise AssertionError(f"{self.allocator.num_used} KV blocks in use for {bound} blocks of tokens")
 
@@ -150,7 +196,7 @@ class Executor:
         bs = self.build.tokens_per_block
         while self.waiting and len(self.running) < self.build.max_batch_size:
             req = self.waiting[0]
-            need = blocks_for(self._max_len(req), bs)
+            need = self._need_blocks(req)
             queried = (len(req.prompt) - 1) // bs if self.reuse and req.reuse_prefix else 0
             keys, hits = self.allocator.lookup(req.prompt, queried)
             if not self.allocator.can_reserve(need - self.allocator.shared(hits)):
@@ -171,71 +217,128 @@ class Executor:
             key = BlockKey(parent, tuple(tokens[b * bs : (b + 1) * bs]))
             req.block_keys.append(self.allocator.register(req.blocks[b], key))
 
-    def _grow(self, req: Request, tokens: int) -> None:
-        """Make sure req owns blocks for `tokens` tokens (from its reservation)."""
-        extra = blocks_for(tokens, self.build.tokens_per_block) - len(req.blocks)
+    def _grow(self, req: Request, seq: Request | Beam, tokens: int) -> None:
+        """Make sure seq (req or one of its beams) owns blocks for `tokens` tokens (from req's reservation)."""
+        extra = blocks_for(tokens, self.build.tokens_per_block) - len(seq.blocks)
         if extra > 0:
-            req.blocks += self.allocator.allocate(extra)
+            seq.blocks += self.allocator.allocate(extra)
             req.reserved -= extra
             self.allocator.reserved -= extra
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, number of new tokens) for this step, within max_num_tokens."""
+    def _schedule(self) -> list[tuple[Request, Request | Beam, int]]:
+        """(request, sequence, number of new tokens) for this step, within max_num_tokens.
+
+        The sequence is the request itself, or each of its running beams (all or none)."""
         budget = self.build.max_num_tokens
         work = []
         for req in sorted(self.running, key=lambda r: r.num_cached < len(r.prompt)):  # decodes first
+            if req.search is not None and req.search.beams:
+                if budget >= len(req.search.beams):
+                    work += [(req, beam, 1) for beam in req.search.beams]
+                    budget -= len(req.search.beams)
+                continue
             n = min(len(req.tokens) - req.num_cached, budget)
             if n <= 0:
                 continue
-            work.append((req, n))
+            work.append((req, req, n))
             budget -= n
         return work
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Request, int]]:
-        """Run one step; returns (request, new token) for every request that produced one."""
+        """Run one step; returns (request, new token) for every request that produced one
+        (a beam search request: every token of its best beam, once, when it finishes)."""
         self._admit()
         work = self._schedule()
         if not work:
             return []
         ids: list[int] = []
-        for req, n in work:
-            self._grow(req, req.num_cached + n)
-            ids += req.tokens[req.num_cached : req.num_cached + n]
+        for req, seq, n in work:
+            self._grow(req, seq, seq.num_cached + n)
+            ids += seq.tokens[seq.num_cached : seq.num_cached + n]
         meta = AttentionMetadata.build(
-            [n for _, n in work], [r.num_cached for r, _ in work], [r.blocks for r, _ in work],
+            [n for *_, n in work], [s.num_cached for _, s, _ in work], [s.blocks for _, s, _ in work],
             self.build.tokens_per_block, positions=self._positions(work), device=self.device,
             mask=self.model.mask_kind,
-            prefix_lens=[self.model.prefix_len(r.prompt) for r, _ in work] if self.model.mask_kind != "causal" else None,
+            prefix_lens=[self.model.prefix_len(s.prompt) for _, s, _ in work] if self.model.mask_kind != "causal" else None,
         )
-        logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv)  # [B, V]
+        context = [r.sampling.output_context_logits and s is r and r.num_cached < len(r.prompt) for r, s, _ in work]
+        logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=any(context))
+        if any(context):  # logits [T, V]: keep the prompt rows of the requests that asked
+            offsets = [0] + torch.tensor([n for *_, n in work]).cumsum(0).tolist()
+            for i, (req, _, n) in enumerate(work):
+                if context[i]:
+                    req.context_logits.append(logits[offsets[i] : offsets[i] + n].float().clone())
+            logits = logits.index_select(0, meta.last_token_index)  # [B, V]
         ready = []
-        for i, (req, n) in enumerate(work):
-            req.num_cached += n
-            if self.reuse and req.num_cached >= (len(req.block_keys) + 1) * self.build.tokens_per_block:
+        for i, (req, seq, n) in enumerate(work):
+            seq.num_cached += n
+            if seq is req and self.reuse and req.num_cached >= (len(req.block_keys) + 1) * self.build.tokens_per_block:
                 self._cache_full_blocks(req)
-            if req.num_cached == len(req.tokens):
+            if seq.num_cached == len(seq.tokens):
                 ready.append(i)
-        if not ready:
-            return []
-        reqs = [work[i][0] for i in ready]
-        tokens = sample(logits[ready], [r.sampling for r in reqs], [r.generator for r in reqs])
-        for req, token in zip(reqs, tokens):
+        return self._choose(work, ready, logits) if ready else []
+
+    def _choose(self, work, ready: list[int], logits: torch.Tensor) -> list[tuple[Request, int]]:
+        """Next tokens of the ready rows of logits [B, V]: plain requests in one batched call,
+        requests with processors one by one, beam search requests one beam group each."""
+        plain = [i for i in ready if work[i][0].chooser is None and work[i][0].search is None]
+        out: list[tuple[Request, int]] = []
+        if plain:
+            reqs = [work[i][0] for i in plain]
+            tokens = sample(logits[plain], [r.sampling for r in reqs], [r.generator for r in reqs])
+            out += zip(reqs, tokens)
+        for i in ready:
+            req = work[i][0]
+            if req.chooser is not None:
+                out.append((req, req.chooser.choose(logits[i])))
+        for req, token in out:
             req.output.append(token)
             self._check_stop(req, token)
-        return list(zip(reqs, tokens))
+        groups: dict[int, list[int]] = {}
+        for i in ready:
+            if work[i][0].search is not None:
+                groups.setdefault(work[i][0].id, []).append(i)
+        for rows in groups.values():
+            out += self._beam_step(work[rows[0]][0], logits[rows])
+        return out
 
-    def _positions(self, work: list[tuple[Request, int]]) -> torch.Tensor | None:
+    def _beam_step(self, req: Request, logits: torch.Tensor) -> list[tuple[Request, int]]:
+        """One beam search step on the logits [R, V] of req's running beams (or its prompt)."""
+        search = req.search
+        first = not search.beams
+        old = [Beam(req.prompt, blocks=req.blocks, num_cached=req.num_cached)] if first else search.beams
+        parents = search.step(logits, old[0] if first else None)
+        if first:
+            req.blocks = []  # the prompt's table now belongs to `old[0]`, then to the beams
+        if search.done:
+            for seq in old:
+                self.allocator.free(seq.blocks)
+                seq.blocks = []
+            search.beams = []
+            best = search.results()[0]
+            req.output = list(best.output_ids)
+            self._finish(req, best.finish_reason)
+            return [(req, t) for t in req.output]
+        allocated, released = fork_block_tables(self.allocator, self.kv, old, parents, search.beams,
+                                                self.build.tokens_per_block)
+        req.reserved += released - allocated
+        self.allocator.reserved += released - allocated
+        return []
+
+    def _positions(self, work: list[tuple[Request, Request | Beam, int]]) -> torch.Tensor | None:
         """Architecture position ids for the packed tokens (None: the default ctx + arange)."""
         if type(self.model).position_ids is DecoderLM.position_ids:
             return None
-        parts = [self.model.position_ids(r.tokens, r.num_cached, n) for r, n in work]
+        parts = [self.model.position_ids(s.tokens, s.num_cached, n) for _, s, n in work]
         return torch.cat(parts, dim=-1)
 
     def _check_stop(self, req: Request, token: int) -> None:
-        if token in req.stop_ids:
+        s = req.sampling
+        if token in req.stop_ids or (req.stop_words and len(req.output) >= s.min_length
+                                     and ends_with_any(req.output, req.stop_words)):
             self._finish(req, "stop")
-        elif len(req.output) >= req.sampling.max_new_tokens or len(req.tokens) >= self.build.max_seq_len:
+        elif len(req.output) >= s.max_new_tokens or len(req.tokens) >= self.build.max_seq_len:
             self._finish(req, "length")
 
     def run(self, requests: list[Request]) -> list[Request]:

@@ -88,14 +88,21 @@ class KVCache:
     def bytes_per_token_for(cls, model) -> int:
         """Bytes of K + V one token takes over all local layers of `model`."""
         layers, kv_heads, head_dim = cls.shape_for(model)
-        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=cls.dtype_for(model)).element_size()
+
+    @staticmethod
+    def dtype_for(model) -> torch.dtype:
+        """Pool dtype: the model's, or int8 / float8_e4m3fn under an INT8 / FP8 kv_cache_quant_algo."""
+        from bestiary.core.quant.kv import kv_cache_dtype
+
+        return kv_cache_dtype(model.config, model.dtype)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, tokens_per_block: int) -> "KVCache":
         """Pools sized for `model`'s local layers and the kv heads its tp rank holds."""
         layers, kv_heads, head_dim = cls.shape_for(model)
         device = next(model.parameters()).device
-        return cls(layers, num_blocks, tokens_per_block, kv_heads, head_dim, model.dtype, device)
+        return cls(layers, num_blocks, tokens_per_block, kv_heads, head_dim, cls.dtype_for(model), device)
 
     @property
     def bytes_per_block(self) -> int:
@@ -261,6 +268,13 @@ class BlockAllocator:
         self.stats.queried_blocks += queried
         self.stats.hit_blocks += len(blocks)
         self.stats.hit_tokens += len(blocks) * self.tokens_per_block
+
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of the already-referenced `blocks` (a beam fork)."""
+        for block in blocks:
+            if self._refs[block] <= 0:
+                raise RuntimeError(f"KV block {block} shared while unreferenced")
+            self._refs[block] += 1
 
     def register(self, block: int, key: BlockKey) -> BlockKey:
         """Record that referenced, full `block` holds `key`'s content; returns the canonical key.

@@ -75,14 +75,37 @@ class GenerationStats:
 
 
 @dataclass
+class BeamCompletion:
+    """One finished beam of a beam search request (score = cum_log_prob / len ** length_penalty)."""
+
+    output_ids: list[int]
+    text: str | None
+    score: float
+    cum_log_prob: float
+    log_probs: list[float]
+    finish_reason: str
+    generation_logits: torch.Tensor | None = None  # [len(output_ids), V] when asked
+
+
+@dataclass
 class Completion:
-    """One finished request: ids, text and why it stopped."""
+    """One finished request: ids, text and why it stopped (the best beam's, for beam search).
+
+    log_probs / cum_log_prob: with output_log_probs (always for beam search);
+    context_logits [len(prompt), V] and generation_logits [len(output), V]: when asked;
+    beams: every finished beam, best first (beam search only).
+    """
 
     prompt_ids: list[int]
     output_ids: list[int]
     text: str | None
     finish_reason: str | None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    log_probs: list[float] | None = None
+    cum_log_prob: float | None = None
+    context_logits: torch.Tensor | None = None
+    generation_logits: torch.Tensor | None = None
+    beams: list[BeamCompletion] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +159,15 @@ class LLM:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
+    def _resolve(self, sampling: SamplingConfig | None) -> SamplingConfig:
+        """The request's config with text stop/bad words encoded by the tokenizer (no special tokens)."""
+        sampling = sampling or SamplingConfig()
+        if any(isinstance(w, str) for w in sampling.stop_words + sampling.bad_words):
+            if self.tokenizer is None:
+                raise BestiaryError(f"{self.engine.directory}: engine has no tokenizer; give stop/bad words as ids")
+            sampling = sampling.with_text_encoded(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        return sampling
+
     def _stop_ids(self) -> set[int]:
         return self.tokenizer.stop_ids if self.tokenizer else set()
 
@@ -145,6 +177,13 @@ class LLM:
         return self.tokenizer.decode([i for i in ids if i not in self._stop_ids()])
 
     def _check_sync_allowed(self) -> None:
+        """The sync API drives the executor itself: only when no async request is running.
+
+        An async stream that was just closed has its cancel queued on the worker thread; wait
+        for the worker's queue first, so it no longer counts.
+        """
+        if self._worker is not None:
+            self._worker.submit(lambda: None).result()
         if self._streams:
             raise BestiaryError(f"{len(self._streams)} generate_async requests are running: "
                                 "wait for them before calling generate / generate_stream")
@@ -154,7 +193,7 @@ class LLM:
     ) -> list[Completion]:
         """Generate for every prompt in one in-flight batch; completions in prompt order."""
         self._check_sync_allowed()
-        sampling = sampling or SamplingConfig()
+        sampling = self._resolve(sampling)
         start = time.perf_counter()
         requests = [self.executor.add(self._prompt_ids(p, chat), sampling, self._stop_ids()) for p in prompts]
         stats = GenerationStats(prompt_tokens=sum(len(r.prompt) for r in requests))
@@ -168,14 +207,31 @@ class LLM:
         return [self._completion(r, stats) for r in requests]
 
     def _completion(self, req: Request, stats: GenerationStats) -> Completion:
-        return Completion(req.prompt, req.output, self._decode(req.output), req.finish_reason, stats)
+        done = Completion(req.prompt, req.output, self._decode(req.output), req.finish_reason, stats)
+        if req.context_logits:
+            done.context_logits = torch.cat(req.context_logits)
+        if req.chooser is not None:
+            if req.sampling.output_log_probs:
+                done.log_probs = list(req.chooser.log_probs)
+                done.cum_log_prob = float(sum(done.log_probs))
+            if req.chooser.logits:
+                done.generation_logits = torch.stack(req.chooser.logits)
+        if req.search is not None:
+            for h in req.search.results():
+                logits = torch.stack(h.logits) if h.logits else None
+                done.beams.append(BeamCompletion(h.output_ids, self._decode(h.output_ids), h.score, h.cum_log_prob,
+                                                 h.log_probs, h.finish_reason, logits))
+            if done.beams:
+                best = done.beams[0]
+                done.log_probs, done.cum_log_prob, done.generation_logits = best.log_probs, best.cum_log_prob, best.generation_logits
+        return done
 
     def generate_stream(
         self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False
     ) -> Iterator[str | int]:
         """Yield text deltas (or ids, without a tokenizer) as tokens are generated."""
         self._check_sync_allowed()
-        sampling = sampling or SamplingConfig()
+        sampling = self._resolve(sampling)
         start = time.perf_counter()
         req = self.executor.add(self._prompt_ids(prompt, chat), sampling, self._stop_ids())
         stats = GenerationStats(prompt_tokens=len(req.prompt))
@@ -210,7 +266,7 @@ class LLM:
         Cancelling the consuming task (or closing the iterator) cancels the request and frees
         its KV blocks. Limit errors (prompt too long, ...) are raised before the first delta.
         """
-        sampling = sampling or SamplingConfig()
+        sampling = self._resolve(sampling)
         ids = self._prompt_ids(prompt, chat)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -178,6 +178,10 @@ class WeightsLoader:
             )
 
     # --- 2 + 3. load and postprocess -----------------------------------------------------
+    def prepend_hooks(self, hooks: dict) -> None:
+        """Postprocess hooks {glob: fn} tried before the architecture's (core.quant.import_hf's in_perm)."""
+        self._hooks = {**hooks, **self._hooks}
+
     def hook_for(self, key: str):
         """The postprocess hook whose glob matches `key` (first match), or identity."""
         for pattern, fn in self._hooks.items():

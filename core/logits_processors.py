@@ -1,97 +1,163 @@
 """Logits processors: the per-request penalties and bans applied before a token is chosen.
 
-Each function takes one row of float32 scores x [V] (logits, or log-probabilities in beam
-search) and returns a new row; `LogitsPipeline` chains them for one request, in this order:
+Each function takes float32 scores x [N, V] (logits, or log-probabilities in beam search)
+and returns new scores; `LogitsPipeline` chains the ones a request asked for, in this order:
 
-    embedding bias:      x_i += bias_i
+    embedding bias:      x_i += bias_i                                  (raw logits only)
     repetition penalty:  for i in set(prompt + output):  x_i = x_i * r if x_i < 0 else x_i / r
     presence/frequency:  x_i -= presence * (c_i > 0) + frequency * c_i,  c_i = count of i in output
-    bad words:           x_last = -inf for each banned sequence whose prefix ends the sequence
+    bad words:           x_last = -inf for each banned sequence whose other tokens end prompt + output
     min length:          x_e = -inf for every end id e while len(output) < min_length
 
-The repetition, bad-words and min-length steps give the same values as HF transformers'
-RepetitionPenaltyLogitsProcessor, NoBadWordsLogitsProcessor and MinLengthLogitsProcessor
-(with min_length counted in generated tokens, i.e. HF's min_length = prompt + min_length);
-presence/frequency follow OpenAI's formula.
+Repetition, bad words and min length give the values of HF transformers'
+RepetitionPenaltyLogitsProcessor, NoBadWordsLogitsProcessor and
+MinNewTokensLengthLogitsProcessor; presence/frequency is OpenAI's formula. The state a
+sequence needs (`ProcessorState`: the ids seen, the output counts) is updated by one
+`push` per token, so a step costs O(V), not O(sequence length).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-
-def repetition_penalty(x: torch.Tensor, ids: torch.Tensor, penalty: float) -> torch.Tensor:
-    """x [V], ids [L] (prompt + output): every token seen once or more is penalised once."""
-    score = x.gather(0, ids)
-    score = torch.where(score < 0, score * penalty, score / penalty)
-    return x.scatter(0, ids, score)
+if TYPE_CHECKING:
+    from bestiary.core.sampling import SamplingConfig
 
 
-def presence_frequency_penalty(x: torch.Tensor, output: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
-    """x [V] - presence * (count > 0) - frequency * count, counts of the output ids [N] only."""
-    counts = torch.bincount(output, minlength=x.shape[0]).to(x.dtype)  # [V]
+def repetition_penalty(x: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """x [N, V], seen [N, V] bool (token in prompt + output): seen tokens scaled once by the penalty."""
+    return torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
+
+
+def presence_frequency_penalty(x: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
+    """x [N, V] - presence * (counts > 0) - frequency * counts; counts [N, V] of the output ids only."""
     return x - presence * (counts > 0).to(x.dtype) - frequency * counts
 
 
-def ban_bad_words(x: torch.Tensor, tokens: list[int], bad_words: list[list[int]]) -> torch.Tensor:
-    """-inf at the last token of each bad word whose other tokens end `tokens` (single tokens: always)."""
-    banned = [w[-1] for w in bad_words if len(w) - 1 <= len(tokens) and (len(w) == 1 or tokens[len(tokens) - len(w) + 1 :] == w[:-1])]
-    if not banned:
-        return x
-    return x.index_fill(0, torch.tensor(banned, device=x.device), float("-inf"))
+def banned_tokens(tokens: list[int], bad_words: list[list[int]]) -> list[int]:
+    """Last token of each bad word whose other tokens end `tokens` (single-token words: always)."""
+    out = []
+    for w in bad_words:
+        k = len(w) - 1
+        if k == 0 or (k <= len(tokens) and tokens[len(tokens) - k :] == w[:-1]):
+            out.append(w[-1])
+    return out
 
 
-def min_length_mask(x: torch.Tensor, generated: int, min_length: int, end_ids: torch.Tensor) -> torch.Tensor:
-    """-inf at the end ids while fewer than `min_length` tokens were generated."""
-    if generated >= min_length or end_ids.numel() == 0:
+def min_length_mask(x: torch.Tensor, generated: list[int], min_length: int, end_ids: torch.Tensor) -> torch.Tensor:
+    """x [N, V] with -inf at the end ids of the rows that generated fewer than `min_length` tokens."""
+    short = torch.tensor([g < min_length for g in generated], device=x.device)  # [N]
+    if end_ids.numel() == 0 or not bool(short.any()):
         return x
-    return x.index_fill(0, end_ids, float("-inf"))
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    mask[:, end_ids] = True
+    return x.masked_fill(mask & short[:, None], float("-inf"))
 
 
 def ends_with_any(tokens: list[int], words: list[list[int]]) -> bool:
-    """True when `tokens` ends with one of `words` (a stop-word check)."""
+    """True when `tokens` ends with one of `words` (the stop-word check)."""
     return any(len(w) <= len(tokens) and tokens[len(tokens) - len(w) :] == w for w in words)
 
 
-@dataclass
-class LogitsPipeline:
-    """The processors one request asked for, prepared once (tensors built at add time)."""
+class ProcessorState:
+    """What the processors need to know about one sequence (one beam)."""
 
-    vocab_size: int
-    embedding_bias: torch.Tensor | None = None  # [V] float32
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    bad_words: list[list[int]] = field(default_factory=list)
-    min_length: int = 0
-    end_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    __slots__ = ("counts", "prompt_len", "seen", "tokens")
+
+    def __init__(self, tokens: list[int], prompt_len: int, seen: torch.Tensor | None,
+                 counts: torch.Tensor | None) -> None:
+        self.tokens = tokens  # prompt + output
+        self.prompt_len = prompt_len
+        self.seen = seen  # [V] bool, or None when no repetition penalty
+        self.counts = counts  # [V] float32 output counts, or None without presence/frequency
 
     @property
-    def active(self) -> bool:
-        """False when every step is the identity (the greedy fast path skips the pipeline)."""
-        return (self.embedding_bias is not None or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.bad_words) or self.min_length > 0)
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def push(self, token: int) -> None:
+        """Account for one generated token."""
+        self.tokens.append(token)
+        if self.seen is not None:
+            self.seen[token] = True
+        if self.counts is not None:
+            self.counts[token] += 1
+
+    def fork(self) -> ProcessorState:
+        """An independent copy (a beam's child)."""
+        return ProcessorState(list(self.tokens), self.prompt_len,
+                              None if self.seen is None else self.seen.clone(),
+                              None if self.counts is None else self.counts.clone())
+
+
+class LogitsPipeline:
+    """The processors one request asked for, prepared once (tensors built when the request is added)."""
+
+    def __init__(self, config: SamplingConfig, vocab_size: int, end_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.embedding_bias = bias_vector(config.embedding_bias, vocab_size)
+        self.repetition = config.repetition_penalty
+        self.presence = config.presence_penalty
+        self.frequency = config.frequency_penalty
+        self.bad_words = config.token_words("bad_words")
+        self.min_length = config.min_length
+        self.end_ids = torch.tensor(sorted(end_ids), dtype=torch.int64)
+
+    @staticmethod
+    def wanted(config: SamplingConfig) -> bool:
+        """False when every processor would be the identity (the greedy fast path skips them)."""
+        return (config.embedding_bias is not None or config.repetition_penalty != 1.0
+                or config.presence_penalty != 0.0 or config.frequency_penalty != 0.0
+                or bool(config.bad_words) or config.min_length > 0)
+
+    def new_state(self, prompt: list[int]) -> ProcessorState:
+        """State of a sequence that starts with `prompt`."""
+        seen = counts = None
+        if self.repetition != 1.0:
+            seen = torch.zeros(self.vocab_size, dtype=torch.bool)
+            seen[torch.tensor(prompt, dtype=torch.int64)] = True
+        if self.presence != 0.0 or self.frequency != 0.0:
+            counts = torch.zeros(self.vocab_size, dtype=torch.float32)
+        return ProcessorState(list(prompt), len(prompt), seen, counts)
 
     def bias(self, x: torch.Tensor) -> torch.Tensor:
-        """x [V] + embedding_bias (applied to raw logits, before any softmax)."""
+        """x [N, V] + embedding_bias (on raw logits, before any softmax)."""
         return x if self.embedding_bias is None else x + self.embedding_bias.to(x.device)
 
-    def penalize(self, x: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
-        """Repetition, presence/frequency, bad words and min length on x [V] (float32)."""
-        if self.repetition_penalty != 1.0:
-            ids = torch.tensor(prompt + output, dtype=torch.int64, device=x.device)
-            x = repetition_penalty(x, ids, self.repetition_penalty)
-        if (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0) and output:
-            out = torch.tensor(output, dtype=torch.int64, device=x.device)
-            x = presence_frequency_penalty(x, out, self.presence_penalty, self.frequency_penalty)
+    def penalize(self, x: torch.Tensor, states: list[ProcessorState]) -> torch.Tensor:
+        """Repetition, presence/frequency, bad words and min length on x [N, V] float32."""
+        if self.repetition != 1.0:
+            x = repetition_penalty(x, torch.stack([s.seen for s in states]).to(x.device), self.repetition)
+        if self.presence != 0.0 or self.frequency != 0.0:
+            counts = torch.stack([s.counts for s in states]).to(x.device)
+            x = presence_frequency_penalty(x, counts, self.presence, self.frequency)
         if self.bad_words:
-            x = ban_bad_words(x, prompt + output, self.bad_words)
+            for row, state in enumerate(states):
+                banned = banned_tokens(state.tokens, self.bad_words)
+                if banned:
+                    x[row, banned] = float("-inf")
         if self.min_length:
-            x = min_length_mask(x, len(output), self.min_length, self.end_ids.to(x.device))
+            x = min_length_mask(x, [s.generated for s in states], self.min_length, self.end_ids.to(x.device))
         return x
 
-    def __call__(self, x: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
-        """Every processor on raw logits x [V]."""
-        return self.penalize(self.bias(x), prompt, output)
+    def __call__(self, x: torch.Tensor, states: list[ProcessorState]) -> torch.Tensor:
+        """Every processor on raw logits x [N, V] (one state per row)."""
+        return self.penalize(self.bias(x).clone(), states)
+
+
+def bias_vector(bias: list[float] | dict[int, float] | None, vocab_size: int) -> torch.Tensor | None:
+    """The embedding bias as a [V] float32 tensor (a full list, or {token id: bias})."""
+    if bias is None:
+        return None
+    if isinstance(bias, dict):
+        out = torch.zeros(vocab_size, dtype=torch.float32)
+        for token, value in bias.items():
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"embedding_bias: token id {token} is outside the vocabulary [0, {vocab_size})")
+            out[token] = value
+        return out
+    if len(bias) != vocab_size:
+        raise ValueError(f"embedding_bias has {len(bias)} values; expected vocab_size = {vocab_size}")
+    return torch.tensor(bias, dtype=torch.float32)

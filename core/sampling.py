@@ -1,33 +1,112 @@
-"""Sampling parameters and the sampler.
+"""Sampling parameters and the token chooser.
 
-Semantics: temperature 0 or top_k == 1 is greedy; top_k == 0 and top_p == 1.0 are off.
-Otherwise logits / temperature are filtered to the top_k largest, then to the smallest
-set whose probability mass reaches top_p, renormalised and sampled with the request's
-own generator (seeded by random_seed, so a seed reproduces a run).
+Semantics (docs/sampling.md has the full table): temperature 0 or top_k == 1 is greedy;
+top_k == 0 and top_p == 1.0 are off. Otherwise logits / temperature are filtered to the
+top_k largest, then to the smallest set whose probability mass reaches top_p,
+renormalised and sampled with the request's own generator (seeded by random_seed, so a
+seed reproduces a run). Penalties, bans and the embedding bias (core.logits_processors)
+act on the logits before temperature. beam_width > 1 is beam search (core.beam).
+
+Plain requests (no penalty, no ban, no extra output) take `sample`, a batched fast path;
+every other request gets a `TokenChooser` holding its per-step state.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from bestiary.core.logits_processors import LogitsPipeline, ProcessorState
+
+WordList = list[list[int] | str]
 
 
 class SamplingConfig(BaseModel):
-    """Per-request generation parameters."""
+    """Per-request generation parameters (the GPT runtime's SamplingConfig and generation inputs)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    # --- length and stopping
     max_new_tokens: int = Field(64, ge=1, description="Tokens to generate at most.")
+    min_length: int = Field(0, ge=0, description="Generated tokens before an end id (or stop word) may end the request.")
+    end_id: int | None = Field(None, ge=0, description="Stop token; defaults to the tokenizer's stop ids.")
+    pad_id: int | None = Field(None, ge=0, description="Fills padded outputs (pad_outputs); defaults to end_id, else 0.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end ids.")
+    stop_words: WordList = Field(default_factory=list, description="Sequences that end generation (ids or text).")
+    bad_words: WordList = Field(default_factory=list, description="Sequences never generated (ids or text).")
+    # --- penalties
+    repetition_penalty: float = Field(1.0, gt=0.0, description="Prompt + output tokens: x / r if x > 0 else x * r; 1.0 = off.")
+    presence_penalty: float = Field(0.0, description="Subtracted once from every token already in the output.")
+    frequency_penalty: float = Field(0.0, description="Subtracted per occurrence of a token in the output.")
+    embedding_bias: list[float] | dict[int, float] | None = Field(
+        None, description="Added to the logits: a full [vocab_size] list, or {token id: bias}.")
+    # --- sampling
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
     top_k: int = Field(0, ge=0, description="0 = off; 1 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off.")
+    top_p_decay: float = Field(1.0, gt=0.0, le=1.0, description="top_p *= decay after each token; 1.0 = off.")
+    top_p_min: float = Field(1e-6, gt=0.0, le=1.0, description="Lower bound of the decayed top_p.")
+    top_p_reset_ids: int | None = Field(None, ge=0, description="Generating this id resets top_p to its start value.")
     random_seed: int | None = Field(None, description="Seed of this request's generator.")
-    end_id: int | None = Field(None, description="Stop token; defaults to the tokenizer's EOS.")
-    ignore_eos: bool = Field(False, description="Keep generating past end_id.")
+    # --- beam search
+    beam_width: int = Field(1, ge=1, description="Beams; 1 = no beam search.")
+    beam_search_diversity_rate: float = Field(0.0, ge=0.0, description="Rank penalty within a beam's candidates.")
+    length_penalty: float = Field(1.0, description="Finished beam score = cum_log_prob / generated_len ** length_penalty.")
+    early_stopping: bool | Literal["never"] = Field(
+        False, description="Beam search end: True = at beam_width finished; False = heuristic; 'never' = exact.")
+    # --- outputs
+    output_log_probs: bool = Field(False, description="Return per-token and cumulative log probs.")
+    output_context_logits: bool = Field(False, description="Return the logits of every prompt position.")
+    output_generation_logits: bool = Field(False, description="Return the raw logits of every generated step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingConfig:
+        for name in ("stop_words", "bad_words"):
+            for word in getattr(self, name):
+                if isinstance(word, list) and (not word or min(word) < 0):
+                    raise ValueError(f"{name}: {word!r} must be a non-empty list of token ids >= 0")
+                if isinstance(word, str) and not word:
+                    raise ValueError(f"{name}: empty string")
+        if self.top_p_min > self.top_p:
+            raise ValueError(f"top_p_min {self.top_p_min} is larger than top_p {self.top_p}")
+        return self
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def padding_id(self) -> int:
+        """pad_id, else end_id, else 0 (what pad_outputs should fill with)."""
+        return self.pad_id if self.pad_id is not None else self.end_id if self.end_id is not None else 0
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def needs_chooser(self) -> bool:
+        """False for plain requests: the batched fast path `sample` serves them."""
+        return (self.is_beam_search or self.output_log_probs or self.output_generation_logits
+                or self.top_p_decay != 1.0 or self.top_p_reset_ids is not None or LogitsPipeline.wanted(self))
+
+    def token_words(self, name: str) -> list[list[int]]:
+        """stop_words / bad_words as id sequences (text must be resolved first: LLM does it)."""
+        words = getattr(self, name)
+        if any(isinstance(w, str) for w in words):
+            raise ValueError(f"{name} holds text; encode it with the tokenizer first (LLM.generate does)")
+        return words
+
+    def with_text_encoded(self, encode) -> SamplingConfig:
+        """A copy whose text stop/bad words are id sequences: encode(text) -> ids."""
+        update = {}
+        for name in ("stop_words", "bad_words"):
+            words = getattr(self, name)
+            if any(isinstance(w, str) for w in words):
+                update[name] = [encode(w) if isinstance(w, str) else w for w in words]
+        return self.model_copy(update=update) if update else self
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -41,7 +120,11 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] with everything outside top-k / top-p set to -inf."""
+    """logits [V] with everything outside top-k / top-p set to -inf.
+
+    top-k keeps logits >= the k-th largest; top-p then drops every token whose sorted
+    probability mass strictly before it is already >= top_p (so one token always stays).
+    """
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -56,7 +139,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample(logits: torch.Tensor, params: list[SamplingConfig], generators: list[torch.Generator]) -> list[int]:
-    """One token per row of logits [B, V]."""
+    """One token per row of logits [B, V] (the fast path: plain requests only)."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1).tolist()
     out = []
@@ -68,3 +151,73 @@ def sample(logits: torch.Tensor, params: list[SamplingConfig], generators: list[
         probs = torch.softmax(filtered, dim=-1)
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out
+
+
+def decayed_top_p(current: float, token: int, config: SamplingConfig) -> float:
+    """top_p for the next step (Factuality-enhanced LMs): reset on top_p_reset_ids, else
+    max(current * top_p_decay, top_p_min)."""
+    if config.top_p_reset_ids is not None and token == config.top_p_reset_ids:
+        return config.top_p
+    return max(current * config.top_p_decay, config.top_p_min)
+
+
+class TokenChooser:
+    """One non-beam request's sampler with state: processors, decayed top_p, outputs.
+
+    choose(l): x = pipeline(l) (float32); greedy: argmax x, log p = log_softmax(x)[token];
+    otherwise y = filter(x / T, top_k, top_p_t), token ~ softmax(y), log p = log_softmax(y)[token].
+    """
+
+    def __init__(self, config: SamplingConfig, generator: torch.Generator, pipeline: LogitsPipeline | None,
+                 prompt: list[int]) -> None:
+        self.config = config
+        self.generator = generator
+        self.pipeline = pipeline
+        self.state = pipeline.new_state(prompt) if pipeline else None
+        self.top_p = config.top_p
+        self.log_probs: list[float] = []
+        self.logits: list[torch.Tensor] = []  # raw generation logits, [V] each
+
+    def choose(self, row: torch.Tensor) -> int:
+        """The next token from this request's raw logits row [V]."""
+        cfg = self.config
+        if cfg.output_generation_logits:
+            self.logits.append(row.float().clone())
+        x = row.float()
+        if self.pipeline is not None:
+            x = self.pipeline(x[None], [self.state])[0]
+        if cfg.is_greedy:
+            token = int(x.argmax())
+            dist = x
+        else:
+            dist = filter_logits(x / cfg.temperature, cfg.top_k, self.top_p)
+            token = int(torch.multinomial(torch.softmax(dist, dim=-1), 1, generator=self.generator))
+        if cfg.output_log_probs:
+            self.log_probs.append(float(torch.log_softmax(dist, dim=-1)[token]))
+        if self.state is not None:
+            self.state.push(token)
+        self.top_p = decayed_top_p(self.top_p, token, cfg)
+        return token
+
+
+def pad_outputs(sequences: list[list[list[int]]], pad_id: int) -> torch.Tensor:
+    """Output ids [batch, beams, longest] from per-request lists of per-beam ids, padded with pad_id."""
+    beams = max((len(s) for s in sequences), default=0)
+    longest = max((len(b) for s in sequences for b in s), default=0)
+    out = torch.full((len(sequences), beams, longest), pad_id, dtype=torch.int64)
+    for i, seq in enumerate(sequences):
+        for j, ids in enumerate(seq):
+            out[i, j, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return out
+
+
+__all__ = [
+    "ProcessorState",
+    "SamplingConfig",
+    "TokenChooser",
+    "decayed_top_p",
+    "filter_logits",
+    "make_generator",
+    "pad_outputs",
+    "sample",
+]

@@ -20,8 +20,9 @@ import triton.language as tl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H] -> [..., H]: F.rms_norm in float32, else float32 math cast back."""
-    if x.dtype == torch.float32:
+    """x [..., H] -> [..., H]: F.rms_norm (its CPU kernel computes half inputs in float32 and
+    rounds once); elsewhere, for half types, the float32 math written out and cast back."""
+    if x.dtype == torch.float32 or (x.device.type == "cpu" and x.dtype == weight.dtype):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -172,8 +172,19 @@ def _mask_bias(
     return bias.to(dtype)
 
 
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store k, v [T, KVH, D] at flat `slots` [T] of pools [num_blocks, block_size, KVH, D]."""
+def write_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    scales: torch.Tensor | None = None,
+) -> None:
+    """Store k, v [T, KVH, D] at flat `slots` [T] of pools [num_blocks, block_size, KVH, D].
+
+    INT8/FP8 pools get codes k / s_k, v / s_v with `scales` = (s_k, s_v) (core.quant.kv)."""
+    if scales is not None:
+        from bestiary.core.quant.kv import as_bytes, quantize_kv
+
+        k, v = quantize_kv(k, scales[0], k_pool.dtype), quantize_kv(v, scales[1], v_pool.dtype)
+        # float8 through uint8 views: the CPU has no index_copy_ for float8
+        k_pool, v_pool, k, v = as_bytes(k_pool), as_bytes(v_pool), as_bytes(k), as_bytes(v)
     k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
     v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
 
@@ -202,6 +213,10 @@ def decode_attention(
     v = _gather_kv(v_pool, meta.block_tables, length, start)
     kvh = k.shape[2]
     qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        # These skinny half-precision matmuls are ~1.6x slower than fp32 on the CPU (measured,
+        # SmolLM2 shapes): compute in fp32 and round the output once.
+        qg, k, v = qg.float(), k.float(), v.float()
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
     if slopes is not None:
         lens = torch.tensor(meta.kv_lens, device=q.device)
@@ -216,7 +231,7 @@ def decode_attention(
         v = v.masked_fill(padding[:, :, None, None], 0.0)  # 0 * garbage could be NaN
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, KVH, G, D]
-    return out.reshape(b, h * d)
+    return out.reshape(b, h * d).to(q.dtype)
 
 
 def prefill_attention(
@@ -262,11 +277,16 @@ class PagedAttention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.alibi = alibi  # [H_local] slopes or None
         self.key_bias = key_bias  # k_pos [L] -> [H_local, L], or None
+        self.kv_quant = None  # core.quant.kv.KVQuant for INT8/FP8 pools
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
         k_pool: torch.Tensor, v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+        if self.kv_quant is not None:  # INT8/FP8 pools: attend over this step's blocks, dequantized
+            write_kv(k_pool, v_pool, k, v, meta.slot_mapping, self.kv_quant.scales)
+            k_pool, v_pool = self.kv_quant.float_pools(k_pool, v_pool, meta, q.dtype)
+        else:
+            write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         # Triton kernels on CUDA; on the CPU paged_attention_ref = decode/prefill_attention below.
         return dispatch.paged_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi, self.key_bias)

@@ -4,19 +4,24 @@ Weights are (out_features, in_features), as in the checkpoint. A column-parallel
 holds out_features / tp_size rows (tp_dim 0), a row-parallel one in_features / tp_size
 columns (tp_dim 1) and all-reduces its output; a replicated one holds everything.
 
-Quantized weights go in the same class: `quant` names the packed layout and the
-`weights_scaling_factor` buffer holds its scales (see `QuantSlot`). A batched LoRA delta
-is added through the `lora` argument of `forward`.
+Quantized weights go in the same class: `quant` (a core.quant.slot.WeightOnlySlot,
+installed by core.quant.apply from the config's `quantization` section) holds the packed
+layout; `weight` is then the packed tensor and `weights_scaling_factor` (+ `zeros`) its
+scales, under the checkpoint's names. A batched LoRA delta is added through the `lora`
+argument of `forward`.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from bestiary.core.quant.slot import WeightOnlySlot
 
 
 class Parallel(str, Enum):
@@ -30,7 +35,7 @@ class Parallel(str, Enum):
 class LoraDelta(Protocol):
     """Per-step batched LoRA: returns the delta y_lora [T, out] for input x [T, in] of `module`."""
 
-    def __call__(self, module: "Linear", x: torch.Tensor) -> torch.Tensor | None: ...
+    def __call__(self, module: Linear, x: torch.Tensor) -> torch.Tensor | None: ...
 
 
 def tp_dim_of(parallel: Parallel, is_weight: bool) -> int:
@@ -75,14 +80,24 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_local, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.name = ""
+        self.quant: WeightOnlySlot | None = None  # packed weights + scales when quantized
 
     def tp_dim(self, param_name: str) -> int:
         """Slicing dim of this layer's tensor `param_name` ("weight" / "bias" / scales)."""
+        if self.quant is not None and param_name != "bias":
+            weight_dim = tp_dim_of(self.parallel, is_weight=True)
+            return self.quant.tp_dim(param_name, weight_dim, self.parallel == Parallel.COLUMN)
         return tp_dim_of(self.parallel, is_weight=param_name == "weight")
+
+    def fuse(self) -> None:
+        """After loading (DecoderLM.prepare_for_inference): repack quantized weights for the device."""
+        if self.quant is not None:
+            self.quant.prepare(self)
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
         """x [T, in_local] -> y [T, out_local] (row-parallel: all-reduced [T, out])."""
-        y = F.linear(x, self.weight, None if self.parallel == Parallel.ROW else self.bias)
+        bias = None if self.parallel == Parallel.ROW else self.bias
+        y = F.linear(x, self.weight, bias) if self.quant is None else self.quant.matmul(self, x, bias)
         if lora is not None:
             delta = lora(self, x)
             if delta is not None:
@@ -98,4 +113,5 @@ class Linear(nn.Module):
         return (
             f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
             f"parallel={self.parallel.value}, tp={self.tp_rank}/{self.tp_size}"
+            + (f", quant={self.quant.lq.algo}" if self.quant is not None else "")
         )

@@ -50,6 +50,8 @@ class GatedMLP(nn.Module):
 
     def fuse(self) -> None:
         """Pack fc and gate weights into one [2 * I_local, H] tensor (inference speed)."""
+        if self.fc.quant is not None or self.gate.quant is not None:
+            return  # quantized: fc and gate keep their packed weights and run their own kernels
         inter = self.fc.weight.shape[0]
         self._fused = torch.cat([self.fc.weight, self.gate.weight])
         # fc/gate become views of the fused tensor: no second copy of the weights.

@@ -8,8 +8,8 @@
 
 A Linear is selected unless its canonical name matches one of `exclude_modules` (a glob
 matched against the whole name or any dotted suffix of it: "lm_head", "mlp.proj",
-"*.attention.qkv"). Everything that can be refused is refused here, from shapes alone,
-before a weight is read: `check_model` raises ConfigError with a one-line reason.
+"*.attention.qkv"). Everything that can be refused is refused from shapes alone, before
+a weight is read: `check_linear` raises ConfigError with a one-line reason.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
     if algo in INT4_ALGOS:
         zero = quant.has_zero_point or algo != "W4A16"
         return LinearQuant(algo, 4, quant.group_size, zero)
-    raise ConfigError(f"quantization.quant_algo {algo!r}: not available yet; expected one of {', '.join(WEIGHT_ONLY_ALGOS)}")
+    raise ConfigError(
+        f"quantization.quant_algo {algo!r}: not available yet; expected one of {', '.join(WEIGHT_ONLY_ALGOS)}"
+    )
 
 
 def is_excluded(name: str, patterns: list[str] | None) -> bool:
@@ -59,13 +61,22 @@ def quantizes(name: str, quant: QuantConfig) -> bool:
     return quant.quant_algo is not None and not is_excluded(name, quant.exclude_modules)
 
 
-def check_linear(name: str, in_local: int, out_local: int, lq: LinearQuant) -> None:
-    """Refuse a layout this layer cannot take (ConfigError, one line naming the layer)."""
-    if lq.bits == 4:
-        if lq.group_size not in GROUP_SIZES:
-            raise ConfigError(f"--group_size {lq.group_size}: expected one of {', '.join(map(str, GROUP_SIZES))}")
-        if in_local % lq.group_size:
-            raise ConfigError(
-                f"--group_size {lq.group_size}: {name} has {in_local} input features (per rank), "
-                f"not a multiple of the group size; pick another group size or --exclude_modules {'.'.join(name.split('.')[-2:])}"
-            )
+def check_linear(name: str, in_local: int, out_local: int, lq: LinearQuant, split_in: bool = False) -> None:
+    """Refuse a layout this layer cannot take (ConfigError, one line naming the layer).
+
+    A group size that does not divide the in-features is fine on one rank (the last group is
+    shorter), but not when the in-features are split over tensor-parallel ranks (row-parallel,
+    `split_in`): a group would straddle two ranks."""
+    if lq.bits != 4:
+        return
+    short = ".".join(name.split(".")[-2:]) if "." in name else name
+    if lq.group_size not in GROUP_SIZES:
+        raise ConfigError(f"--group_size {lq.group_size}: expected one of {', '.join(map(str, GROUP_SIZES))}")
+    if split_in and in_local % lq.group_size:
+        raise ConfigError(
+            f"--group_size {lq.group_size}: {name} has {in_local} input features per tensor-parallel rank, "
+            f"not a multiple of the group size; pick another group size or --tp_size, "
+            f"or --exclude_modules {short}"
+        )
+    if in_local % 2:
+        raise ConfigError(f"{name}: int4 packing needs an even number of input features, got {in_local}")

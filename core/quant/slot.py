@@ -1,15 +1,15 @@
 """The quantized-weight slot of a `Linear`: packed weight + scales in the same layer class.
 
 `WeightOnlySlot.install(linear, lq)` swaps the layer's float `weight` for the packed one
-and adds `weights_scaling_factor` (and `weights_zero_point`) parameters, so the
-checkpoint names and `load_state_dict` work unchanged (layouts in core.quant.packing).
+and adds `weights_scaling_factor` (and `zeros`) parameters, so the checkpoint names and
+`load_state_dict` work unchanged (layouts in core.quant.packing).
 
 After loading, `prepare(linear)` repacks for the device that will run it:
 
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
                 to the compute dtype
-    CPU, int4:  weight repacked in place into aten._weight_int4pack_mm_for_cpu's layout
-                (same [N, K/2] uint8 shape), plus its [K/G, N, 2] (scale, offset) table
+    CPU, int4:  weight repacked in place by aten._convert_weight_to_int4pack_for_cpu (same
+                [N, K/2] uint8 shape, its own byte order), plus its [K/G, N, 2] (scale, offset) table
     CUDA:       the checkpoint layout is what core.kernels.woq_gemm's Triton kernels read
 
 y = x W^T + b on the CPU: a step of at most `max_kernel_tokens` tokens (decode) runs the
@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from bestiary.core.quant import packing
 from bestiary.core.quant.modes import LinearQuant, check_linear
+from torch import nn
 
 # Steps with more tokens than this dequantize to bf16 and run a dense matmul on the CPU
 # (the weight-only kernels do not scale with the batch; see docs/quantization.md).
 DEFAULT_MAX_KERNEL_TOKENS = 8
+SCALE_NAMES = ("weights_scaling_factor", "zeros", "in_perm")
+# W4A16_GPTQ layers hold `in_perm` int32 [K_local]: the layer computes x[..., in_perm] W^T, so
+# act-order (GPTQ desc_act) weights are stored with group-contiguous in-features
+# (core.quant.import_hf). Indices count the layer's full in-features; identity when trivial.
+PERMUTED_ALGOS = ("W4A16_GPTQ",)
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -45,36 +49,44 @@ class WeightOnlySlot:
         self.compute_dtype = torch.bfloat16
         self.max_kernel_tokens = DEFAULT_MAX_KERNEL_TOKENS
         self.layout = "checkpoint"  # "cpu" once the int4 weight is in the aten CPU layout
+        self.k_pad = 0  # cpu layout: zero input features appended so the group size divides K
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
+        self.in_offset = 0  # in_perm: first in-feature of this rank (row-parallel on tp ranks)
+        self._perm: torch.Tensor | None | bool = False  # False: not looked at yet; None: identity
 
     # --- building the layer ------------------------------------------------------------------
     @classmethod
-    def install(cls, linear: nn.Module, lq: LinearQuant) -> "WeightOnlySlot":
+    def install(cls, linear: nn.Module, lq: LinearQuant) -> WeightOnlySlot:
         """Replace linear.weight by the packed weight, add the scale (and zero point) parameters."""
         n, k = linear.weight.shape
-        check_linear(linear.name, k, n, lq)
+        check_linear(linear.name, k, n, lq, split_in=linear.parallel == "row" and linear.tp_size > 1)
         dtype, device = linear.weight.dtype, linear.weight.device
         if lq.bits == 8:
             linear.weight = _param(torch.empty(n, k, dtype=torch.int8, device=device))
             linear.weights_scaling_factor = _param(torch.empty(n, dtype=dtype, device=device))
         else:
-            groups = k // lq.group_size
+            groups = packing.num_groups(k, lq.group_size)
             linear.weight = _param(torch.empty(n, k // 2, dtype=torch.uint8, device=device))
             linear.weights_scaling_factor = _param(torch.empty(n, groups, dtype=dtype, device=device))
             if lq.has_zero_point:
-                linear.weights_zero_point = _param(torch.empty(n, groups, dtype=dtype, device=device))
+                linear.zeros = _param(torch.empty(n, groups, dtype=dtype, device=device))
         slot = cls(lq, (n, k))
+        if lq.algo in PERMUTED_ALGOS:
+            linear.in_perm = _param(torch.empty(k, dtype=torch.int32, device=device))
+            slot.in_offset = linear.tp_rank * k if linear.parallel == "row" and linear.tp_size > 1 else 0
         linear.quant = slot
         return slot
 
     def tp_dim(self, name: str, weight_dim: int, is_column: bool) -> int:
         """Slicing dim of tensor `name` given the weight's (`weight_dim`): scales follow the out
         dim of a column-parallel layer and, group-wise only, the group dim of a row-parallel one."""
-        if name == "weight":
+        if name == "weight" or weight_dim < 0:
             return weight_dim
+        if name == "in_perm":
+            return -1 if is_column else 0
         if is_column:
             return 0
-        return 1 if self.lq.bits == 4 and weight_dim == 1 else -1
+        return 1 if self.lq.bits == 4 else -1
 
     def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Float weight [N, K] -> {parameter name: tensor} in the checkpoint layout."""
@@ -86,26 +98,32 @@ class WeightOnlySlot:
         codes, s, z = packing.quantize_int4_groupwise(w, self.lq.group_size, self.lq.has_zero_point)
         out = {"weight": packing.pack_int4(codes), "weights_scaling_factor": s.to(scale_dtype)}
         if z is not None:
-            out["weights_zero_point"] = z.to(scale_dtype)
+            out["zeros"] = z.to(scale_dtype)
+        if self.lq.algo in PERMUTED_ALGOS:  # quantized in the given feature order: identity
+            out["in_perm"] = torch.arange(self.in_offset, self.in_offset + self.in_local, dtype=torch.int32)
         return out
 
     # --- reading the weight back -------------------------------------------------------------
     def codes(self, linear: nn.Module) -> torch.Tensor:
         """int4: codes uint8 [N, K] from whichever layout the weight is in."""
         w = linear.weight
-        return packing.unpack_int4_cpu(w) if self.layout == "cpu" else packing.unpack_int4(w)
+        if self.layout == "cpu":
+            return packing.unpack_int4_cpu(w)[:, : self.in_local]  # drop the padded features
+        return packing.unpack_int4(w)
 
     def dequantize(self, linear: nn.Module) -> torch.Tensor:
-        """The float32 weight [N, K] the packed tensors stand for."""
+        """The float32 weight [N, K] the packed tensors stand for: q * s, or (q - z) * s per group
+        (with an in_perm, over the permuted in-features: y = x[..., in_perm] W^T)."""
         s = linear.weights_scaling_factor
         if self.lq.bits == 8:
             return packing.dequantize_int8(linear.weight, s)
-        z = getattr(linear, "weights_zero_point", None)
+        z = getattr(linear, "zeros", None)
         return packing.dequantize_int4(self.codes(linear), s, z, self.lq.group_size)
 
     # --- running -----------------------------------------------------------------------------
     def prepare(self, linear: nn.Module) -> None:
         """Repack for the device the layer now lives on (idempotent)."""
+        self._perm = False  # in_perm is looked at again on the next matmul
         if linear.weight.device.type != "cpu":
             return
         s = linear.weights_scaling_factor
@@ -115,9 +133,12 @@ class WeightOnlySlot:
         if self.out_local % 16:
             return  # the aten layout needs N % 16 == 0: this layer always dequantizes
         if self.layout != "cpu":
-            linear.weight.data = packing.pack_int4_cpu(packing.unpack_int4(linear.weight))
+            codes = packing.unpack_int4(linear.weight).to(torch.int32)  # [N, K]
+            self.k_pad = -self.in_local % self.lq.group_size  # a short last group: pad it to full size
+            codes = F.pad(codes, (0, self.k_pad))  # [N, K + pad]; the padded x columns are 0
+            linear.weight = _param(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
             self.layout = "cpu"
-        z = getattr(linear, "weights_zero_point", None)
+        z = getattr(linear, "zeros", None)
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
 
     def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
@@ -128,6 +149,9 @@ class WeightOnlySlot:
     def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+        perm = self.input_perm(linear, x.device)
+        if perm is not None:
+            x2 = x2.index_select(1, perm)  # [T, K] in the weight's (group-contiguous) feature order
         if x.device.type != "cpu":
             y = self._device_matmul(linear, x2)
         else:
@@ -141,9 +165,21 @@ class WeightOnlySlot:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def input_perm(self, linear: nn.Module, device: torch.device) -> torch.Tensor | None:
+        """Local in_perm (int64, on `device`) the input is gathered by, None when identity or absent."""
+        if self._perm is False or (self._perm is not None and self._perm.device != device):
+            perm = getattr(linear, "in_perm", None)
+            local = None if perm is None else perm.to(device=device, dtype=torch.int64) - self.in_offset
+            identity = local is None or torch.equal(local, torch.arange(self.in_local, device=device))
+            self._perm = None if identity else local
+        return self._perm
+
     def _cpu_kernel(self, linear: nn.Module, xc: torch.Tensor) -> torch.Tensor:
+        """The aten weight-only kernels: xc [T, K] in the compute dtype -> [T, N]."""
         if self.lq.bits == 8:
             return torch.ops.aten._weight_int8pack_mm(xc.contiguous(), linear.weight, self._kernel_scales)
+        if self.k_pad:
+            xc = F.pad(xc, (0, self.k_pad))  # [T, K + pad]
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             xc.contiguous(), linear.weight, self.lq.group_size, self._kernel_scales)
 
@@ -154,7 +190,7 @@ class WeightOnlySlot:
         s = linear.weights_scaling_factor
         if self.lq.bits == 8:
             return dispatch.woq_int8_linear(x2, linear.weight, s)
-        z = getattr(linear, "weights_zero_point", None)
-        if self.lq.group_size in (64, 128):
+        z = getattr(linear, "zeros", None)
+        if self.lq.group_size in (64, 128) and self.in_local % self.lq.group_size == 0:
             return dispatch.woq_int4_linear(x2, linear.weight, s, z, self.lq.group_size)
         return F.linear(x2, self.dequantize(linear).to(x2.dtype))

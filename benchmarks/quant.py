@@ -1,0 +1,174 @@
+"""Batch-1 decode per quantization mode on SmolLM2-135M-Instruct vs HF transformers fp32, same run.
+
+For each mode: convert the demo GGUF (fp32 + the mode's quantization), build, then measure
+decode tokens/s as (time for 1 + N tokens - time for 1) / N, greedy, EOS ignored, median
+of --repeats runs alternating with HF fp32; engine size on disk; resident memory (RSS)
+growth of loading the engine and generating; greedy agreement with the fp32 engine over
+the held prompts (fraction of generated tokens equal before the first difference). If
+llama-cpp-python is importable, llama.cpp on the same GGUF is measured too.
+
+    python benchmarks/quant.py [--new_tokens 64] [--repeats 3] [--modes fp32 W8A16 W4A16_g64 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT = "Write a short story about a robot who learns to paint."
+HELD_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+                "<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def modes() -> dict:
+    """Mode name -> quantization section (None: fp32)."""
+    from bestiary.core.config import QuantConfig
+
+    return {
+        "fp32": None,
+        "W8A16": QuantConfig(quant_algo="W8A16"),
+        "W4A16_g64": QuantConfig(quant_algo="W4A16", group_size=64),
+        "W4A16_g128_zp": QuantConfig(quant_algo="W4A16", group_size=128, has_zero_point=True),
+        "W8A16+INT8_KV": QuantConfig(quant_algo="W8A16", kv_cache_quant_algo="INT8"),
+        "W8A16+FP8_KV": QuantConfig(quant_algo="W8A16", kv_cache_quant_algo="FP8"),
+    }
+
+
+def rss_mib() -> float:
+    """Resident set size of this process, MiB (Linux /proc)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def dir_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
+
+
+def ours_seconds(llm, ids: list[int], n: int) -> float:
+    from bestiary.core.sampling import SamplingConfig
+
+    t0 = time.perf_counter()
+    llm.generate([ids], SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - t0
+
+
+def hf_seconds(model, ids: torch.Tensor, n: int) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+def decode_rate(run, n: int) -> float:
+    """Tokens/s of the decode phase: N extra tokens over the time they added."""
+    first = run(1)
+    return n / (run(1 + n) - first)
+
+
+def greedy_ids(llm, tokenizer, n: int) -> list[list[int]]:
+    from bestiary.core.sampling import SamplingConfig
+
+    prompts = [tokenizer(p).input_ids for p in HELD_PROMPTS]
+    out = llm.generate(prompts, SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    return [c.output_ids for c in out]
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
+    """Mean over prompts of (tokens equal before the first difference) / tokens."""
+    fractions = []
+    for a, b in zip(ours, ref):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        fractions.append(same / max(1, len(b)))
+    return sum(fractions) / len(fractions)
+
+
+def llama_cpp_rate(gguf: Path, ids: list[int], n: int, repeats: int) -> float | None:
+    """llama.cpp batch-1 decode tokens/s on the GGUF, or None without llama-cpp-python."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
+
+    def run(k: int) -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        for i, _ in enumerate(llm.generate(ids, temp=0.0)):
+            if i + 1 >= k:
+                break
+        return time.perf_counter() - t0
+
+    run(4)
+    return statistics.median(decode_rate(run, n) for _ in range(repeats))
+
+
+def main() -> None:
+    import transformers
+    from bestiary.core.build import BuildConfig, build_engine
+    from bestiary.core.convert import convert
+    from bestiary.core.demo import demo_model_path
+    from bestiary.core.llm import LLM
+
+    all_modes = modes()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--agreement_tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=list(all_modes), choices=list(all_modes))
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gguf = demo_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ids = tokenizer(PROMPT).input_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                           dtype=torch.float32).eval()
+    hf_run = lambda n: hf_seconds(hf, torch.tensor([ids]), n)
+    hf_run(4)
+    rows, hf_rates, reference = [], [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ["fp32"] + [m for m in args.modes if m != "fp32"]:
+            ckpt, engine = Path(tmp) / f"{mode}-ckpt", Path(tmp) / f"{mode}-engine"
+            convert(gguf, ckpt, dtype="float32", show_progress=False, quantization=all_modes[mode])
+            build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_seq_len=512))
+            gc.collect()
+            before = rss_mib()
+            llm = LLM(engine)
+            run = functools.partial(ours_seconds, llm, ids)
+            run(4)
+            rates = []
+            for _ in range(args.repeats):
+                rates.append(decode_rate(run, args.new_tokens))
+                hf_rates.append(decode_rate(hf_run, args.new_tokens))
+            held = greedy_ids(llm, tokenizer, args.agreement_tokens)
+            reference = held if mode == "fp32" else reference
+            rss = rss_mib() - before
+            if mode in args.modes:
+                rows.append((mode, statistics.median(rates), dir_mib(engine), rss, agreement(held, reference)))
+            del llm
+            gc.collect()
+    hf_rate = statistics.median(hf_rates)
+    cpp = llama_cpp_rate(gguf, ids, args.new_tokens, args.repeats)
+    print(f"SmolLM2-135M-Instruct, batch 1, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, "
+          f"median of {args.repeats}; HF fp32 {hf_rate:.1f} tok/s"
+          + (f"; llama.cpp (GGUF Q4_1) {cpp:.1f} tok/s" if cpp else "; llama.cpp: llama-cpp-python not installed"))
+    print(f"{'mode':<16} {'tok/s':>7} {'vs HF fp32':>10} {'vs llama.cpp':>12} {'engine MiB':>10} {'RSS MiB':>8} "
+          f"{'greedy agree':>12}")
+    for mode, rate, size, rss, agree in rows:
+        vs_cpp = f"{rate / cpp:.2f}x" if cpp else "-"
+        print(f"{mode:<16} {rate:>7.1f} {rate / hf_rate:>9.2f}x {vs_cpp:>12} {size:>10.1f} {rss:>8.1f} {agree:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Turn a model's Linear layers into quantized ones, as its config's `quantization` says.
+
+Called by DecoderLM at the end of its constructor (on the meta device, before loading), so
+the model's state dict has the checkpoint's quantized names and shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+from bestiary.core.config import PretrainedConfig
+from bestiary.core.layers.linear import Linear
+from bestiary.core.quant.kv import install_kv_quant
+from bestiary.core.quant.modes import linear_quant_of, quantizes
+from bestiary.core.quant.slot import WeightOnlySlot
+from torch import nn
+
+
+def quantized_linears(model: nn.Module) -> dict[str, Linear]:
+    """module path -> Linear for every Linear of `model` holding quantized weights."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, Linear) and m.quant is not None}
+
+
+def install_quantization(model: nn.Module, config: PretrainedConfig) -> None:
+    """Install a WeightOnlySlot in every Linear that `config.quantization` selects, and the
+    INT8/FP8 KV cache scales (core.quant.kv) in every attention layer."""
+    if config.quantization.kv_cache_quant_algo:
+        install_kv_quant(model, config.quantization.kv_cache_quant_algo)
+    lq = linear_quant_of(config.quantization)
+    if lq is None:
+        return
+    for path, module in model.named_modules():
+        if isinstance(module, Linear) and quantizes(module.name or path, config.quantization):
+            WeightOnlySlot.install(module, lq)
+
+
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Run every quantized Linear's matmuls in `dtype` (float32: exact reference comparisons)."""
+    for module in quantized_linears(model).values():
+        module.quant.set_compute_dtype(module, dtype)
+
+
+def set_max_kernel_tokens(model: nn.Module, tokens: int) -> None:
+    """CPU: steps of at most `tokens` tokens use the weight-only kernels, longer ones dequantize."""
+    for module in quantized_linears(model).values():
+        module.quant.max_kernel_tokens = tokens

@@ -1,0 +1,110 @@
+"""Calibration at convert: KV cache scales measured on the converted model itself.
+
+After every rank file is written (the KV scale tensors as placeholders), the checkpoint's
+model is loaded with a float KV cache, run over the calibration tokens, and each layer's
+kv_cache_scaling_factor is overwritten in place with amax / qmax (core.quant.kv).
+
+Calibration tokens: `--calib_text FILE` through the source's tokenizer, else the short
+built-in text below, else (no tokenizer) seeded random token ids. At most CALIB_TOKENS.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from bestiary.core.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
+from bestiary.core.config import PretrainedConfig
+from bestiary.core.errors import BestiaryError, ConfigError
+from bestiary.core.quant.kv import SCALE_NAME, calibrate_kv_amax, scales_from_amax
+
+CALIB_TOKENS = 512
+
+BUILTIN_TEXT = """\
+The library opened at nine in the morning, and by ten the reading room was full. A student
+copied equations from a worn textbook while an old man compared two maps of the same river,
+drawn a century apart. The river had moved: where the older map showed a bend, the newer one
+showed a straight channel and a row of warehouses. Nobody in the room remembered the flood
+that had done it, but the maps did.
+
+def moving_average(values, window):
+    total = sum(values[:window])
+    out = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+
+In 1879 the town council voted 7 to 2 to build a bridge of iron rather than timber. The cost
+was 14,300 pounds, nearly twice the estimate, and the newspaper called it a monument to
+optimism. It still stands. Questions about it arrive by letter every year: How long is it?
+(112 metres.) Who designed it? (An engineer from Leeds whose name the plaque misspells.)
+Why is it painted green? Nobody knows; the first photographs are black and white.
+
+Q: What is the capital of France?
+A: Paris. It has been the capital, with short interruptions, since the tenth century.
+"""
+
+
+def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_positions: int | None) -> list[int]:
+    """The calibration token ids (see the module docstring); `files`: the source's TokenizerFiles or None."""
+    from bestiary.core.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(files.tokenizer_json, files.tokenizer_config) if files is not None else None
+    limit = min(CALIB_TOKENS, max_positions or CALIB_TOKENS)
+    if text_file is not None:
+        path = Path(text_file)
+        if not path.is_file():
+            raise BestiaryError(f"--calib_text {path}: no such file")
+        if tokenizer is None:
+            raise BestiaryError(f"--calib_text {path}: the source has no tokenizer to read it with")
+        ids = tokenizer.encode(path.read_text())
+        if len(ids) < 16:
+            raise BestiaryError(f"--calib_text {path}: {len(ids)} tokens, expected at least 16")
+        return ids[:limit]
+    if tokenizer is not None:
+        return tokenizer.encode(BUILTIN_TEXT)[:limit]
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (limit,), generator=gen).tolist()
+
+
+def check_calibratable(config: PretrainedConfig) -> None:
+    """KV scales are calibrated on one rank: refuse multi-rank conversions up front."""
+    algo = config.quantization.kv_cache_quant_algo
+    if algo and config.mapping.world_size > 1:
+        flag = "--int8_kv_cache" if algo == "INT8" else "--fp8_kv_cache"
+        raise ConfigError(f"{flag}: KV scales are calibrated on a single rank; convert with --tp_size 1 --pp_size 1")
+
+
+def patch_tensor(path: Path, key: str, tensor: torch.Tensor) -> None:
+    """Overwrite tensor `key` of a closed .safetensors file in place (same dtype and shape)."""
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        entry = json.loads(f.read(length))[key]
+        if entry["dtype"] != SAFETENSORS_DTYPES[tensor.dtype] or entry["shape"] != list(tensor.shape):
+            raise ValueError(f"{path}: {key} is {entry['dtype']} {entry['shape']}, not {tensor.dtype} {list(tensor.shape)}")
+        f.seek(8 + length + entry["data_offsets"][0])
+        f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def calibrate_kv_scales(directory: Path, config: PretrainedConfig, model_class, ids: list[int]) -> list[torch.Tensor]:
+    """Measure and write every layer's kv_cache_scaling_factor of the checkpoint at `directory`."""
+    algo = config.quantization.kv_cache_quant_algo
+    float_kv = config.model_copy(update={"quantization": config.quantization.model_copy(
+        update={"kv_cache_quant_algo": None})})
+    with torch.device("meta"):
+        model = model_class(float_kv, 0, device="meta")
+    weights = {k: v for k, v in load_rank_weights(directory, 0).items() if not k.endswith(f".{SCALE_NAME}")}
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.eval()
+    model.prepare_for_inference()
+    from bestiary.core.layers.attention import PagedAttention
+
+    owners = [path for path, m in model.named_modules() if isinstance(getattr(m, "attn", None), PagedAttention)]
+    amax = calibrate_kv_amax(model, ids)
+    scales = [scales_from_amax(a, algo) for a in amax]
+    for path, s in zip(owners, scales, strict=True):
+        patch_tensor(rank_file(directory, 0), f"{path}.{SCALE_NAME}", s)
+    return scales

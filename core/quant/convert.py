@@ -1,0 +1,53 @@
+"""Quantizing while converting from a float source.
+
+The loader fills float targets; for a quantized Linear the targets it is asked for are the
+float weight [N_local, K_local] (float32, so quantization sees the source's precision, not
+the checkpoint dtype's rounding) and the bias. `quantize_loaded` turns that float weight
+into the packed weight + scales the rank file declares (layouts in core.quant.packing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from bestiary.core.loader import Target
+from bestiary.core.quant.apply import quantized_linears
+from bestiary.core.quant.kv import SCALE_NAME as KV_SCALE_NAME
+from bestiary.core.quant.slot import SCALE_NAMES, WeightOnlySlot
+from torch import nn
+
+
+def loader_targets(
+    model: nn.Module, targets: list[Target], prequantized: bool = False
+) -> tuple[list[Target], dict[str, WeightOnlySlot], list[Target]]:
+    """(what the loader fills, weight key -> slot of each quantized weight, tensors made later).
+
+    A quantized Linear's packed weight becomes its float weight target; its scale tensors are
+    left out (they are made from the weight). KV cache scales are written as placeholders and
+    calibrated once the whole checkpoint is written (core.quant.calibrate). `prequantized`
+    (AWQ/GPTQ imports, core.quant.import_hf): the source holds the packed tensors, read as they are."""
+    linears = quantized_linears(model)
+    reads: list[Target] = []
+    slots: dict[str, WeightOnlySlot] = {}
+    later: list[Target] = []
+    for t in targets:
+        linear = linears.get(t.module_path)
+        name = t.key.rpartition(".")[2]
+        if name == KV_SCALE_NAME:
+            later.append(t)
+        elif linear is None or name == "bias" or prequantized:
+            reads.append(t)
+        elif name == "weight":
+            slot = linear.quant
+            reads.append(replace(t, shape=(slot.out_local, slot.in_local), dtype=torch.float32))
+            slots[t.key] = slot
+        elif name not in SCALE_NAMES:
+            raise ValueError(f"{t.key}: unexpected tensor of a quantized linear")
+    return reads, slots, later
+
+
+def quantize_loaded(key: str, weight: torch.Tensor, slot: WeightOnlySlot, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Float weight of `key` (ending in .weight) -> {checkpoint key: tensor} of the packed weight and its scales."""
+    prefix = key.rpartition(".")[0]
+    return {f"{prefix}.{name}": tensor for name, tensor in slot.quantize(weight, scale_dtype).items()}

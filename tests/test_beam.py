@@ -1,0 +1,232 @@
+"""Beam search: HF transformers parity (tiny LLaMA and SmolLM2), KV forks, in-flight mixing, diversity."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import bestiary.core.executor as executor_module  # noqa: E402
+from bestiary.core.beam import Beam, BeamSearch  # noqa: E402
+from bestiary.core.build_config import BuildConfig, finalize_build_config  # noqa: E402
+from bestiary.core.convert import convert  # noqa: E402
+from bestiary.core.engine import Engine  # noqa: E402
+from bestiary.core.executor import Executor  # noqa: E402
+from bestiary.core.sampling import SamplingConfig, pad_outputs  # noqa: E402
+from tiny_llama import make_tiny_llama  # noqa: E402
+
+PAD = 95
+# Prompts of the tiny model for which end id 43 ends some beams early (checked in the test).
+CASES = [([45, 55, 40, 78], 43), ([53, 5, 33, 65, 62, 51, 38, 61, 45], 43)]
+NEW = 10
+
+
+def make_tiny_pair(base):
+    """(HF model, bestiary engine) of the same tiny random LLaMA, under `base`."""
+    hf_dir = make_tiny_llama(base, max_position_embeddings=256)
+    convert(hf_dir, base / "ckpt", show_progress=False)
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return hf, Engine.load(base / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("beam"))
+
+
+def make_executor(engine, **limits) -> Executor:
+    build = finalize_build_config(BuildConfig(**{"tokens_per_block": 4, **limits}), engine.config.model_dump())
+    return Executor(engine.model, build)
+
+
+def run_checked(ex: Executor, reqs) -> None:
+    """Step to the end, checking the KV accounting after every step and the pool at the end."""
+    while ex.has_work:
+        ex.step()
+        ex.check_kv_accounting()
+    assert all(r.finished for r in reqs)
+    ex.allocator.check_whole()
+
+
+def hf_beams(hf, prompt, eos, length_penalty, early_stopping, new=NEW, num_return=4):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=num_return,
+                          length_penalty=length_penalty, early_stopping=early_stopping, max_new_tokens=new,
+                          do_sample=False, eos_token_id=eos, pad_token_id=PAD, output_scores=True,
+                          return_dict_in_generate=True)
+    return out.sequences[:, len(prompt):], out.sequences_scores
+
+
+def our_beams(engine, prompt, eos, length_penalty, early_stopping, new=NEW):
+    ex = make_executor(engine)
+    req = ex.add(prompt, SamplingConfig(beam_width=4, length_penalty=length_penalty, early_stopping=early_stopping,
+                                        max_new_tokens=new, end_id=eos))
+    run_checked(ex, [req])
+    return req
+
+
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+def test_beam_search_equals_hf_tiny(tiny, length_penalty, early_stopping):
+    """All 4 returned beams and their scores equal HF's, with beams ending early on the end id."""
+    hf, engine = tiny
+    ended_early = False
+    for prompt, eos in CASES:
+        ref_ids, ref_scores = hf_beams(hf, prompt, eos, length_penalty, early_stopping)
+        req = our_beams(engine, prompt, eos, length_penalty, early_stopping)
+        hyps = req.search.results()
+        ours = pad_outputs([[h.output_ids for h in hyps]], PAD)[0]
+        assert torch.equal(ours, ref_ids[:, : ours.shape[1]]) and bool((ref_ids[:, ours.shape[1]:] == PAD).all())
+        torch.testing.assert_close(torch.tensor([h.score for h in hyps]), ref_scores, atol=1e-5, rtol=0)
+        assert req.output == hyps[0].output_ids
+        ended_early |= any(h.finish_reason == "stop" and len(h.output_ids) < NEW for h in hyps)
+    assert ended_early, "no case exercised a beam finishing on the end id"
+
+
+def test_partial_block_must_be_copied_on_fork(tiny, monkeypatch):
+    """Broken variant: children that share (instead of copy) the parent's partial block diverge from HF."""
+    hf, engine = tiny
+    prompt, eos = CASES[1]
+    ref_ids, _ = hf_beams(hf, prompt, eos, 1.0, False, num_return=1)
+
+    def share_everything(allocator, kv, old, parents, children, block_size):
+        wanted, taken = set(parents), set()
+        for i, seq in enumerate(old):
+            if i not in wanted:
+                allocator.free(seq.blocks)
+        for child, p in zip(children, parents):
+            if p in taken:
+                allocator.share(old[p].blocks)
+            taken.add(p)
+            child.blocks = list(old[p].blocks)
+        return 0, 0
+
+    monkeypatch.setattr(executor_module, "fork_block_tables", share_everything)
+    ex = make_executor(engine)
+    req = ex.add(prompt, SamplingConfig(beam_width=4, max_new_tokens=NEW, end_id=eos))
+    ex.run([req])
+    assert req.output != ref_ids[0].tolist()[: len(req.output)]
+
+
+def test_beams_in_flight_with_other_requests(tiny):
+    """Beam and greedy requests arriving at different steps: each yields what it yields alone; pool whole."""
+    _, engine = tiny
+    rng = random.Random(1)
+    work = [([rng.randrange(96) for _ in range(rng.randint(3, 30))], rng.choice([1, 3])) for _ in range(8)]
+
+    def config(width):
+        return SamplingConfig(beam_width=width, max_new_tokens=8, temperature=0.0, end_id=43)
+
+    alone = []
+    for prompt, width in work:
+        ex = make_executor(engine)
+        req = ex.add(prompt, config(width))
+        run_checked(ex, [req])
+        alone.append((req.output, [h.score for h in req.search.results()] if req.search else None))
+    ex = make_executor(engine, max_batch_size=3, max_num_tokens=20)
+    reqs, pending = [], list(work)
+    while pending or ex.has_work:
+        if pending and rng.random() < 0.5:
+            prompt, width = pending.pop(0)
+            reqs.append(ex.add(prompt, config(width)))
+        ex.step()
+        ex.check_kv_accounting()
+    ex.allocator.check_whole()
+    for req, (output, scores) in zip(reqs, alone):
+        assert req.output == output
+        if scores is not None:
+            torch.testing.assert_close(torch.tensor([h.score for h in req.search.results()]), torch.tensor(scores))
+
+
+def test_beam_requests_reuse_a_shared_prompt(tiny):
+    """A second beam request with the same 20-token prompt reuses its full blocks; same beams."""
+    _, engine = tiny
+    prompt = list(range(3, 23))
+    ex = make_executor(engine)
+    first = ex.add(prompt, SamplingConfig(beam_width=3, max_new_tokens=6, ignore_eos=True))
+    run_checked(ex, [first])
+    second = ex.add(prompt, SamplingConfig(beam_width=3, max_new_tokens=6, ignore_eos=True))
+    run_checked(ex, [second])
+    assert ex.allocator.stats.hit_blocks == (len(prompt) - 1) // 4
+    assert second.output == first.output
+    assert [h.score for h in second.search.results()] == [h.score for h in first.search.results()]
+
+
+def test_cancel_mid_beam_search_returns_blocks(tiny):
+    _, engine = tiny
+    ex = make_executor(engine)
+    req = ex.add(list(range(1, 11)), SamplingConfig(beam_width=4, max_new_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        ex.step()
+    assert len(req.search.beams) == 4 and all(b.blocks for b in req.search.beams)
+    ex.cancel(req)
+    ex.allocator.check_whole()
+
+
+def test_stop_words_end_beams(tiny):
+    """A 2-token stop word taken from the unconstrained best beam ends the beams that produce it."""
+    _, engine = tiny
+    prompt = [7, 3, 19, 54]
+    free = our_beams(engine, prompt, None, 1.0, False)
+    word = free.output[2:4]
+    ex = make_executor(engine)
+    req = ex.add(prompt, SamplingConfig(beam_width=4, max_new_tokens=NEW, ignore_eos=True, stop_words=[word]))
+    run_checked(ex, [req])
+    hyps = req.search.results()
+    assert any(h.finish_reason == "stop" for h in hyps)
+    for h in hyps:
+        ids = h.output_ids
+        first_end = next(i + 2 for i in range(len(ids) - 1) if ids[i : i + 2] == word) if h.finish_reason == "stop" else None
+        assert (first_end == len(ids)) if h.finish_reason == "stop" else len(ids) == NEW
+
+
+def test_diversity_rate_spreads_parents():
+    """Rate 0 keeps HF's choice (all from the dominant beam); a large rate takes each beam's best."""
+    cfg = SamplingConfig(beam_width=4, max_new_tokens=5, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    first = 0.1 * torch.randn(1, 32, generator=gen)
+    first[0, :4] += 10.0  # four near-equal beams
+    second = 0.1 * torch.randn(4, 32, generator=gen)  # flat rows: log p ~ -log 32 ...
+    second[0, 4:8] += 10.0  # ... but beam 0 has four likely continuations (log p ~ -log 4)
+
+    def parents(rate):
+        search = BeamSearch(cfg.model_copy(update={"beam_search_diversity_rate": rate}), [1, 2], set(), [], None, 5)
+        search.step(first, Beam([1, 2]))
+        return search.step(second), search
+
+    plain, _ = parents(0.0)
+    assert plain == [0, 0, 0, 0]
+    diverse, search = parents(100.0)
+    assert sorted(diverse) == [0, 1, 2, 3]
+    lp = torch.log_softmax(second, dim=-1)
+    assert [b.output[-1] for b in search.beams] == [int(lp[p].argmax()) for p in diverse]
+
+
+# --- the real model ---------------------------------------------------------------------------
+from test_smollm2 import engine_dir, hf_model, hf_tokenizer  # noqa: F401  (module fixtures, shared)
+
+CHAT = "<|im_start|>user\nWhat is 2+2? Answer with a number.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.slow
+def test_beam_search_equals_hf_smollm2(engine_dir, hf_model, hf_tokenizer):  # noqa: F811
+    """SmolLM2 fp32, 4 beams, 16 new tokens: HF's best sequence, and its score within 1e-4."""
+    from bestiary.core.llm import LLM
+
+    ids = hf_tokenizer(CHAT).input_ids
+    eos = hf_model.generation_config.eos_token_id
+    llm = LLM(engine_dir)
+    for length_penalty in (1.0, 0.5):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), num_beams=4, length_penalty=length_penalty,
+                                    early_stopping=False, max_new_tokens=16, do_sample=False, output_scores=True,
+                                    return_dict_in_generate=True)
+        (ours,) = llm.generate([ids], SamplingConfig(beam_width=4, length_penalty=length_penalty,
+                                                     max_new_tokens=16, end_id=eos))
+        assert ours.output_ids == ref.sequences[0, len(ids):].tolist()
+        assert abs(ours.beams[0].score - ref.sequences_scores[0].item()) <= 1e-4
+        assert ours.finish_reason == "stop"
+        llm.executor.allocator.check_whole()
