@@ -79,14 +79,24 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--weight_only_precision", default=None, choices=["int8", "int4"],
                    help="int8 per output channel (W8A16, default) or int4 group-wise (W4A16).")
     q.add_argument("--group_size", type=positive_int, default=None,
-                   help="int4 group size: 32, 64 or 128 (default 128).")
+                   help="int4 group size (weight-only int4, --w4a8_awq): 32, 64 or 128 (default 128).")
     q.add_argument("--has_zero_point", action="store_true", help="int4 with per-group zero points.")
     q.add_argument("--exclude_modules", nargs="+", default=None, metavar="NAME",
                    help="Module names or globs left unquantized, e.g. lm_head mlp.proj.")
     q.add_argument("--int8_kv_cache", action="store_true", help="INT8 KV cache with per-layer scales.")
     q.add_argument("--fp8_kv_cache", action="store_true", help="FP8 (e4m3) KV cache with per-layer scales.")
+    q.add_argument("--fp8", action="store_true",
+                   help="FP8: e4m3 weights and activations, per-tensor scales (calibrated).")
+    q.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
+                   help="W8A8_SQ_PER_CHANNEL: SmoothQuant with migration strength 0 < ALPHA <= 1 (e.g. 0.5), "
+                        "int8 weights and activations.")
+    q.add_argument("--w4a8_awq", action="store_true",
+                   help="W4A8_AWQ: int4 group-wise weights with AWQ scales, FP8 activations.")
+    q.add_argument("--weight_quantizer", default=None, choices=["rtn", "gptq"],
+                   help="How weights are rounded: rtn (round to nearest) or gptq (calibrated error "
+                        "compensation, int4 only). Default: gptq for weight-only int4 on one rank, else rtn.")
     q.add_argument("--calib_text", default=None, metavar="FILE",
-                   help="Text file for calibration (KV cache scales); default: a short built-in text.")
+                   help="Text file for calibration (KV cache and activation scales); default: a short built-in text.")
 
 
 def make_parser() -> argparse.ArgumentParser:

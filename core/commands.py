@@ -37,7 +37,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out = convert(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size, pp_size=args.pp_size,
                   architecture=args.architecture, show_progress=sys.stderr.isatty(),
                   quantization=quant_config_from_flags(flags) if flags.any() else None,
-                  calib_text=args.calib_text)
+                  calib_text=args.calib_text, smoothquant_alpha=args.smoothquant,
+                  weight_quantizer=args.weight_quantizer)
     ERR.print(f"checkpoint written to {out}")
     return 0
 

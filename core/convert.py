@@ -89,12 +89,16 @@ def convert(
     show_progress: bool = True,
     quantization: QuantConfig | None = None,
     calib_text: str | Path | None = None,
+    weight_quantizer: str | None = None,
+    smoothquant_alpha: float | None = None,
 ) -> Path:
     """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path.
 
     `quantization` (see core.quant.options for the CLI flags) quantizes the linear weights
     and/or selects a quantized KV cache (scales calibrated on `calib_text`, or a built-in text);
-    the section is written to config.json."""
+    the section is written to config.json. `weight_quantizer`: "rtn" or "gptq" (default: gptq for
+    int4 weights, calibrated on `calib_text` or the built-in texts; core.quant.calibrated).
+    `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot)."""
     registry = registry or default_registry()
     source = open_source(model_dir)
     spec = registry.for_hf_config(source.hf_config, str(source.path), architecture)
@@ -115,6 +119,13 @@ def convert(
 
         config.quantization = quantization
         check_calibratable(config)
+    from bestiary.core.quant.calibrated import check_single_rank, check_weight_quantizer, needs_activation_stats
+
+    method = check_weight_quantizer(quantization, weight_quantizer, prequantized=hf_quant is not None,
+                                    world_size=config.mapping.world_size)
+    calibrated = needs_activation_stats(quantization, method)
+    if calibrated:
+        check_single_rank(config, method)
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
     weights = source.weights if hf_quant is None else import_hf.PrequantizedWeights(source.weights, hf_quant)
@@ -123,11 +134,20 @@ def convert(
     if hf_quant is not None:
         import_hf.prepare_loader(loader, resolve(spec.model_class), config)
     plans = plan_ranks(loader, spec, config, prequantized=hf_quant is not None)
+    if smoothquant_alpha is not None:  # W8A8_SQ_PER_CHANNEL's migration strength (default 0.5)
+        from bestiary.core.quant.act_slot import set_smoothquant_alpha
+
+        set_smoothquant_alpha([s for p in plans for s in (p.quantizers or {}).values()], smoothquant_alpha)
     if hf_quant is not None:
         import_hf.check_plans(plans, loader, config)
     with atomic_directory(Path(output_dir)) as tmp, progress(show_progress) as bar:
         task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
-        for plan in plans:
+        if calibrated:
+            from bestiary.core.quant.calibrated import write_calibrated_rank, weight_calibration_ids
+
+            ids = weight_calibration_ids(source.tokenizer, config.vocab_size, calib_text)
+            write_calibrated_rank(tmp, plans[0], loader, config, resolve(spec.model_class), ids, method, bar, task)
+        for plan in plans if not calibrated else ():
             write_rank(tmp, plan, loader, config, bar, task)
         if config.quantization.kv_cache_quant_algo:
             from bestiary.core.quant.calibrate import calibrate_kv_scales, calibration_ids

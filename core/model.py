@@ -16,6 +16,7 @@ from torch import nn
 
 from bestiary.core.config import PretrainedConfig
 from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.layers.cpu_matmul import hold_transposed, matmul_t
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel
 
@@ -150,14 +151,12 @@ class DecoderLM(nn.Module):
         weight = owner.weight
         if getattr(owner, "quant", None) is not None or weight.device.type != "cpu" or not weight.is_floating_point():
             return
-        transposed = weight.data.t().contiguous()  # [H, V]
-        owner.weight.data = transposed.t()
-        self._lm_head_t = transposed
+        self._lm_head_t = owner._wt if getattr(owner, "_wt", None) is not None else hold_transposed(owner.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in logits_dtype (gathered over tp ranks)."""
         if self._lm_head_t is not None:
-            out = hidden @ self._lm_head_t  # [N, H] @ [H, V]
+            out = matmul_t(hidden, self._lm_head_t)  # [N, H] @ [H, V]
         elif self.shares_embedding:
             out = torch.nn.functional.linear(hidden, self.transformer.vocab_embedding.weight)
         else:

@@ -27,8 +27,8 @@ EVAL_TOKENS = 4096
 TEXT_MODULES = ("argparse", "json", "csv", "statistics", "re", "http.client", "urllib.request", "ssl", "socket",
                 "unittest", "heapq", "itertools", "pydoc", "inspect", "doctest", "subprocess", "random", "typing")
 
-INT4_NOTE = ("round-to-nearest int4 on SmolLM2-135M (already Q4_1) measures +30..+70% (docs/quantization.md); "
-             "the 8% gate needs data-aware quantization (GPTQ/AWQ-style)")
+INT4_NOTE = ("int4 on SmolLM2-135M (already Q4_1): round to nearest +54..+71%, GPTQ (the int4 default) "
+             "+46..+66% (docs/quantization.md); the 8% gate is not reached")
 
 # mode -> (quantization section, largest allowed perplexity increase)
 MODES = {
@@ -38,6 +38,12 @@ MODES = {
     "W4A16_g64": pytest.param(QuantConfig(quant_algo="W4A16", group_size=64), 0.08,
                               marks=pytest.mark.xfail(reason=INT4_NOTE, strict=True)),
     "W4A16_g128_zp": pytest.param(QuantConfig(quant_algo="W4A16", group_size=128, has_zero_point=True), 0.08,
+                                  marks=pytest.mark.xfail(reason=INT4_NOTE, strict=True)),
+    # activation-quantized (static per-tensor activation scales; measured +7.6% / +28% / +72%,
+    # docs/quantization.md): regression gates just above the measurements
+    "FP8": (QuantConfig(quant_algo="FP8"), 0.09),
+    "W8A8_SQ_a0.5": (QuantConfig(quant_algo="W8A8_SQ_PER_CHANNEL", pre_quant_scale=True), 0.30),
+    "W4A8_AWQ_g128": pytest.param(QuantConfig(quant_algo="W4A8_AWQ", group_size=128, pre_quant_scale=True), 0.08,
                                   marks=pytest.mark.xfail(reason=INT4_NOTE, strict=True)),
 }
 

@@ -205,18 +205,61 @@ def decode_attention(
     q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor,
     scale: float, slopes: torch.Tensor | None, key_bias: KeyBias | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence: q [B, H, D] against the cached keys -> [B, H*D]."""
-    b, h, d = q.shape
-    length = max(meta.kv_lens)
-    start = meta.contiguous_from[0] if b == 1 and meta.contiguous_from else None
-    k = _gather_kv(k_pool, meta.block_tables, length, start)  # [B, L, KVH, D]
-    v = _gather_kv(v_pool, meta.block_tables, length, start)
-    kvh = k.shape[2]
-    qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    """One new token per sequence: q [B, H, D] against the cached keys -> [B, H*D].
+
+    On the CPU (and for B == 1) each sequence attends over its own keys, a view of the pool
+    when its blocks are contiguous: no padded [B, L_max] copy of K and V, no masking. Elsewhere
+    the sequences are gathered into one padded batch."""
+    b = q.shape[0]
+    if b == 1 or q.device.type == "cpu":
+        outs = []
+        for i, length in enumerate(meta.kv_lens):
+            first = meta.contiguous_from[i] if meta.contiguous_from else None
+            table = meta.block_tables[i : i + 1]
+            k = _gather_kv(k_pool, table, length, first)[0]  # [L, KVH, D]
+            v = _gather_kv(v_pool, table, length, first)[0]
+            outs.append(_decode_one(q[i], k, v, scale, slopes, key_bias))
+        return outs[0][None] if b == 1 else torch.stack(outs)
+    return _decode_padded(q, meta, k_pool, v_pool, scale, slopes, key_bias)
+
+
+def _decode_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, slopes: torch.Tensor | None,
+    key_bias: KeyBias | None,
+) -> torch.Tensor:
+    """softmax(q K^T * scale + bias) V for one sequence: q [H, D], k/v [L, KVH, D] -> [H*D].
+
+    bias = slope_h * (j - (L - 1)) with alibi, + key_bias(j)[h] where given."""
+    h, d = q.shape
+    length, kvh = k.shape[0], k.shape[1]
+    qg = q.view(kvh, h // kvh, d)  # [KVH, G, D]
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         # These skinny half-precision matmuls are ~1.6x slower than fp32 on the CPU (measured,
         # SmolLM2 shapes): compute in fp32 and round the output once.
         qg, k, v = qg.float(), k.float(), v.float()
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [KVH, G, L]
+    if slopes is not None:
+        rel = torch.arange(length, device=q.device) - (length - 1)  # [L]
+        scores = scores + (slopes.view(kvh, h // kvh, 1) * rel).to(scores.dtype)
+    if key_bias is not None:
+        kb = key_bias(torch.arange(length, device=q.device))  # [H, L]
+        scores = scores + kb.view(kvh, h // kvh, length).to(scores.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = torch.matmul(probs, v.transpose(0, 1))  # [KVH, G, D]
+    return out.reshape(h * d).to(q.dtype)
+
+
+def _decode_padded(
+    q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor,
+    scale: float, slopes: torch.Tensor | None, key_bias: KeyBias | None = None,
+) -> torch.Tensor:
+    """decode_attention over a padded batch: q [B, H, D] -> [B, H*D]."""
+    b, h, d = q.shape
+    length = max(meta.kv_lens)
+    k = _gather_kv(k_pool, meta.block_tables, length)  # [B, L, KVH, D]
+    v = _gather_kv(v_pool, meta.block_tables, length)
+    kvh = k.shape[2]
+    qg = q.view(b, kvh, h // kvh, d)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
     if slopes is not None:
         lens = torch.tensor(meta.kv_lens, device=q.device)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bestiary.core.layers import cpu_matmul
+
 if TYPE_CHECKING:
     from bestiary.core.quant.slot import WeightOnlySlot
 
@@ -81,6 +83,7 @@ class Linear(nn.Module):
         )
         self.name = ""
         self.quant: WeightOnlySlot | None = None  # packed weights + scales when quantized
+        self._wt: torch.Tensor | None = None  # CPU float weights: W^T [in_local, out_local], weight is its view
 
     def tp_dim(self, param_name: str) -> int:
         """Slicing dim of this layer's tensor `param_name` ("weight" / "bias" / scales)."""
@@ -90,14 +93,22 @@ class Linear(nn.Module):
         return tp_dim_of(self.parallel, is_weight=param_name == "weight")
 
     def fuse(self) -> None:
-        """After loading (DecoderLM.prepare_for_inference): repack quantized weights for the device."""
+        """After loading (DecoderLM.prepare_for_inference): repack quantized weights for the device;
+        CPU float weights are held transposed (core.layers.cpu_matmul)."""
         if self.quant is not None:
             self.quant.prepare(self)
+        elif self.weight.device.type == "cpu" and self.weight.is_floating_point() and self._wt is None:
+            self._wt = cpu_matmul.hold_transposed(self.weight)
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
         """x [T, in_local] -> y [T, out_local] (row-parallel: all-reduced [T, out])."""
         bias = None if self.parallel == Parallel.ROW else self.bias
-        y = F.linear(x, self.weight, bias) if self.quant is None else self.quant.matmul(self, x, bias)
+        if self.quant is not None:
+            y = self.quant.matmul(self, x, bias)
+        elif self._wt is not None and x.device.type == "cpu":
+            y = cpu_matmul.matmul_t(x, self._wt, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
         if lora is not None:
             delta = lora(self, x)
             if delta is not None:

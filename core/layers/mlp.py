@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bestiary.core.kernels import dispatch
+from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.linear import LoraDelta, Linear, Parallel
 
 ACTIVATIONS = {
@@ -45,16 +46,24 @@ class GatedMLP(nn.Module):
                            dtype=dtype, device=device)
         self.act = activation(act)
         self.act_name = act
-        self._fused: torch.Tensor | None = None
+        self._fused: torch.Tensor | None = None  # [2 I_local, H]
+        self._fused_t: torch.Tensor | None = None  # CPU: [H, 2 I_local] contiguous, _fused its view
         self._fused_bias: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """Pack fc and gate weights into one [2 * I_local, H] tensor (inference speed)."""
         if self.fc.quant is not None or self.gate.quant is not None:
-            return  # quantized: fc and gate keep their packed weights and run their own kernels
+            from bestiary.core.quant.fuse import fuse_quantized
+
+            # quantized: one layer over both packed weights (not a submodule: the state dict is unchanged)
+            self.__dict__["_fused_q"] = fuse_quantized([self.fc, self.gate])
+            return
         inter = self.fc.weight.shape[0]
         self._fused = torch.cat([self.fc.weight, self.gate.weight])
         # fc/gate become views of the fused tensor: no second copy of the weights.
+        if self._fused.device.type == "cpu":
+            self._fused_t = self._fused.t().contiguous()  # [H, 2I]: core.layers.cpu_matmul
+            self._fused = self._fused_t.t()
         self.fc.weight.data, self.gate.weight.data = self._fused[:inter], self._fused[inter:]
         if self.fc.bias is not None:
             self._fused_bias = torch.cat([self.fc.bias, self.gate.bias])
@@ -62,8 +71,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        if self._fused is not None and lora is None:
-            fg = F.linear(x, self._fused, self._fused_bias)  # [T, 2I]
+        fused_q = self.__dict__.get("_fused_q")
+        if fused_q is not None and lora is None:
+            f, g = fused_q(x).chunk(2, dim=-1)  # [T, I] each
+        elif self._fused is not None and lora is None:
+            if self._fused_t is not None and x.device.type == "cpu":
+                fg = cpu_matmul.matmul_t(x, self._fused_t, self._fused_bias)  # [T, 2I]
+            else:
+                fg = F.linear(x, self._fused, self._fused_bias)  # [T, 2I]
             f, g = fg.chunk(2, dim=-1)
         else:
             f, g = self.fc(x, lora), self.gate(x, lora)

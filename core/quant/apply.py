@@ -10,7 +10,7 @@ import torch
 from bestiary.core.config import PretrainedConfig
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.kv import install_kv_quant
-from bestiary.core.quant.modes import linear_quant_of, quantizes
+from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of, quantizes
 from bestiary.core.quant.slot import WeightOnlySlot
 from torch import nn
 
@@ -28,18 +28,29 @@ def install_quantization(model: nn.Module, config: PretrainedConfig) -> None:
     lq = linear_quant_of(config.quantization)
     if lq is None:
         return
+    if lq.algo in ACT_ALGOS:  # FP8 / SmoothQuant / W4A8: activation scales too
+        from bestiary.core.quant.act_slot import ActQuantSlot as slot_class
+    else:
+        slot_class = WeightOnlySlot
     for path, module in model.named_modules():
         if isinstance(module, Linear) and quantizes(module.name or path, config.quantization):
-            WeightOnlySlot.install(module, lq)
+            slot_class.install(module, lq)
+
+
+def runtime_linears(model: nn.Module) -> list[Linear]:
+    """The quantized Linears that run: the model's, plus the fused ones layers hold outside the
+    module tree (core.quant.fuse, e.g. a gated MLP's fc + gate)."""
+    fused = [m.__dict__["_fused_q"] for m in model.modules() if m.__dict__.get("_fused_q") is not None]
+    return list(quantized_linears(model).values()) + fused
 
 
 def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     """Run every quantized Linear's matmuls in `dtype` (float32: exact reference comparisons)."""
-    for module in quantized_linears(model).values():
+    for module in runtime_linears(model):
         module.quant.set_compute_dtype(module, dtype)
 
 
 def set_max_kernel_tokens(model: nn.Module, tokens: int) -> None:
     """CPU: steps of at most `tokens` tokens use the weight-only kernels, longer ones dequantize."""
-    for module in quantized_linears(model).values():
+    for module in runtime_linears(model):
         module.quant.max_kernel_tokens = tokens

@@ -48,12 +48,17 @@ A: Paris. It has been the capital, with short interruptions, since the tenth cen
 """
 
 
-def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_positions: int | None) -> list[int]:
-    """The calibration token ids (see the module docstring); `files`: the source's TokenizerFiles or None."""
+def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_positions: int | None,
+                    limit: int | None = None, builtin: str = BUILTIN_TEXT) -> list[int]:
+    """The calibration token ids (see the module docstring); `files`: the source's TokenizerFiles or None.
+
+    `limit`: at most this many tokens instead (callers that run them in chunks, e.g.
+    core.quant.calibrated), with `builtin` as the text when no file is given."""
     from bestiary.core.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(files.tokenizer_json, files.tokenizer_config) if files is not None else None
-    limit = min(CALIB_TOKENS, max_positions or CALIB_TOKENS)
+    if limit is None:
+        limit = min(CALIB_TOKENS, max_positions or CALIB_TOKENS)
     if text_file is not None:
         path = Path(text_file)
         if not path.is_file():
@@ -65,7 +70,7 @@ def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_po
             raise BestiaryError(f"--calib_text {path}: {len(ids)} tokens, expected at least 16")
         return ids[:limit]
     if tokenizer is not None:
-        return tokenizer.encode(BUILTIN_TEXT)[:limit]
+        return tokenizer.encode(builtin)[:limit]
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (limit,), generator=gen).tolist()
 

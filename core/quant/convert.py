@@ -14,6 +14,7 @@ import torch
 from bestiary.core.loader import Target
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.kv import SCALE_NAME as KV_SCALE_NAME
+from bestiary.core.quant.act_slot import SCALE_NAMES as ACT_SCALE_NAMES
 from bestiary.core.quant.slot import SCALE_NAMES, WeightOnlySlot
 from torch import nn
 
@@ -42,12 +43,15 @@ def loader_targets(
             slot = linear.quant
             reads.append(replace(t, shape=(slot.out_local, slot.in_local), dtype=torch.float32))
             slots[t.key] = slot
-        elif name not in SCALE_NAMES:
+        elif name not in SCALE_NAMES + ACT_SCALE_NAMES:
             raise ValueError(f"{t.key}: unexpected tensor of a quantized linear")
     return reads, slots, later
 
 
-def quantize_loaded(key: str, weight: torch.Tensor, slot: WeightOnlySlot, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Float weight of `key` (ending in .weight) -> {checkpoint key: tensor} of the packed weight and its scales."""
+def quantize_loaded(key: str, weight: torch.Tensor, slot: WeightOnlySlot, scale_dtype: torch.dtype,
+                    stats=None) -> dict[str, torch.Tensor]:
+    """Float weight of `key` (ending in .weight) -> {checkpoint key: tensor} of the packed weight and its
+    scales; `stats`: the layer's calibration input statistics (core.quant.calibrated), if any."""
     prefix = key.rpartition(".")[0]
-    return {f"{prefix}.{name}": tensor for name, tensor in slot.quantize(weight, scale_dtype).items()}
+    packed = slot.quantize(weight, scale_dtype) if stats is None else slot.quantize(weight, scale_dtype, stats)
+    return {f"{prefix}.{name}": tensor for name, tensor in packed.items()}

@@ -5,6 +5,9 @@
     W4A16           int4 group-wise (group_size, optional zero points), 16-bit activations
     W4A16_AWQ       W4A16 with zero points (imported from AWQ checkpoints)
     W4A16_GPTQ      W4A16 with zero points (imported from GPTQ checkpoints)
+    FP8                 float8 e4m3 per tensor, FP8 activations (core.quant.act_slot)
+    W8A8_SQ_PER_CHANNEL int8 per output channel, SmoothQuant prequant scale, int8 activations
+    W4A8_AWQ            int4 group-wise symmetric, AWQ prequant scale, FP8 activations
 
 A Linear is selected unless its canonical name matches one of `exclude_modules` (a glob
 matched against the whole name or any dotted suffix of it: "lm_head", "mlp.proj",
@@ -24,6 +27,7 @@ GROUP_SIZES = (32, 64, 128)
 INT8_ALGOS = ("W8A16",)
 INT4_ALGOS = ("W4A16", "W4A16_AWQ", "W4A16_GPTQ")
 WEIGHT_ONLY_ALGOS = INT8_ALGOS + INT4_ALGOS
+ACT_ALGOS = ("FP8", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")  # activations quantized too: core.quant.act_slot
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,14 @@ def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
     if algo in INT4_ALGOS:
         zero = quant.has_zero_point or algo != "W4A16"
         return LinearQuant(algo, 4, quant.group_size, zero)
+    if algo in ("FP8", "W8A8_SQ_PER_CHANNEL"):
+        return LinearQuant(algo, 8)
+    if algo == "W4A8_AWQ":
+        if quant.has_zero_point:
+            raise ConfigError("quantization.has_zero_point true: W4A8_AWQ weights are symmetric (no zero points)")
+        return LinearQuant(algo, 4, quant.group_size)
     raise ConfigError(
-        f"quantization.quant_algo {algo!r}: not available yet; expected one of {', '.join(WEIGHT_ONLY_ALGOS)}"
+        f"quantization.quant_algo {algo!r}: not available; expected one of {', '.join(WEIGHT_ONLY_ALGOS + ACT_ALGOS)}"
     )
 
 

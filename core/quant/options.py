@@ -3,7 +3,13 @@
     --use_weight_only --weight_only_precision int8      -> W8A16 (int8 per output channel)
     --use_weight_only --weight_only_precision int4      -> W4A16 (group-wise, --group_size,
                                                            --has_zero_point)
+    --fp8                                               -> FP8 (e4m3 weights and activations)
+    --smoothquant ALPHA                                 -> W8A8_SQ_PER_CHANNEL (SmoothQuant, 0 < ALPHA <= 1)
+    --w4a8_awq [--group_size N]                         -> W4A8_AWQ (int4 AWQ weights, FP8 activations)
     --int8_kv_cache / --fp8_kv_cache                    -> kv_cache_quant_algo INT8 / FP8
+    --weight_quantizer rtn|gptq                         -> how the weights are rounded (default: gptq for
+                                                           weight-only int4 on one rank; checked by
+                                                           core.quant.calibrated.check_weight_quantizer)
     --exclude_modules NAME ...                          -> exclude_modules (globs over module names)
 
 Flag combinations that make no sense are refused here with a one-line ConfigError, before
@@ -33,11 +39,22 @@ class QuantFlags:
     exclude_modules: list[str] | None = field(default=None)
     int8_kv_cache: bool = False
     fp8_kv_cache: bool = False
+    fp8: bool = False
+    smoothquant: float | None = None  # SmoothQuant alpha
+    w4a8_awq: bool = False
+    weight_quantizer: str | None = None  # rtn | gptq: a convert-time choice, not part of the section
 
     def any(self) -> bool:
         """True if any quantization flag was given."""
         return bool(self.use_weight_only or self.weight_only_precision or self.group_size or self.has_zero_point
-                    or self.exclude_modules or self.int8_kv_cache or self.fp8_kv_cache)
+                    or self.exclude_modules or self.int8_kv_cache or self.fp8_kv_cache or self.fp8
+                    or self.smoothquant is not None or self.w4a8_awq)
+
+    def weight_modes(self) -> list[str]:
+        """The weight quantization mode flags given (at most one is allowed)."""
+        given = (("--use_weight_only", self.use_weight_only), ("--fp8", self.fp8),
+                 ("--smoothquant", self.smoothquant is not None), ("--w4a8_awq", self.w4a8_awq))
+        return [flag for flag, on in given if on]
 
 
 def _weight_only(flags: QuantFlags) -> dict:
@@ -55,16 +72,44 @@ def _weight_only(flags: QuantFlags) -> dict:
     return {"quant_algo": "W4A16", "group_size": group, "has_zero_point": flags.has_zero_point}
 
 
+def _activation_mode(flags: QuantFlags) -> dict:
+    """--fp8 / --smoothquant ALPHA / --w4a8_awq -> their section (core.quant.act_slot)."""
+    mode = flags.weight_modes()[0]
+    if flags.weight_only_precision:
+        raise ConfigError(f"--weight_only_precision: only with --use_weight_only, not with {mode}")
+    if flags.has_zero_point:
+        raise ConfigError(f"--has_zero_point: not with {mode} (its weights are symmetric)")
+    if not flags.w4a8_awq and flags.group_size is not None:
+        raise ConfigError(f"--group_size: not with {mode} (only int4 modes are group-wise)")
+    if flags.fp8:
+        return {"quant_algo": "FP8"}
+    if flags.smoothquant is not None:
+        alpha = flags.smoothquant
+        if not 0 < alpha <= 1:
+            raise ConfigError(f"--smoothquant {alpha}: expected a migration strength alpha with 0 < alpha <= 1")
+        return {"quant_algo": "W8A8_SQ_PER_CHANNEL", "pre_quant_scale": True}
+    group = flags.group_size if flags.group_size is not None else DEFAULT_GROUP_SIZE
+    if group not in GROUP_SIZES:
+        raise ConfigError(f"--group_size {group}: expected one of {', '.join(map(str, GROUP_SIZES))}")
+    return {"quant_algo": "W4A8_AWQ", "group_size": group, "pre_quant_scale": True}
+
+
 def quant_config_from_flags(flags: QuantFlags) -> QuantConfig:
     """The `quantization` section the flags ask for (ConfigError naming the flag when they conflict)."""
     section: dict = {}
+    modes = flags.weight_modes()
+    if len(modes) > 1:
+        raise ConfigError(f"{' and '.join(modes)}: pick one weight quantization mode")
     if flags.use_weight_only:
         section.update(_weight_only(flags))
+    elif modes:
+        section.update(_activation_mode(flags))
     else:
         for flag, given in (("--weight_only_precision", flags.weight_only_precision), ("--group_size", flags.group_size),
                             ("--has_zero_point", flags.has_zero_point), ("--exclude_modules", flags.exclude_modules)):
             if given:
-                raise ConfigError(f"{flag}: needs a weight quantization mode (--use_weight_only)")
+                raise ConfigError(f"{flag}: needs a weight quantization mode "
+                                  "(--use_weight_only, --fp8, --smoothquant or --w4a8_awq)")
     if flags.int8_kv_cache and flags.fp8_kv_cache:
         raise ConfigError("--int8_kv_cache and --fp8_kv_cache: pick one")
     if flags.int8_kv_cache or flags.fp8_kv_cache:

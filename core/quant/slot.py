@@ -88,14 +88,25 @@ class WeightOnlySlot:
             return 0
         return 1 if self.lq.bits == 4 else -1
 
-    def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Float weight [N, K] -> {parameter name: tensor} in the checkpoint layout."""
+    def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None) -> dict[str, torch.Tensor]:
+        """Float weight [N, K] -> {parameter name: tensor} in the checkpoint layout.
+
+        Round to nearest, or, int4 with `stats` (core.quant.activations.LinearInputStats
+        holding the input Hessian), GPTQ (core.quant.gptq)."""
         if tuple(w.shape) != (self.out_local, self.in_local):
             raise ValueError(f"weight {tuple(w.shape)} does not match the layer's {(self.out_local, self.in_local)}")
         if self.lq.bits == 8:
+            if stats is not None:
+                raise ValueError("int8 weights are rounded to nearest: no calibration statistics expected")
             q, s = packing.quantize_int8_per_channel(w)
             return {"weight": q, "weights_scaling_factor": s.to(scale_dtype)}
-        codes, s, z = packing.quantize_int4_groupwise(w, self.lq.group_size, self.lq.has_zero_point)
+        if stats is not None and stats.hessian is not None:
+            from bestiary.core.quant.gptq import gptq_int4
+
+            codes, s, z = gptq_int4(w, stats.hessian, self.lq.group_size, self.lq.has_zero_point,
+                                    scale_dtype=scale_dtype)
+        else:
+            codes, s, z = packing.quantize_int4_groupwise(w, self.lq.group_size, self.lq.has_zero_point)
         out = {"weight": packing.pack_int4(codes), "weights_scaling_factor": s.to(scale_dtype)}
         if z is not None:
             out["zeros"] = z.to(scale_dtype)

@@ -1,0 +1,108 @@
+"""Input statistics of every Linear, measured while a float model runs over calibration tokens.
+
+For a Linear y = x W^T (W [N, K]) and calibration inputs x_t [K], t = 1..T:
+
+    absmax[k] = max_t |x_t[k]|          (the per-channel range AWQ and SmoothQuant scale by)
+    amax      = max_k absmax[k]         (per-tensor range: FP8 / int8 activation scales)
+    hessian   = sum_t x_t x_t^T  [K, K] (the layer's proxy Hessian: the output error of a weight
+                                         error dW is sum_t |dW x_t|^2 = trace(dW H dW^T))
+
+Collected with forward pre-hooks on each `Linear` (keyed by its canonical `linear.name`), while
+the model runs the tokens in chunks of at most `chunk` tokens, each chunk one sequence from
+position 0 (every token goes through lm_head as well: all_logits). The model must be unfused
+(no `prepare_for_inference`), so fused fc/gate matmuls still go through their `Linear`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DEFAULT_CHUNK = 512
+
+
+@dataclass
+class LinearInputStats:
+    """What the inputs of one Linear looked like over the calibration tokens (module docstring)."""
+
+    absmax: torch.Tensor  # float32 [K]
+    amax: float
+    hessian: torch.Tensor | None  # float32 [K, K] = sum_t x_t x_t^T, or None when not collected
+    tokens: int
+
+
+class _Accumulator:
+    """Running absmax / hessian of one Linear's inputs."""
+
+    def __init__(self, hessian: bool) -> None:
+        self.with_hessian = hessian
+        self.absmax: torch.Tensor | None = None
+        self.hessian: torch.Tensor | None = None
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
+        amax = x2.abs().amax(dim=0)  # [K]
+        self.absmax = amax if self.absmax is None else torch.maximum(self.absmax, amax)
+        if self.with_hessian:
+            xtx = x2.t() @ x2  # [K, K]
+            self.hessian = xtx if self.hessian is None else self.hessian.add_(xtx)
+        self.tokens += x2.shape[0]
+
+    def stats(self) -> LinearInputStats:
+        assert self.absmax is not None
+        return LinearInputStats(self.absmax, float(self.absmax.max()), self.hessian, self.tokens)
+
+
+def run_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK,
+               on_chunk: Callable[[], None] | None = None) -> None:
+    """Run `model` (float KV cache) over `ids` in sequences of at most `chunk` tokens (all logits)."""
+    from bestiary.core.kv_cache import KVCache, blocks_for
+    from bestiary.core.layers.attention import AttentionMetadata
+
+    block_size = 32
+    limit = getattr(model.config, "max_position_embeddings", None) or chunk
+    chunk = max(1, min(chunk, limit))
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        blocks = list(range(blocks_for(len(part), block_size)))
+        kv = KVCache.for_model(model, len(blocks), block_size)
+        kv.k.zero_()
+        kv.v.zero_()
+        meta = AttentionMetadata.build([len(part)], [0], [blocks], block_size)
+        model(torch.tensor(part), meta, kv, all_logits=True)
+        if on_chunk is not None:
+            on_chunk()
+
+
+@torch.inference_mode()
+def collect_linear_inputs(
+    model: nn.Module,
+    ids: list[int],
+    hessian: bool,
+    names: set[str] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    on_chunk: Callable[[], None] | None = None,
+) -> dict[str, LinearInputStats]:
+    """linear.name -> LinearInputStats of every Linear of `model` (or those in `names`) over `ids`.
+
+    `hessian`: also accumulate sum_t x_t x_t^T (float32 [K, K] per layer)."""
+    from bestiary.core.layers.linear import Linear
+
+    accs: dict[str, _Accumulator] = {}
+    handles = []
+    for path, module in model.named_modules():
+        name = (module.name or path) if isinstance(module, Linear) else None
+        if name is None or (names is not None and name not in names):
+            continue
+        acc = accs[name] = _Accumulator(hessian)
+        handles.append(module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0])))
+    try:
+        run_chunks(model, ids, chunk, on_chunk)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: acc.stats() for name, acc in accs.items() if acc.tokens}

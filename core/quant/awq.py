@@ -1,0 +1,53 @@
+"""AWQ's per-input-channel scale search (Lin et al., 2023), with the error measured through H.
+
+Scaling input channel k of the weight up by s_k and the activation down by the same factor
+leaves y = x W^T unchanged, (x / s) (W diag(s))^T, but changes how W rounds: salient channels
+(large activations) get a finer effective step. AWQ searches one exponent per layer:
+
+    s(alpha) = absmax^alpha / sqrt(max(absmax^alpha) * min(absmax^alpha))   (normalised around 1)
+    alpha*   = argmin over alpha in {0, 1/G, ..., (G-1)/G} of
+               trace(dW H dW^T),   dW = quantize(W diag(s)) diag(s)^-1 - W
+
+where H = sum_t x_t x_t^T (core.quant.activations), so the output error over the calibration
+tokens is exact without keeping them. alpha = 0 is s = 1 (plain quantization), so the search
+never does worse than no scaling on the calibration data. The caller stores W diag(s)
+quantized and multiplies the activations by 1/s (pre_quant_scale / prequant_scaling_factor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from bestiary.core.quant.activations import LinearInputStats
+from bestiary.core.quant.gptq import hessian_error
+
+GRID = 20
+
+
+def awq_scale(absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s [K] = absmax^alpha normalised so that max(s) * min(s) = 1 (dead channels count as 1e-4)."""
+    s = absmax.float().clamp(min=1e-4).pow(alpha)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search_awq_scale(
+    w: torch.Tensor,
+    stats: LinearInputStats,
+    quantize: Callable[[torch.Tensor], torch.Tensor],
+    grid: int = GRID,
+) -> torch.Tensor:
+    """w [N, K], input stats (with hessian) -> s float32 [K] minimising the output error (docstring).
+
+    `quantize`: W [N, K] float -> its quantized-then-dequantized float32 [N, K]."""
+    if stats.hessian is None:
+        raise ValueError("search_awq_scale needs the input Hessian (collect_linear_inputs(..., hessian=True))")
+    w = w.float()
+    best_s, best_err = torch.ones(w.shape[1]), float("inf")
+    for i in range(grid):
+        s = awq_scale(stats.absmax, i / grid)  # [K]
+        dw = quantize(w * s[None, :]) / s[None, :] - w  # [N, K]
+        err = hessian_error(dw, stats.hessian)
+        if err < best_err:
+            best_s, best_err = s, err
+    return best_s

@@ -1,0 +1,175 @@
+"""Calibrated convert: quantize each linear with the statistics of its own inputs.
+
+Round to nearest (RTN) packs each weight as it streams by. A data-aware quantizer (GPTQ for
+int4; the activation-quantized modes' SmoothQuant / AWQ scales and FP8 ranges) needs to know
+what the layer's inputs look like, so the rank is written in three steps instead:
+
+1. load: every tensor of the rank is read (quantized linears' weights as float32), and the
+   rank's model is built from them in memory with float linears (the quantized model class,
+   its quantized Linears turned back into float ones, so a tied lm_head is a Linear too);
+2. calibrate: the float model runs over the calibration tokens (`calibration_ids(...,
+   limit=WEIGHT_CALIB_TOKENS)`: `--calib_text FILE`, else the built-in texts) and
+   core.quant.activations collects each quantized linear's input statistics;
+3. quantize + write: each weight is packed by its slot with its layer's statistics
+   (`slot.quantize(w, scale_dtype, stats)`), everything else is written as read.
+
+Calibration runs the whole model on one process: multi-rank conversions are refused.
+Memory: the rank's float weights (float32 for the quantized linears) and, for GPTQ, one
+[K, K] float32 Hessian per quantized linear.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from bestiary.core.checkpoint import StreamingSafetensorsWriter, rank_file
+from bestiary.core.config import PretrainedConfig, QuantConfig
+from bestiary.core.errors import ConfigError
+from bestiary.core.quant.activations import DEFAULT_CHUNK, LinearInputStats, collect_linear_inputs
+from bestiary.core.quant.apply import quantized_linears
+from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
+from torch import nn
+
+WEIGHT_QUANTIZERS = ("rtn", "gptq")
+WEIGHT_CALIB_TOKENS = 8192  # GPTQ's Hessians want many more tokens than the KV scales' 512
+RANDOM_CALIB_TOKENS = 1024  # no text to read (a source without a tokenizer): seeded random ids
+
+
+def default_weight_quantizer(quant: QuantConfig | None, world_size: int = 1) -> str:
+    """gptq for int4 weight-only on one rank (RTN int4 loses too much: docs/quantization.md), rtn
+    otherwise (int8; multi-rank conversions, which calibration cannot run)."""
+    lq = linear_quant_of(quant) if quant is not None else None
+    return "gptq" if lq is not None and lq.bits == 4 and lq.algo not in ACT_ALGOS and world_size == 1 else "rtn"
+
+
+def check_weight_quantizer(quant: QuantConfig | None, method: str | None, prequantized: bool = False,
+                           world_size: int = 1) -> str:
+    """The weight quantizer to use (`method`, or the default for `world_size` ranks); ConfigError for
+    one that does not apply. `prequantized`: the source holds packed AWQ/GPTQ weights
+    (core.quant.import_hf), read as they are."""
+    if method is not None and method not in WEIGHT_QUANTIZERS:
+        raise ConfigError(f"--weight_quantizer {method!r}: expected one of {', '.join(WEIGHT_QUANTIZERS)}")
+    if prequantized:
+        if method is not None:
+            raise ConfigError(f"--weight_quantizer {method}: the source is already quantized (AWQ/GPTQ); "
+                              "its packed weights are imported as they are")
+        return "rtn"  # nothing is quantized at convert
+    if method is None:
+        return default_weight_quantizer(quant, world_size)
+    lq = linear_quant_of(quant) if quant is not None else None
+    if lq is None:
+        raise ConfigError(f"--weight_quantizer {method}: needs a weight quantization mode (--use_weight_only)")
+    if method == "gptq" and lq.bits != 4:
+        raise ConfigError("--weight_quantizer gptq: only for int4 weights (int8 is rounded to nearest)")
+    if method == "gptq" and lq.algo in ACT_ALGOS:
+        raise ConfigError(f"--weight_quantizer gptq: not with {lq.algo} (AWQ-scaled, rounded to nearest)")
+    return method
+
+
+def needs_activation_stats(quant: QuantConfig | None, method: str) -> bool:
+    """True if converting to `quant` with weight quantizer `method` needs a calibration pass."""
+    lq = linear_quant_of(quant) if quant is not None else None
+    if lq is not None and lq.algo in ACT_ALGOS:  # activation scales (and SmoothQuant / AWQ scales)
+        return True
+    return lq is not None and lq.bits == 4 and method == "gptq"
+
+
+def needs_hessian(quant: QuantConfig | None, method: str) -> bool:
+    """True if the statistics must include each layer's Hessian sum_t x_t x_t^T (GPTQ, AWQ search)."""
+    lq = linear_quant_of(quant) if quant is not None else None
+    if lq is not None and lq.algo in ACT_ALGOS:
+        return lq.algo == "W4A8_AWQ"  # FP8 / SmoothQuant need the ranges only
+    return needs_activation_stats(quant, method)
+
+
+def check_single_rank(config: PretrainedConfig, method: str) -> None:
+    """Calibration runs the whole model in one process: refuse tp/pp > 1 before anything is written."""
+    if config.mapping.world_size > 1:
+        algo = config.quantization.quant_algo
+        what = f"quant_algo {algo} (activation scales)" if algo in ACT_ALGOS else f"--weight_quantizer {method}"
+        raise ConfigError(f"{what}: calibrated quantization runs on a single rank; "
+                          "convert with --tp_size 1 --pp_size 1")
+
+
+def weight_calibration_ids(files, vocab_size: int, text_file) -> list[int]:
+    """Calibration tokens for the weights: `text_file`, else the built-in texts (core.quant.calib_text),
+    at most WEIGHT_CALIB_TOKENS; else (no tokenizer) RANDOM_CALIB_TOKENS seeded random ids."""
+    from bestiary.core.quant.calib_text import WEIGHT_CALIB_TEXT
+    from bestiary.core.quant.calibrate import calibration_ids
+
+    limit = WEIGHT_CALIB_TOKENS if files is not None or text_file is not None else RANDOM_CALIB_TOKENS
+    return calibration_ids(files, vocab_size, text_file, None, limit=limit, builtin=WEIGHT_CALIB_TEXT)
+
+
+def unquantize_linears(model: nn.Module, shapes: dict[str, tuple[int, int]]) -> dict[str, nn.Module]:
+    """Turn every quantized Linear of `model` (meta) back into a float one; returns weight key -> Linear.
+
+    `shapes`: weight key -> float weight shape [N, K]. The weight gets the model's dtype;
+    packed tensors, scales and the slot are dropped."""
+    out = {}
+    for path, linear in quantized_linears(model).items():
+        key = f"{path}.weight"
+        for name, _ in list(linear.named_parameters(recurse=False)):
+            if name != "bias":
+                delattr(linear, name)
+        linear.weight = nn.Parameter(torch.empty(shapes[key], dtype=model.dtype, device="meta"), requires_grad=False)
+        linear.quant = None
+        out[key] = linear
+    return out
+
+
+def float_model(model_class, config: PretrainedConfig, rank: int, tensors: dict[str, torch.Tensor],
+                float_keys: set[str]) -> tuple[nn.Module, dict[str, str]]:
+    """The rank's model with float linears holding `tensors` (keys of the quantized linears' float
+    weights: `float_keys`); returns (model, weight key -> linear name). KV cache stays float."""
+    float_kv = config.model_copy(update={"quantization": config.quantization.model_copy(
+        update={"kv_cache_quant_algo": None})})
+    model = model_class(float_kv, rank, device="meta")
+    linears = unquantize_linears(model, {k: tuple(tensors[k].shape) for k in float_keys})
+    if set(linears) != float_keys:
+        raise ValueError(f"quantized linears {sorted(set(linears) ^ float_keys)[:3]} differ from the plan's")
+    state = {k: (t.to(model.dtype) if k in float_keys else t) for k, t in tensors.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()  # not prepare_for_inference: fused matmuls would bypass the Linears' hooks
+    return model, {k: m.name for k, m in linears.items()}
+
+
+def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, model_class, ids: list[int],
+                          method: str, bar, task) -> None:
+    """Write rank `plan.rank` with each quantized linear packed from its inputs' statistics (module docstring)."""
+    from bestiary.core.model import torch_dtype
+    from bestiary.core.quant.convert import quantize_loaded
+
+    tensors: dict[str, torch.Tensor] = {}
+    for target in plan.reads:
+        tensors.update(loader.load(target, plan.sources[target.key], config.mapping.tp_size, plan.tp_rank))
+        bar.advance(task)
+    slots = plan.quantizers or {}
+    model, names = float_model(model_class, config, plan.rank, tensors, set(slots))
+    chunk = min(DEFAULT_CHUNK, config.max_position_embeddings or DEFAULT_CHUNK)
+    chunks = bar.add_task("calibrate", total=-(-len(ids) // chunk))
+    stats = collect_linear_inputs(model, ids, hessian=needs_hessian(config.quantization, method),
+                                  names=set(names.values()), chunk=chunk, on_chunk=lambda: bar.advance(chunks))
+    del model
+    scale_dtype = torch_dtype(config.dtype)
+    layout = [(t.key, t.dtype, t.shape) for t in plan.targets]
+    writer = StreamingSafetensorsWriter(rank_file(tmp, plan.rank), layout, {"format": "pt"})
+    packing = bar.add_task("quantize", total=len(tensors))
+    try:
+        for key in list(tensors):
+            tensor = tensors.pop(key)
+            slot = slots.get(key)
+            if slot is None:
+                writer.write(key, tensor)
+            else:
+                layer_stats: LinearInputStats | None = stats.get(names[key])
+                for name, part in quantize_loaded(key, tensor, slot, scale_dtype, layer_stats).items():
+                    writer.write(name, part)
+            bar.advance(packing)
+        for target in plan.later or ():
+            writer.write(target.key, torch.ones(target.shape, dtype=target.dtype))  # calibrated after
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()

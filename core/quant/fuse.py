@@ -1,0 +1,66 @@
+"""Fusing quantized Linears that read the same input into one matmul (CPU decode speed).
+
+A gated MLP's fc (gate_proj) and gate (up_proj) both multiply the same x; stacked along the
+out dim their packed weights form one layer of N_fc + N_gate rows:
+
+    int8:  weight [N1 + N2, K] = [W1; W2],  scales [N1 + N2] = [s1; s2]
+    int4:  packed weight, scales and zeros stacked the same way (rows are independent)
+
+so [y1, y2] = x [W1; W2]^T is exact. The members' tensors become views of the fused ones
+(nothing is held twice); they still serve the LoRA path and the state dict.
+"""
+
+from __future__ import annotations
+
+import torch
+from bestiary.core.layers.linear import Linear
+from bestiary.core.quant.packing import CPU_INT4_BLOCK_N
+from bestiary.core.quant.slot import WeightOnlySlot
+from torch import nn
+
+STACKED = ("weight", "weights_scaling_factor", "zeros")
+
+
+def _fusable(members: list[Linear]) -> bool:
+    first = members[0].quant
+    if not isinstance(first, WeightOnlySlot) or first.layout != "checkpoint":
+        return False
+    for m in members:
+        slot = m.quant
+        if type(slot) is not WeightOnlySlot or slot.lq != first.lq or slot.in_local != first.in_local:
+            return False
+        if m.bias is not None or hasattr(m, "in_perm") or m.weight.device.type != "cpu":
+            return False
+        if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N:
+            return False  # a member's rows must start on a block of the CPU int4 layout
+    return True
+
+
+def fuse_quantized(members: list[Linear]) -> Linear | None:
+    """One Linear computing [x W1^T, x W2^T, ...] from members' packed weights (before their
+    prepare()), or None when they cannot be fused (different layouts, biases, in_perm, ...)."""
+    if not _fusable(members):
+        return None
+    slot0 = members[0].quant
+    n = sum(m.quant.out_local for m in members)
+    fused = Linear(slot0.in_local, n, dtype=members[0].weights_scaling_factor.dtype, device="meta")
+    fused.name = "+".join(m.name for m in members)
+    slot = WeightOnlySlot.install(fused, slot0.lq)
+    for name in STACKED:
+        if hasattr(members[0], name):
+            setattr(fused, name, nn.Parameter(torch.cat([getattr(m, name).data for m in members]), requires_grad=False))
+    slot.prepare(fused)
+    _make_views(fused, members)
+    return fused
+
+
+def _make_views(fused: Linear, members: list[Linear]) -> None:
+    """Point each member's packed tensors at its rows of the fused layer's (prepared) tensors."""
+    start = 0
+    for m in members:
+        rows = slice(start, start + m.quant.out_local)
+        for name in STACKED:
+            if hasattr(m, name):
+                getattr(m, name).data = getattr(fused, name).data[rows]
+        m.quant.layout, m.quant.k_pad = fused.quant.layout, fused.quant.k_pad
+        start = rows.stop

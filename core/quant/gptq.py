@@ -1,0 +1,134 @@
+"""GPTQ (Frantar et al., 2022): int4 group-wise weights that minimise the layer's output error.
+
+For a Linear y = x W^T (W [N, K]) with calibration inputs x_t, the output error of quantized
+weights Q is
+
+    E(Q) = sum_t |(W - Q) x_t|^2 = trace((W - Q) H (W - Q)^T),    H = sum_t x_t x_t^T [K, K]
+
+(rows of W are independent: each row n sees the same H). GPTQ quantizes the columns k = 0..K-1
+in order; after column k is rounded (q_k = quant(w_k)), the not-yet-quantized columns j > k
+absorb its error so E stays minimal given q_0..q_k (Optimal Brain Surgeon with U the upper
+Cholesky factor of H^-1, U^T U = H^-1):
+
+    e   = (w_k - q_k) / U[k, k]               [N]
+    w_j -= e * U[k, j]                        for j > k
+
+Lazy batches: the update is applied inside a block of B columns one column at a time, and to
+the columns after the block once per block (W[:, after] -= E_block U[block, after]), which is
+the same arithmetic in fewer, larger matmuls. H is dampened first, H += damp * mean(diag H) * I
+(damp = 0.01), and an input feature that never fired (H[k, k] = 0) gets H[k, k] = 1 and w_k = 0.
+
+Group scales: when column k starts a group (k % G == 0), the group's scale (and zero point) is
+chosen on the min/max grid of packing.quantize_int4_groupwise over the group's columns as they
+are then, i.e. after the error updates from earlier groups, and rounded to the checkpoint's
+scale dtype so the codes match what is stored. With H = identity no error propagates and GPTQ
+is exactly round to nearest.
+
+act order (desc_act): quantizing the features in order of decreasing H[k, k] usually helps;
+the result is then in permuted feature order and needs the layer's in_perm (`act_order_perm`,
+only W4A16_GPTQ layouts hold one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from bestiary.core.quant import packing
+
+DEFAULT_DAMP = 0.01
+BLOCK = 128  # a multiple of every group size (32, 64, 128): groups never straddle a block
+
+
+def hessian_error(dw: torch.Tensor, h: torch.Tensor) -> float:
+    """trace(dW H dW^T) for dW [N, K], H [K, K]: the summed squared output error over the inputs of H."""
+    dw = dw.double()
+    return float(((dw @ h.double()) * dw).sum())
+
+
+def act_order_perm(h: torch.Tensor) -> torch.Tensor:
+    """Feature order of decreasing H[k, k] (int64 [K]); quantize W[:, perm] with H[perm][:, perm]."""
+    return torch.argsort(torch.diagonal(h), descending=True, stable=True)
+
+
+def inverse_cholesky(h: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.Tensor:
+    """U [K, K] upper triangular with U^T U = (H + damp * mean(diag H) * I)^-1 (float32).
+
+    A damping that leaves H numerically indefinite is raised tenfold, up to three times."""
+    h = h.double()
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    mean_diag = float(torch.diagonal(h).mean()) or 1.0
+    for attempt in range(4):
+        chol, info = torch.linalg.cholesky_ex(h + damp * 10**attempt * mean_diag * eye)
+        if int(info) == 0:
+            hinv = torch.cholesky_inverse(chol)
+            return torch.linalg.cholesky(hinv, upper=True).float()
+    raise ValueError("the calibration Hessian is not positive definite even with damping 10x raised 3 times")
+
+
+def _group_params(w: torch.Tensor, zero_point: bool, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, g] (one group) -> (s [N], z [N]) as quantize_int4_groupwise picks them, s rounded to scale_dtype."""
+    _, s, z = packing.quantize_int4_groupwise(w, w.shape[1], zero_point)  # s, z [N, 1]
+    s = s[:, 0].to(scale_dtype).float().clamp(min=1e-12)
+    z = z[:, 0] if z is not None else torch.full_like(s, 8.0)
+    return s, z
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the column loop's many small ops on one thread (no barrier waits between them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def gptq_int4(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    group_size: int,
+    zero_point: bool,
+    damp: float = DEFAULT_DAMP,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """w [N, K], H [K, K] -> (codes uint8 [N, K], s float32 [N, groups], z float32 [N, groups] or None),
+    the layout of packing.quantize_int4_groupwise (math in the module docstring)."""
+    n, k = w.shape
+    if tuple(h.shape) != (k, k):
+        raise ValueError(f"Hessian {tuple(h.shape)} does not match the weight's {k} input features")
+    h = h.double().clone()
+    wt = w.float().t().contiguous()  # [K, N]: column k of W is row k here (contiguous)
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    wt[dead] = 0.0
+    u = inverse_cholesky(h, damp)  # [K, K] upper
+    groups = packing.num_groups(k, group_size)
+    codes = torch.empty(k, n, dtype=torch.uint8)
+    scales = torch.empty(n, groups)
+    zeros = torch.empty(n, groups)
+    lo, hi = (0.0, 15.0) if zero_point else (-8.0, 7.0)
+    for b0 in range(0, k, BLOCK):
+        b1 = min(b0 + BLOCK, k)
+        wb = wt[b0:b1]  # [B, N] view: the block's columns, updated column by column
+        qb = torch.empty_like(wb)  # rounded values: codes - (0 if zero_point else 8)
+        errs = torch.empty_like(wb)  # [B, N]
+        ub = u[b0:b1, b0:b1]
+        with _one_thread():
+            for i in range(b1 - b0):
+                col = b0 + i
+                if col % group_size == 0:
+                    g = col // group_size
+                    s, z = _group_params(wb[i:i + group_size].t(), zero_point, scale_dtype)  # [N]
+                    scales[:, g], zeros[:, g] = s, z
+                    offset = z if zero_point else torch.zeros_like(z)
+                    neg_offset_scale = -offset * s
+                # q = clamp(round(w / s) + o, lo, hi), w_hat = (q - o) s, o = z (zero point) or 0
+                q = torch.div(wb[i], s, out=qb[i]).round_().add_(offset).clamp_(lo, hi)
+                err = torch.sub(wb[i], torch.addcmul(neg_offset_scale, q, s), out=errs[i]).div_(ub[i, i])
+                wb[i + 1:].addr_(ub[i, i + 1:], err, alpha=-1.0)
+        codes[b0:b1] = (qb if zero_point else qb + 8).to(torch.uint8)
+        wt[b1:].addmm_(u[b0:b1, b1:].t(), errs, alpha=-1.0)
+    return codes.t().contiguous(), scales, (zeros if zero_point else None)
