@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install demo test bench docs
+.PHONY: install demo test test-slow test-all bench docs
 
 install:
 	# CPU torch first (a local wheel here); the project's torch>=2.5 is then already satisfied.
@@ -13,7 +13,15 @@ install:
 demo: install
 	bestiary demo
 
+# The whole suite except the tests marked slow (real-model quality and parity runs, ~20+ min
+# on 2 cores): about 4 minutes. CI (.ci/run) runs both.
 test: install
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+test-slow: install
+	$(PYTHON) -m pytest -q -m slow tests
+
+test-all: install
 	$(PYTHON) -m pytest -q tests
 
 bench: install

@@ -227,6 +227,8 @@ def test_beam_search_equals_hf_smollm2(engine_dir, hf_model, hf_tokenizer):  # n
         (ours,) = llm.generate([ids], SamplingConfig(beam_width=4, length_penalty=length_penalty,
                                                      max_new_tokens=16, end_id=eos))
         assert ours.output_ids == ref.sequences[0, len(ids):].tolist()
-        assert abs(ours.beams[0].score - ref.sequences_scores[0].item()) <= 1e-4
+        diff = abs(ours.beams[0].score - ref.sequences_scores[0].item())
+        print(f"\nSmolLM2 beams 4, length_penalty {length_penalty}: sequences equal, |score diff| {diff:.2e}")
+        assert diff <= 1e-4
         assert ours.finish_reason == "stop"
         llm.executor.allocator.check_whole()
