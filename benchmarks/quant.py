@@ -1,9 +1,10 @@
 """Batch-1 decode per quantization mode on SmolLM2-135M-Instruct vs HF transformers fp32, same run.
 
-For each mode: convert the demo GGUF (fp32 + the mode's quantization), build, then measure
-decode tokens/s as (time for 1 + N tokens - time for 1) / N, greedy, EOS ignored, median
-of --repeats runs alternating with HF fp32; engine size on disk; resident memory (RSS)
-growth of loading the engine and generating; greedy agreement with the fp32 engine over
+For each mode: convert the demo GGUF (fp32; quantized modes with bf16 activations, the "A16",
+and round-to-nearest weights: speed is measured here, quality in tests/test_quant_smollm2.py),
+build, then measure decode tokens/s as (time for 1 + N tokens - time for 1) / N, greedy, EOS
+ignored, median of --repeats runs alternating with HF fp32; engine size on disk; peak resident
+memory of a fresh process loading the engine and generating; greedy agreement with the fp32 engine over
 the held prompts (fraction of generated tokens equal before the first difference). If
 llama-cpp-python is importable, llama.cpp on the same GGUF is measured too.
 
@@ -16,6 +17,8 @@ import argparse
 import functools
 import gc
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,13 +44,21 @@ def modes() -> dict:
     }
 
 
-def rss_mib() -> float:
-    """Resident set size of this process, MiB (Linux /proc)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+PEAK_RSS_SCRIPT = """
+import resource, sys
+from bestiary import LLM, SamplingConfig
+llm = LLM(sys.argv[1])
+llm.generate([[int(t) for t in sys.argv[2].split(",")]], SamplingConfig(max_new_tokens=16, temperature=0.0))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def peak_rss_mib(engine: Path, ids: list[int]) -> float:
+    """Peak resident memory (MiB) of a fresh process that loads `engine` and generates 16 tokens
+    (python + torch + the engine: the whole footprint a user sees)."""
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, str(engine), ",".join(map(str, ids))],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024
 
 
 def dir_mib(path: Path) -> float:
@@ -78,9 +89,10 @@ def decode_rate(run, n: int) -> float:
 def greedy_ids(llm, tokenizer, n: int) -> list[list[int]]:
     from bestiary.core.sampling import SamplingConfig
 
-    prompts = [tokenizer(p).input_ids for p in HELD_PROMPTS]
-    out = llm.generate(prompts, SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-    return [c.output_ids for c in out]
+    # One prompt at a time: a batch of 4 here crashed inside aten._weight_int8pack_mm twice
+    # (lm_head, bf16, 4 rows) in a process that also holds the HF model; not reproduced alone.
+    sampling = SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return [llm.generate([tokenizer(p).input_ids], sampling)[0].output_ids for p in HELD_PROMPTS]
 
 
 def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
@@ -140,10 +152,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ["fp32"] + [m for m in args.modes if m != "fp32"]:
             ckpt, engine = Path(tmp) / f"{mode}-ckpt", Path(tmp) / f"{mode}-engine"
-            convert(gguf, ckpt, dtype="float32", show_progress=False, quantization=all_modes[mode])
+            # Weight-only modes run 16-bit activations (the "A16"); RTN: speed, not quality, is measured here
+            dtype = "float32" if mode == "fp32" else "bfloat16"
+            convert(gguf, ckpt, dtype=dtype, show_progress=False, quantization=all_modes[mode],
+                    weight_quantizer=None if mode == "fp32" else "rtn")
             build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_seq_len=512))
-            gc.collect()
-            before = rss_mib()
+            rss = peak_rss_mib(engine, ids)
             llm = LLM(engine)
             run = functools.partial(ours_seconds, llm, ids)
             run(4)
@@ -153,7 +167,6 @@ def main() -> None:
                 hf_rates.append(decode_rate(hf_run, args.new_tokens))
             held = greedy_ids(llm, tokenizer, args.agreement_tokens)
             reference = held if mode == "fp32" else reference
-            rss = rss_mib() - before
             if mode in args.modes:
                 rows.append((mode, statistics.median(rates), dir_mib(engine), rss, agreement(held, reference)))
             del llm
@@ -163,11 +176,11 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct, batch 1, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}; HF fp32 {hf_rate:.1f} tok/s"
           + (f"; llama.cpp (GGUF Q4_1) {cpp:.1f} tok/s" if cpp else "; llama.cpp: llama-cpp-python not installed"))
-    print(f"{'mode':<16} {'tok/s':>7} {'vs HF fp32':>10} {'vs llama.cpp':>12} {'engine MiB':>10} {'RSS MiB':>8} "
+    print(f"{'mode':<16} {'tok/s':>7} {'vs HF fp32':>10} {'vs llama.cpp':>12} {'engine MiB':>10} {'peak RSS MiB':>12} "
           f"{'greedy agree':>12}")
     for mode, rate, size, rss, agree in rows:
         vs_cpp = f"{rate / cpp:.2f}x" if cpp else "-"
-        print(f"{mode:<16} {rate:>7.1f} {rate / hf_rate:>9.2f}x {vs_cpp:>12} {size:>10.1f} {rss:>8.1f} {agree:>12.2f}")
+        print(f"{mode:<16} {rate:>7.1f} {rate / hf_rate:>9.2f}x {vs_cpp:>12} {size:>10.1f} {rss:>12.1f} {agree:>12.2f}")
 
 
 if __name__ == "__main__":

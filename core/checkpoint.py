@@ -114,14 +114,28 @@ def write_json(path: Path, data: dict) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
+TENSOR_ALIGNMENT = 64  # bytes: what torch's CPU allocator guarantees and vectorized kernels may assume
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when its data does not start on a TENSOR_ALIGNMENT boundary."""
+    return t if t.data_ptr() % TENSOR_ALIGNMENT == 0 else t.clone()
+
+
 def load_rank_weights(directory: Path, rank: int) -> dict[str, torch.Tensor]:
-    """All tensors of rank `rank` (memory-mapped); a missing or truncated file is a one-line error."""
+    """All tensors of rank `rank`; a missing or truncated file is a one-line error.
+
+    safetensors memory-maps the file: a tensor's data sits at its file offset, which the format
+    aligns to 8 bytes only. Kernels used as-is on loaded tensors (int8 weights and bf16 scales
+    feed aten._weight_int8pack_mm directly) crashed on such addresses, so every tensor that does
+    not start on a 64-byte boundary is copied (the others stay memory-mapped)."""
     from safetensors.torch import load_file
 
     path = rank_file(directory, rank)
     if not path.is_file():
         raise WeightsError(f"{path}: rank file not found")
     try:
-        return load_file(str(path))
+        weights = load_file(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
         raise WeightsError(f"{path}: not a readable .safetensors file ({err})") from None
+    return {key: aligned(t) for key, t in weights.items()}

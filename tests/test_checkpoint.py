@@ -195,3 +195,18 @@ def test_transposed_source_slices_along_the_other_dim(tmp_path):
     for rank in range(2):
         a, b = (load_file(str(tmp_path / d / f"rank{rank}.safetensors")) for d in ("ref", "flip"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
+
+
+def test_loaded_tensors_are_64_byte_aligned(tmp_path):
+    """safetensors maps tensors at 8-byte-aligned file offsets; kernels fed loaded tensors as-is
+    (int8 weights, bf16 scales -> aten._weight_int8pack_mm) segfaulted on such addresses."""
+    from safetensors.torch import save_file
+
+    from bestiary.core.checkpoint import load_rank_weights, rank_file
+
+    tensors = {f"t{i}": torch.arange(n, dtype=dtype) for i, (n, dtype) in
+               enumerate([(3, torch.int8), (5, torch.bfloat16), (7, torch.float32), (9, torch.int8), (64, torch.int8)])}
+    save_file(tensors, str(rank_file(tmp_path, 0)))
+    loaded = load_rank_weights(tmp_path, 0)
+    assert all(t.data_ptr() % 64 == 0 for t in loaded.values())
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())

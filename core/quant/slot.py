@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bestiary.core.layers import cpu_matmul
 from bestiary.core.quant import packing
 from bestiary.core.quant.modes import LinearQuant, check_linear
 from torch import nn
@@ -170,7 +171,7 @@ class WeightOnlySlot:
             if x2.shape[0] <= self.max_kernel_tokens and self._kernel_scales is not None:
                 y = self._cpu_kernel(linear, xc)
             else:
-                y = F.linear(xc, self.dequantize(linear).to(self.compute_dtype))
+                y = cpu_matmul.dense_weight_matmul(xc, self.dequantize(linear))  # fp32 GEMM without native bf16
             y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
