@@ -6,12 +6,11 @@ splits, key maps in both directions) is checked before the output directory is c
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from bestiary.core.checkpoint import StreamingSafetensorsWriter, atomic_directory, rank_file, write_json
 from bestiary.core.config import Mapping, PretrainedConfig, QuantConfig
 from bestiary.core.errors import BestiaryError
@@ -20,6 +19,7 @@ from bestiary.core.progress import progress
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry, resolve
 from bestiary.registry.spec import ArchitectureSpec
+from torch import nn
 
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -119,7 +119,11 @@ def convert(
 
         config.quantization = quantization
         check_calibratable(config)
-    from bestiary.core.quant.calibrated import check_single_rank, check_weight_quantizer, needs_activation_stats
+    from bestiary.core.quant.calibrated import (
+        check_single_rank,
+        check_weight_quantizer,
+        needs_activation_stats,
+    )
 
     method = check_weight_quantizer(quantization, weight_quantizer, prequantized=hf_quant is not None,
                                     world_size=config.mapping.world_size)
@@ -143,7 +147,7 @@ def convert(
     with atomic_directory(Path(output_dir)) as tmp, progress(show_progress) as bar:
         task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
         if calibrated:
-            from bestiary.core.quant.calibrated import write_calibrated_rank, weight_calibration_ids
+            from bestiary.core.quant.calibrated import weight_calibration_ids, write_calibrated_rank
 
             ids = weight_calibration_ids(source.tokenizer, config.vocab_size, calib_text)
             write_calibrated_rank(tmp, plans[0], loader, config, resolve(spec.model_class), ids, method, bar, task)
@@ -168,9 +172,7 @@ def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: Pretrai
     from bestiary.core.quant.convert import quantize_loaded
 
     scale_dtype: torch.dtype = torch_dtype(config.dtype)
-    layout = [(t.key, t.dtype, t.shape) for t in plan.targets]
-    writer = StreamingSafetensorsWriter(rank_file(tmp, plan.rank), layout, {"format": "pt"})
-    try:
+    with rank_writer(tmp, plan) as writer:
         for target in plan.reads or plan.targets:
             for key, tensor in loader.load(target, plan.sources[target.key], config.mapping.tp_size, plan.tp_rank).items():
                 slot = (plan.quantizers or {}).get(key)
@@ -178,6 +180,16 @@ def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: Pretrai
                 for name, part in packed.items():
                     writer.write(name, part)
             bar.advance(task)
+
+
+@contextlib.contextmanager
+def rank_writer(tmp: Path, plan: RankPlan):
+    """The streaming writer of rank{N}.safetensors for `plan`: yields it, then writes the tensors made
+    later (placeholders, calibrated after: KV cache scales) and closes; removes the file on error."""
+    layout = [(t.key, t.dtype, t.shape) for t in plan.targets]
+    writer = StreamingSafetensorsWriter(rank_file(tmp, plan.rank), layout, {"format": "pt"})
+    try:
+        yield writer
         for target in plan.later or ():
             writer.write(target.key, torch.ones(target.shape, dtype=target.dtype))  # calibrated after
     except BaseException:

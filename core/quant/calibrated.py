@@ -23,7 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from bestiary.core.checkpoint import StreamingSafetensorsWriter, rank_file
 from bestiary.core.config import PretrainedConfig, QuantConfig
 from bestiary.core.errors import ConfigError
 from bestiary.core.quant.activations import DEFAULT_CHUNK, LinearInputStats, collect_linear_inputs
@@ -138,6 +137,7 @@ def float_model(model_class, config: PretrainedConfig, rank: int, tensors: dict[
 def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, model_class, ids: list[int],
                           method: str, bar, task) -> None:
     """Write rank `plan.rank` with each quantized linear packed from its inputs' statistics (module docstring)."""
+    from bestiary.core.convert import rank_writer
     from bestiary.core.model import torch_dtype
     from bestiary.core.quant.convert import quantize_loaded
 
@@ -153,10 +153,8 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
                                   names=set(names.values()), chunk=chunk, on_chunk=lambda: bar.advance(chunks))
     del model
     scale_dtype = torch_dtype(config.dtype)
-    layout = [(t.key, t.dtype, t.shape) for t in plan.targets]
-    writer = StreamingSafetensorsWriter(rank_file(tmp, plan.rank), layout, {"format": "pt"})
     packing = bar.add_task("quantize", total=len(tensors))
-    try:
+    with rank_writer(tmp, plan) as writer:
         for key in list(tensors):
             tensor = tensors.pop(key)
             slot = slots.get(key)
@@ -167,9 +165,3 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
                 for name, part in quantize_loaded(key, tensor, slot, scale_dtype, layer_stats).items():
                     writer.write(name, part)
             bar.advance(packing)
-        for target in plan.later or ():
-            writer.write(target.key, torch.ones(target.shape, dtype=target.dtype))  # calibrated after
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
