@@ -57,6 +57,7 @@ from bestiary.core.quant import packing
 from bestiary.core.quant.activations import LinearInputStats
 from bestiary.core.quant.awq import awq_scale, search_awq_scale
 from bestiary.core.quant.modes import LinearQuant, check_linear
+from bestiary.core.quant.slot import install_int_weight
 from torch import nn
 
 FP8_ALGO = "FP8"
@@ -124,13 +125,8 @@ class ActQuantSlot:
         if lq.algo == FP8_ALGO:
             linear.weight = _param(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device))
             linear.weights_scaling_factor = _param(torch.empty(1, dtype=f32, device=device))
-        elif lq.algo == SQ_ALGO:
-            linear.weight = _param(torch.empty(n, k, dtype=torch.int8, device=device))
-            linear.weights_scaling_factor = _param(torch.empty(n, dtype=dtype, device=device))
-        else:
-            groups = packing.num_groups(k, lq.group_size)
-            linear.weight = _param(torch.empty(n, k // 2, dtype=torch.uint8, device=device))
-            linear.weights_scaling_factor = _param(torch.empty(n, groups, dtype=dtype, device=device))
+        else:  # SmoothQuant: int8 per output channel; W4A8_AWQ: int4 group-wise
+            install_int_weight(linear, 8 if lq.algo == SQ_ALGO else 4, lq.group_size)
         if lq.algo != FP8_ALGO:
             linear.prequant_scaling_factor = _param(torch.empty(k, dtype=dtype, device=device))
         linear.activation_scaling_factor = _param(torch.empty(1, dtype=f32, device=device))

@@ -41,6 +41,22 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def install_int_weight(linear: nn.Module, bits: int, group_size: int) -> None:
+    """Give `linear` (weight [N, K]) empty packed-integer parameters in the checkpoint layout
+    (core.quant.packing): bits 8 -> weight int8 [N, K], weights_scaling_factor [N]; bits 4 ->
+    weight uint8 [N, K/2], weights_scaling_factor [N, ceil(K / group_size)]. Scales keep the
+    layer's dtype."""
+    n, k = linear.weight.shape
+    dtype, device = linear.weight.dtype, linear.weight.device
+    if bits == 8:
+        linear.weight = _param(torch.empty(n, k, dtype=torch.int8, device=device))
+        linear.weights_scaling_factor = _param(torch.empty(n, dtype=dtype, device=device))
+    else:
+        groups = packing.num_groups(k, group_size)
+        linear.weight = _param(torch.empty(n, k // 2, dtype=torch.uint8, device=device))
+        linear.weights_scaling_factor = _param(torch.empty(n, groups, dtype=dtype, device=device))
+
+
 class WeightOnlySlot:
     """int8 per-channel or int4 group-wise weights of one Linear, and how to multiply by them."""
 
@@ -61,16 +77,10 @@ class WeightOnlySlot:
         """Replace linear.weight by the packed weight, add the scale (and zero point) parameters."""
         n, k = linear.weight.shape
         check_linear(linear.name, k, n, lq, split_in=linear.parallel == "row" and linear.tp_size > 1)
-        dtype, device = linear.weight.dtype, linear.weight.device
-        if lq.bits == 8:
-            linear.weight = _param(torch.empty(n, k, dtype=torch.int8, device=device))
-            linear.weights_scaling_factor = _param(torch.empty(n, dtype=dtype, device=device))
-        else:
-            groups = packing.num_groups(k, lq.group_size)
-            linear.weight = _param(torch.empty(n, k // 2, dtype=torch.uint8, device=device))
-            linear.weights_scaling_factor = _param(torch.empty(n, groups, dtype=dtype, device=device))
-            if lq.has_zero_point:
-                linear.zeros = _param(torch.empty(n, groups, dtype=dtype, device=device))
+        device = linear.weight.device
+        install_int_weight(linear, lq.bits, lq.group_size)
+        if lq.bits == 4 and lq.has_zero_point:
+            linear.zeros = _param(torch.empty_like(linear.weights_scaling_factor))
         slot = cls(lq, (n, k))
         if lq.algo in PERMUTED_ALGOS:
             linear.in_perm = _param(torch.empty(k, dtype=torch.int32, device=device))
