@@ -151,7 +151,7 @@ class DecoderLM(nn.Module):
         weight = owner.weight
         if getattr(owner, "quant", None) is not None or weight.device.type != "cpu" or not weight.is_floating_point():
             return
-        self._lm_head_t = owner._wt if getattr(owner, "_wt", None) is not None else hold_transposed(owner.weight)
+        self._lm_head_t = hold_transposed(owner.weight)  # a float lm_head Linear's is already: no copy
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in logits_dtype (gathered over tp ranks)."""
