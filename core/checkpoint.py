@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
 from bestiary.core.errors import BestiaryError, WeightsError
 
 SAFETENSORS_DTYPES = {

@@ -12,13 +12,12 @@ with `load_state_dict`. Under pipeline parallelism a rank holds only its stage's
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from bestiary.core.config import PretrainedConfig
 from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.layers.cpu_matmul import hold_transposed, matmul_t
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel
+from torch import nn
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from bestiary.core.layers import cpu_matmul
+from torch import nn
 
 if TYPE_CHECKING:
     from bestiary.core.quant.slot import WeightOnlySlot

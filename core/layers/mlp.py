@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
-from bestiary.core.layers.linear import LoraDelta, Linear, Parallel
+from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
+from torch import nn
 
 ACTIVATIONS = {
     "silu": F.silu,
