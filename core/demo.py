@@ -33,7 +33,8 @@ def demo_model_path() -> Path:
 def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None) -> int:
     from bestiary.core.build import BuildConfig, build_engine
     from bestiary.core.convert import convert
-    from bestiary.core.llm import LLM, cache_dir
+    from bestiary.core.cache import cache_dir
+    from bestiary.core.llm import LLM
     from bestiary.core.sampling import SamplingConfig
 
     err = Console(stderr=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,17 +21,13 @@ from pathlib import Path
 
 import torch
 
+from bestiary.core.cache import cache_dir
 from bestiary.core.engine import Engine
 from bestiary.core.errors import BestiaryError
 from bestiary.core.executor import Executor, Request
 from bestiary.core.kv_cache import KvCacheConfig
 from bestiary.core.sampling import SamplingConfig
 from bestiary.core.tokenizer import StreamDecoder
-
-
-def cache_dir() -> Path:
-    """Where on-the-fly conversions go ($BESTIARY_CACHE or ~/.cache/bestiary)."""
-    return Path(os.environ.get("BESTIARY_CACHE", Path.home() / ".cache" / "bestiary"))
 
 
 def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = False) -> Path:

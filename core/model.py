@@ -170,10 +170,13 @@ class DecoderLM(nn.Module):
         self,
         ids: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: "KVCacheLike",
+        kv_cache: KVCacheLike,
         all_logits: bool = False,
     ) -> torch.Tensor:
         """ids [T] -> logits [B, V] of each sequence's last token ([T, V] with all_logits)."""
+        plan = None if all_logits else self._decode_plan(ids, meta, kv_cache)
+        if plan is not None:
+            return plan.run(ids, meta)  # the whole step in one compiled call (core.cpu.plan)
         x = self.embed(ids, meta)  # [T, H]
         for i, layer in enumerate(self.transformer.layers):
             x = layer(x, meta, kv_cache.k[i], kv_cache.v[i])
@@ -181,6 +184,21 @@ class DecoderLM(nn.Module):
             x = x.index_select(0, meta.last_token_index)  # [B, H]
         x = self.transformer.ln_f(x)
         return self.logits(x)
+
+
+    def _decode_plan(self, ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLike):
+        """The compiled CPU plan for this decode step (core.cpu.plan), built once per batch size
+        and KV cache; None when the step or the model is not one a plan runs."""
+        if not meta.is_decode or ids.device.type != "cpu" or meta.lora is not None:
+            return None
+        plans = self.__dict__.setdefault("_decode_plans", {})  # batch -> DecodePlan | None
+        b = len(meta.seq_lens)
+        if b not in plans or (plans[b] is not None and not plans[b].same_pools(kv_cache.k, kv_cache.v)):
+            from bestiary.core.cpu.plan import plan_for
+
+            plans[b] = plan_for(self, b, list(kv_cache.k), list(kv_cache.v))
+        plan = plans[b]
+        return plan if plan is not None and plan.fits(meta) else None
 
 
 class KVCacheLike:  # pragma: no cover - typing aid

@@ -1,8 +1,9 @@
-"""The one entry point layers call for an op: Triton kernel or torch reference.
+"""The one entry point layers call for an op: Triton kernel, compiled CPU kernel or torch reference.
 
 Mode, read once from the environment variable BESTIARY_KERNELS (default "auto"):
 
-    auto    Triton for CUDA tensors, the torch reference for every other device
+    auto    Triton for CUDA tensors; on the CPU the compiled C kernels (core.cpu) for the ops
+            they have (float32 / bfloat16 tensors, library built), else the torch reference
     triton  Triton always (CPU tensors then need TRITON_INTERPRET=1: the kernel tests)
     torch   the torch reference always
 
@@ -27,7 +28,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-
 from bestiary.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -74,6 +74,19 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda if _mode == "auto" else _mode == "triton"
 
 
+def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    """True when an op on these CPU tensors runs the compiled kernels of core.cpu (mode auto)."""
+    return _mode == "auto" and tensors[0].device.type == "cpu" and cpu_ops().supports(*tensors)
+
+
+def cpu_ops() -> ModuleType:
+    """bestiary.core.cpu.ops (compiled CPU kernels + their torch references), imported on first use."""
+    module = _families.get("cpu")
+    if module is None:
+        module = _families["cpu"] = importlib.import_module("bestiary.core.cpu.ops")
+    return module
+
+
 def family(name: str) -> ModuleType:
     """The kernel module `bestiary.core.kernels.<name>`, imported on first use."""
     module = _families.get(name)
@@ -88,7 +101,11 @@ def family(name: str) -> ModuleType:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * w over the last dim: x [..., H] -> [..., H]."""
     m = family("norms")
-    return m.rms_norm(x, weight, eps) if use_triton(x) else m.rms_norm_ref(x, weight, eps)
+    if use_triton(x):
+        return m.rms_norm(x, weight, eps)
+    if use_cpu_kernels(x, weight):
+        return cpu_ops().rms_norm(x, weight, eps)
+    return m.rms_norm_ref(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -102,6 +119,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = x + residual; (rms_norm(h), h)."""
     m = family("norms")
+    if not use_triton(x) and use_cpu_kernels(x, residual, weight):
+        return cpu_ops().rms_norm(x, weight, eps, residual)
     fn = m.add_rms_norm if use_triton(x) else m.add_rms_norm_ref
     return fn(x, residual, weight, eps)
 
@@ -121,8 +140,12 @@ def add_layer_norm(
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
     """Rotate the first rot_dim dims of x [T, n, D] in place; cos/sin [T, 1, rot_dim/2]."""
     m = family("rotary")
-    fn = m.apply_rotary if use_triton(x) else m.apply_rotary_ref
-    fn(x, cos, sin, rot_dim, style)
+    if use_triton(x):
+        m.apply_rotary(x, cos, sin, rot_dim, style)
+    elif use_cpu_kernels(x, cos) and cpu_ops().rotary_layout_ok(x, cos, sin):
+        cpu_ops().rotary(x, cos, sin, rot_dim, style)
+    else:
+        m.apply_rotary_ref(x, cos, sin, rot_dim, style)
 
 
 def rotary_embedding(
@@ -143,6 +166,14 @@ def act_and_mul(f: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor:
     return m.act_and_mul(f, g, act) if use_triton(f) else m.act_and_mul_ref(f, g, act)
 
 
+def gated_act(fg: torch.Tensor, act: str) -> torch.Tensor:
+    """y = act(f) * g for the fused gate output fg [T, 2I] = [f | g] -> [T, I]."""
+    if use_cpu_kernels(fg) and fg.dim() == 2:
+        return cpu_ops().act_and_mul(fg, act)
+    f, g = fg.chunk(2, dim=-1)
+    return act_and_mul(f, g, act)
+
+
 def activation(x: torch.Tensor, act: str) -> torch.Tensor:
     """y = act(x) elementwise (the plain MLP's middle)."""
     m = family("activations")
@@ -153,12 +184,15 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: "AttentionMetadata",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
     key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of this step's queries q [T, H, D] over the (already written) paged cache -> [T, H*D]."""
     m = family("attention")
+    if key_bias is None and meta.is_decode and not use_triton(q) and use_cpu_kernels(q, k_pool):
+        kv_lens = meta.step_value("kv_lens", lambda: torch.tensor(meta.kv_lens, dtype=torch.int64))
+        return cpu_ops().decode_attention(q, k_pool, v_pool, meta.block_tables, kv_lens, scale, slopes)
     fn = m.paged_attention if use_triton(q) else m.paged_attention_ref
     return fn(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias)
 

@@ -16,27 +16,15 @@ half-precision GEMM (oneDNN, AMX) is the fast one.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
+from bestiary.core.cpu.build import cpu_flags
+from bestiary.core.kernels import dispatch
 from torch import nn
 
 HALF_GEMV_MAX_TOKENS = 8
+KERNEL_MAX_TOKENS = 8  # rows up to which bf16 matmuls run the compiled GEMV
 UPCAST_CHUNK = 1 << 22  # weight elements converted at a time (16 MiB of fp32)
 NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none: assume native)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def native_half_gemm(dtype: torch.dtype) -> bool:
@@ -67,9 +55,17 @@ def upcast_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ wt + b: x [T, K], wt [K, N] (a CPU weight held transposed) -> [T, N] in x's dtype."""
+    """y = x @ wt + b: x [T, K], wt [K, N] (a CPU weight held transposed) -> [T, N] in x's dtype.
+
+    bfloat16 weights at <= KERNEL_MAX_TOKENS rows run the compiled GEMV (core.cpu), which
+    reads them ~2x faster than torch's bf16 GEMV here; float32 ones stay with torch (MKL)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype in NATIVE_FLAGS and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype):
+    if (wt.dtype == torch.bfloat16 and x2.dtype == wt.dtype and x2.shape[0] <= KERNEL_MAX_TOKENS
+            and wt.is_contiguous() and dispatch.use_cpu_kernels(x2, wt)):
+        y = dispatch.cpu_ops().linear_t(x2, wt)
+        if bias is not None:
+            y += bias
+    elif x2.dtype in NATIVE_FLAGS and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype):
         y = upcast_matmul(x2, wt)
         if bias is not None:
             y += bias

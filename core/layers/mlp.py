@@ -72,16 +72,16 @@ class GatedMLP(nn.Module):
         """x [T, H] -> [T, H]."""
         fused_q = self.__dict__.get("_fused_q")
         if fused_q is not None and lora is None:
-            f, g = fused_q(x).chunk(2, dim=-1)  # [T, I] each
+            h = dispatch.gated_act(fused_q(x), self.act_name)  # [T, 2I] -> [T, I]
         elif self._fused is not None and lora is None:
             if self._fused_t is not None and x.device.type == "cpu":
                 fg = cpu_matmul.matmul_t(x, self._fused_t, self._fused_bias)  # [T, 2I]
             else:
                 fg = F.linear(x, self._fused, self._fused_bias)  # [T, 2I]
-            f, g = fg.chunk(2, dim=-1)
+            h = dispatch.gated_act(fg, self.act_name)
         else:
-            f, g = self.fc(x, lora), self.gate(x, lora)
-        return self.proj(dispatch.act_and_mul(f, g, self.act_name), lora)
+            h = dispatch.act_and_mul(self.fc(x, lora), self.gate(x, lora), self.act_name)
+        return self.proj(h, lora)
 
 
 class MLP(nn.Module):

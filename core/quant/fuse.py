@@ -13,6 +13,7 @@ so [y1, y2] = x [W1; W2]^T is exact. The members' tensors become views of the fu
 from __future__ import annotations
 
 import torch
+from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.packing import CPU_INT4_BLOCK_N
 from bestiary.core.quant.slot import WeightOnlySlot
@@ -31,8 +32,9 @@ def _fusable(members: list[Linear]) -> bool:
             return False
         if m.bias is not None or hasattr(m, "in_perm") or m.weight.device.type != "cpu":
             return False
-        if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N:
-            return False  # a member's rows must start on a block of the CPU int4 layout
+        if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N and not dispatch.use_cpu_kernels(
+                m.weights_scaling_factor):
+            return False  # the aten CPU int4 layout: a member's rows must start on one of its blocks
     return True
 
 

@@ -6,6 +6,8 @@ and adds `weights_scaling_factor` (and `zeros`) parameters, so the checkpoint na
 
 After loading, `prepare(linear)` repacks for the device that will run it:
 
+    CPU with the compiled kernels (core.cpu): the checkpoint layout as it is, scales as
+                float32 (a core.cpu.ops.PackedWeight); no repacking
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
                 to the compute dtype
     CPU, int4:  weight repacked in place by aten._convert_weight_to_int4pack_for_cpu (same
@@ -13,15 +15,17 @@ After loading, `prepare(linear)` repacks for the device that will run it:
     CUDA:       the checkpoint layout is what core.kernels.woq_gemm's Triton kernels read
 
 y = x W^T + b on the CPU: a step of at most `max_kernel_tokens` tokens (decode) runs the
-aten weight-only kernel; a longer one (prefill, big batches) dequantizes W to the compute
-dtype and runs one dense matmul, which is faster there (AMX). Activations are cast to the
-compute dtype (bfloat16, the "A16" of W8A16/W4A16) and the result back to x's dtype.
+compiled weight-only GEMV (float32 math on x as given, output in x's dtype), or without it
+the aten weight-only kernel on x cast to the compute dtype (bfloat16, the "A16" of
+W8A16/W4A16); a longer step (prefill, big batches) dequantizes W and runs one dense matmul,
+which is faster there (AMX).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.quant import packing
 from bestiary.core.quant.modes import LinearQuant, check_linear
@@ -70,6 +74,7 @@ class WeightOnlySlot:
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
         self.in_offset = 0  # in_perm: first in-feature of this rank (row-parallel on tp ranks)
         self._perm: torch.Tensor | None | bool = False  # False: not looked at yet; None: identity
+        self._packed = None  # core.cpu.ops.PackedWeight when the compiled CPU kernels run this layer
 
     # --- building the layer ------------------------------------------------------------------
     @classmethod
@@ -146,9 +151,17 @@ class WeightOnlySlot:
     def prepare(self, linear: nn.Module) -> None:
         """Repack for the device the layer now lives on (idempotent)."""
         self._perm = False  # in_perm is looked at again on the next matmul
+        self._packed = None
         if linear.weight.device.type != "cpu":
             return
         s = linear.weights_scaling_factor
+        kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
+        if self.layout == "checkpoint" and kernel_group and dispatch.use_cpu_kernels(s):
+            ops = dispatch.cpu_ops()
+            z = getattr(linear, "zeros", None)
+            self._packed = (ops.PackedWeight.int8(linear.weight, s) if self.lq.bits == 8
+                            else ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size))
+            return
         if self.lq.bits == 8:
             self._kernel_scales = s.to(self.compute_dtype).contiguous()
             return
@@ -176,6 +189,8 @@ class WeightOnlySlot:
             x2 = x2.index_select(1, perm)  # [T, K] in the weight's (group-contiguous) feature order
         if x.device.type != "cpu":
             y = self._device_matmul(linear, x2)
+        elif self._packed is not None and x2.dtype in (torch.float32, torch.bfloat16):
+            y = self._compiled_matmul(x2)
         else:
             xc = x2.to(self.compute_dtype)
             if x2.shape[0] <= self.max_kernel_tokens and self._kernel_scales is not None:
@@ -186,6 +201,16 @@ class WeightOnlySlot:
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _compiled_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """The compiled kernels (core.cpu): GEMV at <= max_kernel_tokens rows, else the weight
+        dequantized (float32 without native bf16 GEMMs) and one dense matmul. x2 [T, K] -> [T, N]."""
+        ops = dispatch.cpu_ops()
+        if x2.shape[0] <= self.max_kernel_tokens:
+            return ops.linear(x2, self._packed)
+        dtype = self.compute_dtype if cpu_matmul.native_half_gemm(self.compute_dtype) else torch.float32
+        w = ops.dequantize(self._packed, dtype)  # [N, K]
+        return F.linear(x2.to(dtype), w).to(x2.dtype)
 
     def input_perm(self, linear: nn.Module, device: torch.device) -> torch.Tensor | None:
         """Local in_perm (int64, on `device`) the input is gathered by, None when identity or absent."""

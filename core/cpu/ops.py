@@ -1,0 +1,255 @@
+"""The compiled CPU ops (kernels.c) as torch functions, each with its torch reference beside it.
+
+    linear          y = x W^T (* s) + b for a small batch of rows (decode), W float32 /
+                    bfloat16 / int8 per-channel / int4 group-wise (checkpoint layouts)
+    dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
+    decode_attention one query token per sequence over the paged KV pool (no gather)
+    rms_norm        y = rms_norm(x [+ residual]) (and the sum)
+    rotary          RoPE in place with the step's cos / sin
+    act_and_mul     act(fg[:, :I]) * fg[:, I:] for the fused gated-MLP output
+
+Every op computes in float32 and rounds its output once. `supports(*tensors)` says whether
+the compiled op can take them (CPU, float32 / bfloat16, library built); callers fall back to
+the torch reference otherwise. Tensors must be contiguous unless a docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from bestiary.core.cpu.build import library
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
+ACT_CODES = {"silu": 0, "swiglu": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3}
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """True when the compiled ops can run on these (CPU, float32/bfloat16) tensors."""
+    return all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors) and library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# --- linear ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedWeight:
+    """A Linear's weight W [n, k] as the kernels read it (contiguous).
+
+    kind KIND_F32 / KIND_BF16: weight = W^T [k, n] float (as the CPU Linear holds it).
+    kind KIND_I8: weight int8 [n, k], W = q * scale[:, None], scale float32 [n].
+    kind KIND_I4: weight uint8 [n, k/2] (low nibble = even k), W[:, j] = q * s - s * z with
+    s = scale [n, groups], s * z = scale_zero [n, groups] (float32), groups of `group` features.
+    """
+
+    kind: int
+    weight: torch.Tensor
+    n: int
+    k: int
+    scale: torch.Tensor | None = None
+    scale_zero: torch.Tensor | None = None
+    group: int = 0
+
+    @classmethod
+    def transposed(cls, wt: torch.Tensor) -> PackedWeight:
+        """A float32 / bfloat16 weight held transposed, wt = W^T [k, n] (contiguous)."""
+        if not wt.is_contiguous():
+            raise ValueError("PackedWeight.transposed: W^T must be contiguous")
+        return cls(DTYPES[wt.dtype], wt, wt.shape[1], wt.shape[0])
+
+    @classmethod
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+        """int8 q [n, k] with per-row scale [n]."""
+        return cls(KIND_I8, q.contiguous(), q.shape[0], q.shape[1], scale.float().contiguous())
+
+    @classmethod
+    def int4(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int) -> PackedWeight:
+        """uint8 packed [n, k/2], scale [n, groups], zeros [n, groups] or None (symmetric: 8);
+        group a multiple of 32 (the kernel's block)."""
+        if group % 32:
+            raise ValueError(f"int4 group size {group}: the compiled kernel needs a multiple of 32")
+        s = scale.float().contiguous()
+        z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
+        return cls(KIND_I4, packed.contiguous(), packed.shape[0], packed.shape[1] * 2, s, (s * z).contiguous(), group)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.scale_zero) if t is not None)
+
+
+def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x W^T + b: x [M, K] -> [M, N] in out_dtype (default x's). bias float32 [N] or None."""
+    return _linear(x, pw.kind, pw.weight, pw.n, pw.k, pw.scale, pw.scale_zero, pw.group, bias, out_dtype)
+
+
+def linear_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for a float weight held transposed, wt = W^T [K, N] contiguous: x [M, K] -> [M, N]."""
+    return _linear(x, DTYPES[wt.dtype], wt, wt.shape[1], wt.shape[0], None, None, 0, None, None)
+
+
+def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torch.Tensor:
+    x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype)
+    library().bst_linear(x.data_ptr(), DTYPES[x.dtype], m, k, w.data_ptr(), kind, n, _ptr(scale), _ptr(scale_zero),
+                         group, _ptr(bias), out.data_ptr(), DTYPES[out.dtype], _threads())
+    return out
+
+
+def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The int8 / int4 weight W [N, K] in `dtype` (float32 / bfloat16)."""
+    if pw.kind not in (KIND_I8, KIND_I4):
+        raise ValueError("dequantize: only int8 / int4 weights")
+    out = torch.empty(pw.n, pw.k, dtype=dtype)
+    library().bst_dequantize(pw.weight.data_ptr(), pw.kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
+                             pw.group, out.data_ptr(), DTYPES[dtype], _threads())
+    return out
+
+
+def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
+    """Torch reference of `dequantize`: W [N, K] float32."""
+    w = pw.weight
+    if pw.kind in (KIND_F32, KIND_BF16):
+        return w.float().t()
+    if pw.kind == KIND_I8:
+        return w.float() * pw.scale[:, None]
+    codes = torch.stack([w & 0xF, w >> 4], dim=-1).flatten(-2).float()  # [N, K]
+    s = pw.scale.repeat_interleave(pw.group, dim=1)[:, : pw.k]
+    sz = pw.scale_zero.repeat_interleave(pw.group, dim=1)[:, : pw.k]
+    return codes * s - sz
+
+
+def linear_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch reference of `linear`, in float32: x [M, K] -> [M, N]."""
+    return F.linear(x.float(), dequantize_ref(pw), bias).to(out_dtype or x.dtype)
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T * scale + slope_h (j - (L_b - 1))) V per sequence b over its kv_lens[b] keys.
+
+    q [B, H, D]; pools [blocks, block_size, KVH, D]; tables int64 [B, max_blocks]; kv_lens int64 [B];
+    slopes float32 [H] or None -> [B, H * D] in q's dtype."""
+    b, h, d = q.shape
+    _, bs, kvh, _ = k_pool.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()  # rows may be strided (q heads of a qkv tensor), heads must not
+    tables, kv_lens = tables.contiguous(), kv_lens.contiguous()
+    out = torch.empty(b, h * d, dtype=q.dtype)
+    slopes = None if slopes is None else slopes.float().contiguous()
+    library().bst_decode_attention(
+        q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), DTYPES[k_pool.dtype],
+        tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
+        out.data_ptr(), DTYPES[q.dtype], _threads())
+    return out
+
+
+def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                         kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of `decode_attention`, in float32."""
+    b, h, d = q.shape
+    bs, kvh = k_pool.shape[1], k_pool.shape[2]
+    outs = []
+    for i in range(b):
+        length = int(kv_lens[i])
+        blocks = tables[i, : -(-length // bs)]
+        k = k_pool[blocks].flatten(0, 1)[:length].float()  # [L, KVH, D]
+        v = v_pool[blocks].flatten(0, 1)[:length].float()
+        k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale  # [H, L]
+        if slopes is not None:
+            scores = scores + slopes.float()[:, None] * (torch.arange(length) - (length - 1)).float()
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).reshape(h * d))
+    return torch.stack(outs).to(q.dtype)
+
+
+# --- elementwise -----------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = h / sqrt(mean(h^2) + eps) * w over the last dim, h = x (+ residual, rounded to x's dtype).
+
+    x [..., H] -> y, or (y, h) when residual is given."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    h = None if residual is None else torch.empty_like(x)
+    res = None if residual is None else residual.contiguous()
+    t, hidden = x.numel() // x.shape[-1], x.shape[-1]
+    library().bst_rms_norm(x.data_ptr(), _ptr(res), _ptr(h), y.data_ptr(), DTYPES[x.dtype], weight.data_ptr(),
+                           DTYPES[weight.dtype], t, hidden, eps, _threads())
+    return y if residual is None else (y, h)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `rms_norm`."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+def rotary_layout_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """True when `rotary` can take these views (heads and dims of x contiguous, cos / sin rows
+    with a unit last stride and one row stride)."""
+    return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.stride(-1) == 1
+            and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0) and cos.dtype == sin.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
+    """Rotate the first rot_dim dims of x [T, n, D] in place (rows may be strided: the q|k heads
+    of a qkv tensor; heads and dims contiguous) with cos / sin [T, 1, rot_dim/2] (rows may be
+    strided: halves of one cos|sin tensor)."""
+    t, n, d = x.shape
+    if not rotary_layout_ok(x, cos, sin):
+        raise ValueError("rotary: heads and dims of x, and the last dim of cos / sin, must be contiguous")
+    library().bst_rotary(x.data_ptr(), DTYPES[x.dtype], t, n, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                         cos.stride(0), DTYPES[cos.dtype], rot_dim, int(style == "gptj"))
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
+    """Torch reference of `rotary` (float32 math, rounded once)."""
+    half = rot_dim // 2
+    if style == "neox":
+        a, b = x[..., :half], x[..., half:rot_dim]
+    else:
+        pairs = x[..., :rot_dim].unflatten(-1, (half, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+    af, bf, c, s = a.float(), b.float(), cos.float(), sin.float()
+    a2, b2 = af * c - bf * s, bf * c + af * s
+    a.copy_(a2)
+    b.copy_(b2)
+
+
+def act_and_mul(fg: torch.Tensor, act: str) -> torch.Tensor:
+    """act(f) * g for fg [T, 2I] = [f | g] -> [T, I] (act(f) rounded to fg's dtype first, as the
+    torch reference computes it in that dtype)."""
+    fg = fg.contiguous()
+    t, i2 = fg.shape
+    y = torch.empty(t, i2 // 2, dtype=fg.dtype)
+    library().bst_act_and_mul(fg.data_ptr(), y.data_ptr(), DTYPES[fg.dtype], t, i2 // 2, ACT_CODES[act], _threads())
+    return y
+
+
+def act_and_mul_ref(fg: torch.Tensor, act: str) -> torch.Tensor:
+    """Torch reference of `act_and_mul`."""
+    from bestiary.core.layers.mlp import ACTIVATIONS
+
+    f, g = fg.chunk(2, dim=-1)
+    return ACTIVATIONS[act](f) * g

@@ -1,0 +1,254 @@
+"""A whole CPU decode step as one list of compiled ops, run by one call (no Python per layer).
+
+On a 135M-parameter model a decode step is ~400 small ops; run one by one from Python their
+overhead (~20 ms a step here) costs more than the matmuls. A `DecodePlan` walks a model built
+from the shared layers once and writes the step down as records of kernels.c's ops, with every
+pointer fixed: the weights, the KV pools and preallocated activations. What changes per step
+(token ids, positions, kv lengths, block tables, slots) is copied into buffers the records
+point at, then `bst_run_plan` runs the list. The math is the eager path's, op for op:
+
+    x = embed(ids)
+    per layer:  y = rms_norm(x [+= pending mlp output]);  qkv = y Wqkv^T;  rotary(q, k)
+                write k, v to the pool;  o = attention(q, pool);  a = o Wo^T
+                y = rms_norm(x += a);  fg = y [Wfc; Wgate]^T;  m = act(f) * g;  d = m Wproj^T
+    logits = rms_norm(x += d) W_lm^T
+
+`plan_for(model, batch, k_pools, v_pools)` returns None for anything else: other layer types,
+key-bias functions, quantized KV pools, LoRA, tensor/pipeline parallel, an overridden
+embed / logits / position_ids, weights the kernels do not read, modules with forward hooks
+(a plan calls no module: hooks registered after a model's first decode step are not seen).
+The eager path runs those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from bestiary.core.cpu import ops
+from bestiary.core.cpu.build import library
+
+OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL = range(7)
+MAX_BATCH = 8  # decode steps of up to this many sequences run as a plan (GEMV territory)
+
+
+class Op(ctypes.Structure):
+    """kernels.c's bst_op: an op code, dtypes, pointers, integers and floats."""
+
+    _fields_ = [("op", ctypes.c_int64), ("dt", ctypes.c_int64 * 4), ("p", ctypes.c_void_p * 8),
+                ("i", ctypes.c_int64 * 8), ("f", ctypes.c_float * 2)]
+
+
+class Unsupported(Exception):
+    """The model has something a plan cannot express (the eager path runs it)."""
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _dt(t: torch.Tensor) -> int:
+    if t.dtype not in ops.DTYPES:
+        raise Unsupported(f"dtype {t.dtype}")
+    return ops.DTYPES[t.dtype]
+
+
+def _op(code: int, dt=(), p=(), i=(), f=()) -> Op:
+    o = Op()
+    o.op = code
+    for j, v in enumerate(dt):
+        o.dt[j] = v
+    for j, v in enumerate(p):
+        o.p[j] = v
+    for j, v in enumerate(i):
+        o.i[j] = v
+    for j, v in enumerate(f):
+        o.f[j] = v
+    return o
+
+
+class DecodePlan:
+    """One decode step of `batch` sequences (one new token each) of `model` over these pools."""
+
+    def __init__(self, model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> None:
+        from bestiary.core.model import torch_dtype
+
+        self.batch, self.model = batch, model
+        self.pool_ptrs = [p.data_ptr() for p in (*k_pools, *v_pools)]
+        cfg = model.config
+        emb = model.transformer.vocab_embedding.weight
+        self.dtype = emb.dtype
+        hidden = emb.shape[1]
+        self._keep: list[torch.Tensor] = []  # tensors the records point at (biases as float32, ...)
+        as_i64 = {"dtype": torch.int64}
+        self.ids = torch.zeros(batch, **as_i64)
+        self.positions = torch.zeros(batch, **as_i64)
+        self.kv_lens = torch.ones(batch, **as_i64)
+        self.slots = torch.zeros(batch, **as_i64)
+        self.tables = torch.zeros(batch, k_pools[0].shape[0], **as_i64)
+        self.x = torch.zeros(batch, hidden, dtype=self.dtype)  # the residual stream
+        self.y = torch.zeros_like(self.x)  # normed input of a block
+        self.delta = torch.zeros_like(self.x)  # a block's output, added to x by the next norm
+        self.logits = torch.zeros(batch, cfg.vocab_size, dtype=torch_dtype(cfg.logits_dtype))
+        self.max_position = 1 << 62  # positions the rotary tables cover
+        records = [_op(OP_EMBED, (_dt(emb), _dt(self.x)), (emb.data_ptr(), self.ids.data_ptr(), self.x.data_ptr()),
+                       (batch, hidden, emb.stride(0), emb.stride(1)))]
+        pending = False
+        for layer, k_pool, v_pool in zip(model.transformer.layers, k_pools, v_pools):
+            records += self._layer(layer, k_pool, v_pool, pending)
+            pending = True
+        records.append(self._norm(model.transformer.ln_f, pending))
+        records.append(self._lm_head())
+        self.records = (Op * len(records))(*records)
+
+    # --- building ------------------------------------------------------------------------
+    def _norm(self, norm, add_delta: bool) -> Op:
+        """y = rms_norm(x [+= delta])."""
+        from bestiary.core.layers.norm import RMSNorm
+
+        if type(norm) is not RMSNorm:
+            raise Unsupported(f"norm {type(norm).__name__}")
+        src, res = (self.delta, self.x) if add_delta else (self.x, None)
+        return _op(OP_RMS_NORM, (_dt(self.x), _dt(norm.weight)),
+                   (src.data_ptr(), _ptr(res), _ptr(res), self.y.data_ptr(), norm.weight.data_ptr()),
+                   (self.batch, self.x.shape[1]), (norm.eps,))
+
+    def _linear(self, x: torch.Tensor, out: torch.Tensor, weight: ops.PackedWeight,
+                bias: torch.Tensor | None) -> Op:
+        """out = x W^T (+ b) through bst_linear."""
+        if bias is not None:
+            bias = bias.float().contiguous()
+            self._keep.append(bias)
+        return _op(OP_LINEAR, (_dt(x), weight.kind, _dt(out)),
+                   (x.data_ptr(), weight.weight.data_ptr(), _ptr(weight.scale), _ptr(weight.scale_zero), _ptr(bias),
+                    out.data_ptr()),
+                   (self.batch, weight.k, weight.n, weight.group))
+
+    def _module_weight(self, linear) -> tuple[ops.PackedWeight, torch.Tensor | None]:
+        """The PackedWeight and bias of a shared-layer Linear (tp 1, no in_perm)."""
+        if linear.tp_size != 1 or getattr(linear, "in_perm", None) is not None:
+            raise Unsupported("tensor-parallel or permuted linear")
+        if linear.quant is not None:
+            packed = getattr(linear.quant, "_packed", None)
+            if packed is None:
+                raise Unsupported(f"quantized linear {linear.name} without the compiled layout")
+            return packed, linear.bias
+        if linear._wt is None or not linear._wt.is_contiguous():
+            raise Unsupported(f"linear {linear.name} not held transposed")
+        return ops.PackedWeight.transposed(linear._wt), linear.bias
+
+    def _layer(self, layer, k_pool: torch.Tensor, v_pool: torch.Tensor, add_delta: bool) -> list[Op]:
+        from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
+        from bestiary.core.layers.mlp import GatedMLP
+        from bestiary.core.layers.rotary import Rotary
+        from bestiary.core.layers.self_attention import SelfAttention
+
+        att, mlp = layer.attention, layer.mlp
+        if type(layer) is not PreNormDecoderLayer or type(att) is not SelfAttention or type(mlp) is not GatedMLP:
+            raise Unsupported(f"layer {type(layer).__name__}")
+        if att.attn.key_bias is not None or att.attn.kv_quant is not None:
+            raise Unsupported("key bias or quantized KV cache")
+        if mlp.act_name not in ops.ACT_CODES:
+            raise Unsupported(f"activation {mlp.act_name}")
+        b, h, kvh, d = self.batch, att.heads, att.kv_heads, att.head_dim
+        width = (h + 2 * kvh) * d
+        qkv = torch.zeros(b, width, dtype=self.dtype)
+        o = torch.zeros(b, h * d, dtype=self.dtype)
+        w, bias = self._module_weight(att.qkv)
+        recs = [self._norm(layer.input_layernorm, add_delta), self._linear(self.y, qkv, w, bias)]
+        if att.rotary is not None:
+            if type(att.rotary) is not Rotary:
+                raise Unsupported(f"rotary {type(att.rotary).__name__}")
+            table = att.rotary._table(torch.device("cpu"), att.rotary.max_positions)  # [P, rot] cos | sin
+            self._keep.append(table)
+            self.max_position = min(self.max_position, table.shape[0] - 1)
+            recs.append(_op(OP_ROTARY, (_dt(qkv),), (qkv.data_ptr(), self.positions.data_ptr(), table.data_ptr()),
+                            (b, h + kvh, d, width, att.rotary.rot_dim, int(att.rotary.style == "gptj"))))
+        _dt(k_pool)
+        item = qkv.element_size()
+        recs.append(_op(OP_KV_WRITE, (_dt(qkv), _dt(k_pool)),
+                        (qkv.data_ptr() + h * d * item, qkv.data_ptr() + (h + kvh) * d * item, k_pool.data_ptr(),
+                         v_pool.data_ptr(), self.slots.data_ptr()),
+                        (b, kvh * d, width)))
+        slopes = att.attn.alibi
+        if slopes is not None:
+            slopes = slopes.float().contiguous()
+            self._keep.append(slopes)
+        recs.append(_op(OP_ATTENTION, (_dt(qkv), _dt(k_pool), _dt(o)),
+                        (qkv.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), self.tables.data_ptr(),
+                         self.kv_lens.data_ptr(), _ptr(slopes), o.data_ptr()),
+                        (self.tables.shape[1], b, h, kvh, d, k_pool.shape[1], 0, width), (att.attn.scale,)))
+        w, bias = self._module_weight(att.dense)
+        recs.append(self._linear(o, self.delta, w, bias))
+        recs.append(self._norm(layer.post_layernorm, True))
+        recs += self._mlp(mlp)
+        self._keep += [qkv, o]
+        return recs
+
+    def _mlp(self, mlp) -> list[Op]:
+        fused_q = mlp.__dict__.get("_fused_q")
+        if fused_q is not None:
+            w, bias = self._module_weight(fused_q)
+        elif mlp._fused_t is not None:
+            w, bias = ops.PackedWeight.transposed(mlp._fused_t), mlp._fused_bias
+        else:
+            raise Unsupported("gated MLP without a fused fc + gate")
+        inter = w.n // 2
+        fg = torch.zeros(self.batch, 2 * inter, dtype=self.dtype)
+        m = torch.zeros(self.batch, inter, dtype=self.dtype)
+        self._keep += [fg, m]
+        pw, pbias = self._module_weight(mlp.proj)
+        return [self._linear(self.y, fg, w, bias),
+                _op(OP_ACT_MUL, (_dt(fg),), (fg.data_ptr(), m.data_ptr()), (self.batch, inter, ops.ACT_CODES[mlp.act_name])),
+                self._linear(m, self.delta, pw, pbias)]
+
+    def _lm_head(self) -> Op:
+        model = self.model
+        if model._lm_head_t is not None:
+            return self._linear(self.y, self.logits, ops.PackedWeight.transposed(model._lm_head_t), None)
+        if model.shares_embedding:
+            raise Unsupported("tied lm_head not held transposed")
+        w, bias = self._module_weight(model.lm_head)
+        return self._linear(self.y, self.logits, w, bias)
+
+    # --- running -------------------------------------------------------------------------
+    def same_pools(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> bool:
+        """True when the plan was built over these pools."""
+        return [p.data_ptr() for p in (*k_pools, *v_pools)] == self.pool_ptrs
+
+    def fits(self, meta) -> bool:
+        """True when this plan can run the decode step `meta` (its batch, lengths and positions)."""
+        return (len(meta.seq_lens) == self.batch and meta.block_tables.shape[1] <= self.tables.shape[1]
+                and max(meta.context_lens) <= self.max_position and meta.lora is None)
+
+    def run(self, ids: torch.Tensor, meta) -> torch.Tensor:
+        """ids [B] (one new token per sequence) -> logits [B, V] (a fresh tensor)."""
+        self.ids.copy_(ids)
+        self.positions.copy_(meta.positions)
+        self.kv_lens.copy_(torch.tensor(meta.kv_lens))
+        self.slots.copy_(meta.slot_mapping)
+        self.tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        library().bst_run_plan(ctypes.addressof(self.records), len(self.records), torch.get_num_threads())
+        return self.logits.clone()
+
+
+def plan_for(model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> DecodePlan | None:
+    """A DecodePlan for `model`, or None when the compiled kernels are off or the model has
+    something a plan does not express (then the eager path runs every step)."""
+    from bestiary.core.kernels import dispatch
+    from bestiary.core.model import DecoderLM
+
+    cls = type(model)
+    if not 1 <= batch <= MAX_BATCH or dispatch.mode() != "auto" or library() is None:
+        return None
+    if model.tp_size != 1 or model.pp_size != 1 or any(
+            getattr(cls, name) is not getattr(DecoderLM, name) for name in ("embed", "logits", "position_ids")):
+        return None
+    if model.transformer.vocab_embedding.weight.device.type != "cpu":
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return None  # a plan runs no module: hooks would be skipped
+    try:
+        return DecodePlan(model, batch, k_pools, v_pools)
+    except Unsupported:
+        return None

@@ -1,0 +1,141 @@
+"""The compiled CPU kernels (core/cpu/kernels.c) against their torch references (core.cpu.ops).
+
+Odd shapes on purpose: K not a multiple of 16 or 32 (masked tails), N not a multiple of the
+row / column tiles, batches across the 4-row input tiles, GQA groups, blocks not dividing the
+lengths, non-contiguous block tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bestiary.core.cpu import build, ops
+
+pytestmark = pytest.mark.skipif(build.library() is None, reason="no C compiler: the kernels are not built")
+
+FLOAT = [torch.float32, torch.bfloat16]
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)).item()
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2  # bf16 output: one rounding of the result
+
+
+def _weight(kind: str, n: int, k: int, gen: torch.Generator) -> ops.PackedWeight:
+    w = torch.randn(n, k, generator=gen)
+    if kind in ("f32", "bf16"):
+        return ops.PackedWeight.transposed(w.t().contiguous().to(torch.float32 if kind == "f32" else torch.bfloat16))
+    if kind == "i8":
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        return ops.PackedWeight.int8(q, torch.rand(n, generator=gen) + 0.1)
+    group = 32 if kind == "i4_g32_zp" else 64
+    groups = -(-k // group)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, groups, generator=gen) + 0.1
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).float() if kind.endswith("zp") else None
+    return ops.PackedWeight.int4(packed, scale, zeros, group)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "i8", "i4_g64", "i4_g32_zp"])
+@pytest.mark.parametrize("m", [1, 2, 5, 9])
+@pytest.mark.parametrize("n,k", [(200, 576), (49, 100), (1000, 70)])
+@pytest.mark.parametrize("xdtype", FLOAT)
+def test_linear_matches_reference(kind, m, n, k, xdtype):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    pw = _weight(kind, n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(xdtype)
+    bias = torch.randn(n, generator=gen)
+    y = ops.linear(x, pw, bias)
+    ref = ops.linear_ref(x, pw, bias)
+    assert y.dtype == xdtype and y.shape == (m, n)
+    assert _rel_err(y, ref) < _tol(xdtype)
+    # each row is the same whatever the batch it comes in (batch-invariant GEMV)
+    torch.testing.assert_close(ops.linear(x[-1:], pw, bias), y[-1:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["i8", "i4_g64", "i4_g32_zp"])
+@pytest.mark.parametrize("dtype", FLOAT)
+def test_dequantize_matches_reference(kind, dtype):
+    pw = _weight(kind, 48, 100, torch.Generator().manual_seed(1))
+    # q * s - s z may be one fused multiply-add in C: equal to float rounding
+    torch.testing.assert_close(ops.dequantize(pw, dtype), ops.dequantize_ref(pw).to(dtype))
+
+
+def test_linear_t_is_linear_on_a_transposed_weight():
+    gen = torch.Generator().manual_seed(2)
+    wt = torch.randn(70, 33, generator=gen).bfloat16()  # W^T [K, N]
+    x = torch.randn(3, 70, generator=gen).bfloat16()
+    ref = (x.float() @ wt.float()).bfloat16()
+    torch.testing.assert_close(ops.linear_t(x, wt), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", FLOAT)
+@pytest.mark.parametrize("alibi", [False, True])
+def test_decode_attention_matches_reference(dtype, alibi):
+    gen = torch.Generator().manual_seed(3)
+    blocks, bs, kvh, d, h = 12, 5, 2, 24, 6  # G = 3 query heads per kv head; D not a multiple of 16
+    k_pool = torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)
+    v_pool = torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)
+    tables = torch.tensor([[7, 2, 9, 0], [1, 4, 0, 0], [11, 3, 5, 6]])  # scattered blocks
+    kv_lens = torch.tensor([13, 6, 20])
+    qkv = torch.randn(3, h + 2 * kvh, d, generator=gen).to(dtype)
+    q = qkv[:, :h]  # strided rows, as SelfAttention hands it over
+    slopes = torch.rand(h, generator=gen) if alibi else None
+    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5, slopes)
+    ref = ops.decode_attention_ref(q, k_pool, v_pool, tables, kv_lens, d**-0.5, slopes)
+    assert out.shape == (3, h * d)
+    assert _rel_err(out, ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_matches_reference(dtype, residual):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 300, generator=gen).to(dtype)
+    w = torch.randn(300, generator=gen).to(dtype)
+    res = torch.randn(5, 300, generator=gen).to(dtype) if residual else None
+    got, ref = ops.rms_norm(x, w, 1e-5, res), ops.rms_norm_ref(x, w, 1e-5, res)
+    if residual:
+        torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)  # the sum, rounded to dtype
+        got, ref = got[0], ref[0]
+    assert _rel_err(got, ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT)
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_rotary_matches_reference(dtype, style):
+    gen = torch.Generator().manual_seed(5)
+    t, heads, d, rot = 4, 5, 16, 12  # partial rotary: dims 12..15 untouched
+    qkv = torch.randn(t, heads + 2, d, generator=gen).to(dtype)
+    x, x_ref = qkv[:, :heads], qkv.clone()[:, :heads]  # strided rows
+    cs = torch.randn(t, 1, rot, generator=gen)
+    cos, sin = cs[..., : rot // 2], cs[..., rot // 2 :]
+    ops.rotary(x, cos, sin, rot, style)
+    ops.rotary_ref(x_ref, cos, sin, rot, style)
+    assert _rel_err(x, x_ref) < _tol(dtype)
+    torch.testing.assert_close(qkv[:, heads:], qkv[:, heads:])  # the v rows beside are untouched
+
+
+@pytest.mark.parametrize("dtype", FLOAT)
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_new", "relu"])
+def test_act_and_mul_matches_reference(dtype, act):
+    fg = (torch.randn(3, 2 * 77, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
+    assert _rel_err(ops.act_and_mul(fg, act), ops.act_and_mul_ref(fg, act)) < _tol(dtype)
+
+
+def test_off_switch_and_missing_compiler_fall_back(monkeypatch):
+    monkeypatch.setenv(build.ENV_VAR, "off")
+    assert not build.enabled()
+    monkeypatch.setenv(build.ENV_VAR, "auto")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    build.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not be built"):
+            assert build.library() is None
+    finally:
+        monkeypatch.delenv("CC")
+        build.library.cache_clear()
+    assert build.library() is not None

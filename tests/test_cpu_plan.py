@@ -1,0 +1,95 @@
+"""Compiled CPU decode plans (core.cpu.plan) give the eager torch path's logits and tokens.
+
+Each case generates with the plan (default dispatch) and with every op on its torch
+reference (kernels_mode("torch"), which also turns plans off), three requests at once so the
+decode steps run batched, and compares the raw generation logits step by step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from bestiary.core.build import BuildConfig, build_engine
+from bestiary.core.config import QuantConfig
+from bestiary.core.convert import convert
+from bestiary.core.cpu import build as cpu_build
+from bestiary.core.cpu.plan import plan_for
+from bestiary.core.kernels import dispatch
+from bestiary.core.llm import LLM
+from bestiary.core.sampling import SamplingConfig
+from tiny_llama import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(cpu_build.library() is None, reason="no C compiler: the kernels are not built")
+
+PROMPTS = [[5, 17, 3, 90, 41], [7] * 23, [11, 2, 64, 8, 19, 33, 71, 5, 9, 28, 44, 60, 2]]
+CASES = {  # name -> (dtype, quantization, relative logits tolerance)
+    "fp32": ("float32", None, 1e-4),
+    "bf16": ("bfloat16", None, 3e-2),
+    "w8a16": ("float32", QuantConfig(quant_algo="W8A16"), 1e-4),
+    "w4a16_g32_zp": ("float32", QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True), 1e-4),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("plan"), intermediate_size=96, tie_word_embeddings=True)
+
+
+def _llm(hf_dir, tmp_path, dtype, quant) -> LLM:
+    kw = {"quantization": quant, "weight_quantizer": "rtn"} if quant else {}
+    convert(hf_dir, tmp_path / "ckpt", dtype=dtype, show_progress=False, **kw)
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildConfig(max_batch_size=4, max_seq_len=96,
+                                                                       tokens_per_block=8))
+    return LLM(tmp_path / "engine")
+
+
+def _generate(llm: LLM):
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.0, ignore_eos=True, output_generation_logits=True)
+    return llm.generate(PROMPTS, cfg)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_equals_eager_torch(hf_dir, tmp_path, case):
+    dtype, quant, tol = CASES[case]
+    llm = _llm(hf_dir, tmp_path, dtype, quant)
+    planned = _generate(llm)
+    plans = llm.executor.model.__dict__.get("_decode_plans", {})
+    assert any(p is not None for p in plans.values()), "no decode step ran as a plan"
+    assert 3 in plans and plans[3] is not None  # the three requests decoded together
+    with dispatch.kernels_mode("torch"):
+        eager = _generate(llm)
+    for a, b in zip(planned, eager):
+        # up to the first token that differs, the two runs saw the same inputs: compare logits;
+        # a differing token must be a near tie of the reference (bf16 rounds in other places)
+        same = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), len(b.output_ids))
+        steps = min(same + 1, len(b.output_ids))
+        ours, ref = a.generation_logits[:steps], b.generation_logits[:steps]
+        scale = ref.abs().max().item()
+        diff = (ours - ref).abs().max().item()
+        assert diff <= tol * scale, f"{case}: logits differ by {diff:.3g} (max |logit| {scale:.3g})"
+        if same < len(b.output_ids):
+            top2 = ref[same].topk(2).values
+            assert dtype == "bfloat16" and (top2[0] - top2[1]).item() <= 2 * tol * scale, f"{case}: step {same}"
+
+
+def test_unsupported_models_get_no_plan(hf_dir, tmp_path):
+    llm = _llm(hf_dir, tmp_path, "float32", None)
+    model, kv = llm.executor.model, llm.executor.kv
+    assert plan_for(model, 1, list(kv.k), list(kv.v)) is not None
+    assert plan_for(model, 9, list(kv.k), list(kv.v)) is None  # past MAX_BATCH: GEMM territory
+    model.transformer.layers[0].mlp.act_name = "gelu_unknown"  # an op the plan cannot express
+    assert plan_for(model, 1, list(kv.k), list(kv.v)) is None
+    with dispatch.kernels_mode("torch"):
+        assert plan_for(model, 1, list(kv.k), list(kv.v)) is None
+
+
+def test_plan_rebuilt_for_new_pools(hf_dir, tmp_path):
+    llm = _llm(hf_dir, tmp_path, "float32", None)
+    model, kv = llm.executor.model, llm.executor.kv
+    plan = plan_for(model, 1, list(kv.k), list(kv.v))
+    assert plan.same_pools(list(kv.k), list(kv.v))
+    other = [torch.zeros_like(p) for p in kv.k]
+    assert not plan.same_pools(other, list(kv.v))
