@@ -108,9 +108,12 @@ INLINE void dense_block(const float *x, int64_t k, const void *w, int dt, int64_
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
     int64_t kk = 0;
+    const int64_t esize = dt == DT_F32 ? 4 : dt == DT_BF16 ? 2 : 1, line = 64 / esize;
     for (; kk + 16 <= k; kk += 16) {
         __m512 xv[MT];
         for (int i = 0; i < M; i++) xv[i] = _mm512_loadu_ps(x + i * k + kk);
+        if (kk % line == 0) /* rows are short (a few cache lines): fetch the next tile's rows early */
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + ((row0 + R + r) * k + kk) * esize, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             __m512 wv = load_w16(w, dt, (row0 + r) * k + kk);
             for (int i = 0; i < M; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
@@ -211,47 +214,79 @@ INLINE float int4_weight(const uint8_t *wr, const float *sr, const float *szr, i
     return q * sr[kk / group] - szr[kk / group];
 }
 
+#if BST_AVX512
+/* res[r][i] += sum over the 32-blocks of k < kb of W[row0 + r, k] x[i, k] for R rows and M
+ * inputs (constants after inlining); low and high nibbles accumulate apart (2 R M independent
+ * FMA chains). */
+INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, const uint8_t *w, const float *s,
+                      const float *sz, int64_t group, int64_t row0, int R, int M, float res[4][MT]) {
+    const int64_t groups = (k + group - 1) / group;
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[4][MT][2], lut[4];
+    for (int r = 0; r < R; r++) {
+        lut[r] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
+    }
+    for (int64_t kk = 0; kk < kb; kk += 32) {
+        __m512 xlo[MT], xhi[MT];
+        for (int i = 0; i < M; i++) {
+            xlo[i] = _mm512_loadu_ps(xp + i * m_stride + kk);
+            xhi[i] = _mm512_loadu_ps(xp + i * m_stride + kk + 16);
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w + (row0 + r) * (k / 2);
+            if (kk % group == 0) { /* a new group: its table lut[q] = q * s - s * z */
+                int64_t g = (row0 + r) * groups + kk / group;
+                lut[r] = _mm512_fmsub_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(sz[g]));
+            }
+            if (kk % 128 == 0) /* a row is a few cache lines: fetch the next tile's early */
+                _mm_prefetch((const char *)(wr + R * (k / 2) + kk / 2), _MM_HINT_T0);
+            __m128i b = _mm_loadu_si128((const __m128i *)(wr + kk / 2));
+            __m512 lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)), lut[r]);
+            __m512 hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)), lut[r]);
+            for (int i = 0; i < M; i++) {
+                acc[r][i][0] = _mm512_fmadd_ps(lo, xlo[i], acc[r][i][0]);
+                acc[r][i][1] = _mm512_fmadd_ps(hi, xhi[i], acc[r][i][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][i][0], acc[r][i][1]));
+}
+#endif
+
+/* int4 rows [r_begin, r_end) of y for all m inputs: tiles of 4 rows x 1 input or 1 row x up
+ * to 4 inputs, then the features past the last 32-block one by one. */
 static void int4_rows(const float *xf, const float *xp, int64_t m, int64_t k, const uint8_t *w, const float *s,
                       const float *sz, int64_t group, const float *bias, void *y, int ydt, int64_t n,
                       int64_t r_begin, int64_t r_end) {
     int64_t groups = (k + group - 1) / group, kb = BST_AVX512 ? k / 32 * 32 : 0;
     (void)xp;
-    for (int64_t row = r_begin; row < r_end; row++) {
-        const uint8_t *wr = w + row * (k / 2);
-        const float *sr = s + row * groups, *szr = sz + row * groups;
-        for (int64_t i0 = 0; i0 < m; i0 += MT) {
-            int M = m - i0 >= MT ? MT : (int)(m - i0);
-            float res[MT] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t i0 = 0; i0 < m; i0 += MT) {
+        int M = m - i0 >= MT ? MT : (int)(m - i0);
+        for (int64_t row0 = r_begin; row0 < r_end;) {
+            int R = M == 1 && r_end - row0 >= 4 ? 4 : 1;
+            float res[4][MT] = {{0.f}};
 #if BST_AVX512
-            __m512 acc[MT];
-            for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
-            const __m128i low4 = _mm_set1_epi8(0x0f);
-            /* per group a 16-entry table lut[q] = q * s - s * z: a nibble becomes its weight by one
-             * permute (no int -> float conversion, no multiply) */
-            const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            __m512 lut = _mm512_setzero_ps();
-            int64_t lut_group = -1;
-            for (int64_t kk = 0; kk < kb; kk += 32) {
-                if (kk / group != lut_group) {
-                    lut_group = kk / group;
-                    lut = _mm512_fmsub_ps(iota, _mm512_set1_ps(sr[lut_group]), _mm512_set1_ps(szr[lut_group]));
-                }
-                __m128i b = _mm_loadu_si128((const __m128i *)(wr + kk / 2));
-                __m512 lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)), lut);
-                __m512 hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)), lut);
-                for (int i = 0; i < M; i++) {
-                    const float *xr = xp + (i0 + i) * k + kk;
-                    acc[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[i]);
-                }
-            }
-            for (int i = 0; i < M; i++) res[i] = _mm512_reduce_add_ps(acc[i]);
+            const float *xi = xp + i0 * k;
+            if (R == 4) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 4, 1, res);
+            else if (M == 1) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 1, res);
+            else if (M == 2) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 2, res);
+            else if (M == 3) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 3, res);
+            else int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 4, res);
 #endif
-            for (int i = 0; i < M; i++) {
-                const float *xr = xf + (i0 + i) * k;
-                for (int64_t kk = kb; kk < k; kk++) res[i] += int4_weight(wr, sr, szr, kk, group) * xr[kk];
-                store_f(y, ydt, (i0 + i) * n + row, res[i] + (bias ? bias[row] : 0.f));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wr = w + (row0 + r) * (k / 2);
+                const float *sr = s + (row0 + r) * groups, *szr = sz + (row0 + r) * groups;
+                for (int i = 0; i < M; i++) {
+                    const float *xr = xf + (i0 + i) * k;
+                    float v = res[r][i];
+                    for (int64_t kk = kb; kk < k; kk++) v += int4_weight(wr, sr, szr, kk, group) * xr[kk];
+                    store_f(y, ydt, (i0 + i) * n + row0 + r, v + (bias ? bias[row0 + r] : 0.f));
+                }
             }
+            row0 += R;
         }
     }
 }
