@@ -44,12 +44,15 @@ def modes() -> dict:
     }
 
 
+# VmHWM (peak RSS of this process image, in kB), not getrusage's ru_maxrss: Linux keeps
+# ru_maxrss across fork + exec, so a child reported the benchmark's own (large) RSS.
 PEAK_RSS_SCRIPT = """
-import resource, sys
+import sys
+from pathlib import Path
 from bestiary import LLM, SamplingConfig
 llm = LLM(sys.argv[1])
 llm.generate([[int(t) for t in sys.argv[2].split(",")]], SamplingConfig(max_new_tokens=16, temperature=0.0))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0])
 """
 
 
