@@ -224,17 +224,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, 
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
-    """Torch reference of `rotary` (float32 math, rounded once)."""
-    half = rot_dim // 2
-    if style == "neox":
-        a, b = x[..., :half], x[..., half:rot_dim]
-    else:
-        pairs = x[..., :rot_dim].unflatten(-1, (half, 2))
-        a, b = pairs[..., 0], pairs[..., 1]
-    af, bf, c, s = a.float(), b.float(), cos.float(), sin.float()
-    a2, b2 = af * c - bf * s, bf * c + af * s
-    a.copy_(a2)
-    b.copy_(b2)
+    """Torch reference of `rotary`: core.kernels.rotary's reference in float32, rounded once."""
+    from bestiary.core.kernels.rotary import apply_rotary_ref
+
+    xf = x.float()
+    apply_rotary_ref(xf, cos.float(), sin.float(), rot_dim, style)
+    x.copy_(xf)
 
 
 def act_and_mul(fg: torch.Tensor, act: str) -> torch.Tensor:
