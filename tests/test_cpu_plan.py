@@ -16,7 +16,7 @@ from bestiary.core.build import BuildConfig, build_engine
 from bestiary.core.config import QuantConfig
 from bestiary.core.convert import convert
 from bestiary.core.cpu import build as cpu_build
-from bestiary.core.cpu.plan import plan_for
+from bestiary.core.cpu.plan import MAX_BATCH, plan_for
 from bestiary.core.kernels import dispatch
 from bestiary.core.llm import LLM
 from bestiary.core.sampling import SamplingConfig
@@ -79,7 +79,7 @@ def test_unsupported_models_get_no_plan(hf_dir, tmp_path):
     llm = _llm(hf_dir, tmp_path, "float32", None)
     model, kv = llm.executor.model, llm.executor.kv
     assert plan_for(model, 1, list(kv.k), list(kv.v)) is not None
-    assert plan_for(model, 9, list(kv.k), list(kv.v)) is None  # past MAX_BATCH: GEMM territory
+    assert plan_for(model, MAX_BATCH + 1, list(kv.k), list(kv.v)) is None  # past MAX_BATCH: GEMM territory
     model.transformer.layers[0].mlp.act_name = "gelu_unknown"  # an op the plan cannot express
     assert plan_for(model, 1, list(kv.k), list(kv.v)) is None
     with dispatch.kernels_mode("torch"):

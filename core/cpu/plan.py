@@ -29,7 +29,7 @@ from bestiary.core.cpu import ops
 from bestiary.core.cpu.build import library
 
 OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL = range(7)
-MAX_BATCH = 8  # decode steps of up to this many sequences run as a plan (GEMV territory)
+MAX_BATCH = 32  # decode steps of up to this many sequences run as a plan (measured: 1.7x eager at 32)
 
 
 class Op(ctypes.Structure):

@@ -22,7 +22,7 @@ from bestiary.core.kernels import dispatch
 from torch import nn
 
 HALF_GEMV_MAX_TOKENS = 8
-KERNEL_MAX_TOKENS = 8  # rows up to which bf16 matmuls run the compiled GEMV
+KERNEL_MAX_TOKENS = 32  # rows up to which bf16 matmuls run the compiled GEMV (no per-step fp32 upcast)
 UPCAST_CHUNK = 1 << 22  # weight elements converted at a time (16 MiB of fp32)
 NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
