@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from bestiary.core.config import PretrainedConfig
+from bestiary.core.kernels import dispatch
 from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.layers.cpu_matmul import hold_transposed, matmul_t
 from bestiary.core.layers.embedding import Embedding
@@ -185,11 +186,11 @@ class DecoderLM(nn.Module):
         x = self.transformer.ln_f(x)
         return self.logits(x)
 
-
     def _decode_plan(self, ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLike):
         """The compiled CPU plan for this decode step (core.cpu.plan), built once per batch size
-        and KV cache; None when the step or the model is not one a plan runs."""
-        if not meta.is_decode or ids.device.type != "cpu" or meta.lora is not None:
+        and KV cache; None when the step or the model is not one a plan runs, or the kernel
+        dispatch mode is not "auto" (checked every step: kernels_mode("torch") runs eagerly)."""
+        if not meta.is_decode or ids.device.type != "cpu" or meta.lora is not None or dispatch.mode() != "auto":
             return None
         plans = self.__dict__.setdefault("_decode_plans", {})  # batch -> DecodePlan | None
         b = len(meta.seq_lens)

@@ -16,7 +16,7 @@ from bestiary.core.build import BuildConfig, build_engine
 from bestiary.core.config import QuantConfig
 from bestiary.core.convert import convert
 from bestiary.core.cpu import build as cpu_build
-from bestiary.core.cpu.plan import MAX_BATCH, plan_for
+from bestiary.core.cpu.plan import MAX_BATCH, DecodePlan, plan_for
 from bestiary.core.kernels import dispatch
 from bestiary.core.llm import LLM
 from bestiary.core.sampling import SamplingConfig
@@ -52,13 +52,18 @@ def _generate(llm: LLM):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_plan_equals_eager_torch(hf_dir, tmp_path, case):
+def test_plan_equals_eager_torch(hf_dir, tmp_path, case, monkeypatch):
     dtype, quant, tol = CASES[case]
     llm = _llm(hf_dir, tmp_path, dtype, quant)
     planned = _generate(llm)
     plans = llm.executor.model.__dict__.get("_decode_plans", {})
     assert any(p is not None for p in plans.values()), "no decode step ran as a plan"
     assert 3 in plans and plans[3] is not None  # the three requests decoded together
+
+    def no_plan(*args):
+        raise AssertionError("a plan ran under kernels_mode('torch')")
+
+    monkeypatch.setattr(DecodePlan, "run", no_plan)  # the plans built above must not run now
     with dispatch.kernels_mode("torch"):
         eager = _generate(llm)
     for a, b in zip(planned, eager):
