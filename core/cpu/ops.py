@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from bestiary.core.cpu.build import library
+from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
-ACT_CODES = {"silu": 0, "swiglu": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3}
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -244,7 +244,5 @@ def act_and_mul(fg: torch.Tensor, act: str) -> torch.Tensor:
 
 def act_and_mul_ref(fg: torch.Tensor, act: str) -> torch.Tensor:
     """Torch reference of `act_and_mul`."""
-    from bestiary.core.layers.mlp import ACTIVATIONS
-
     f, g = fg.chunk(2, dim=-1)
     return ACTIVATIONS[act](f) * g

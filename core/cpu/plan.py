@@ -27,6 +27,7 @@ import ctypes
 import torch
 from bestiary.core.cpu import ops
 from bestiary.core.cpu.build import library
+from bestiary.core.layers.mlp import ACT_CODES
 
 OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL = range(7)
 MAX_BATCH = 32  # decode steps of up to this many sequences run as a plan (measured: 1.7x eager at 32)
@@ -148,7 +149,7 @@ class DecodePlan:
             raise Unsupported(f"layer {type(layer).__name__}")
         if att.attn.key_bias is not None or att.attn.kv_quant is not None:
             raise Unsupported("key bias or quantized KV cache")
-        if mlp.act_name not in ops.ACT_CODES:
+        if mlp.act_name not in ACT_CODES:
             raise Unsupported(f"activation {mlp.act_name}")
         b, h, kvh, d = self.batch, att.heads, att.kv_heads, att.head_dim
         width = (h + 2 * kvh) * d
@@ -199,7 +200,7 @@ class DecodePlan:
         self._keep += [fg, m]
         pw, pbias = self._module_weight(mlp.proj)
         return [self._linear(self.y, fg, w, bias),
-                _op(OP_ACT_MUL, (_dt(fg),), (fg.data_ptr(), m.data_ptr()), (self.batch, inter, ops.ACT_CODES[mlp.act_name])),
+                _op(OP_ACT_MUL, (_dt(fg),), (fg.data_ptr(), m.data_ptr()), (self.batch, inter, ACT_CODES[mlp.act_name])),
                 self._linear(m, self.delta, pw, pbias)]
 
     def _lm_head(self) -> Op:

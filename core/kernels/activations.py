@@ -19,10 +19,7 @@ import triton
 import triton.language as tl
 
 from bestiary.core.errors import ConfigError
-from bestiary.core.layers.mlp import ACTIVATIONS
-
-# Activation name (HF hidden_act) -> the kernel's ACT code.
-KERNEL_ACTS = {"silu": 0, "swiglu": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3}
+from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
 
 # --- torch references (the CPU path: core.layers.mlp's ACTIVATIONS table) ------------------
 
@@ -42,7 +39,7 @@ def activation_ref(x: torch.Tensor, act: str) -> torch.Tensor:
 
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    """act(x) for float32 x, ACT as in KERNEL_ACTS."""
+    """act(x) for float32 x, ACT as in ACT_CODES."""
     if ACT == 0:
         e = tl.exp(-tl.abs(x))  # in (0, 1]: no overflow in either tail
         y = x * tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
@@ -78,9 +75,9 @@ def _act_and_mul_kernel(
 
 def _code(act: str) -> int:
     try:
-        return KERNEL_ACTS[act]
+        return ACT_CODES[act]
     except KeyError:
-        raise ConfigError(f"hidden_act {act!r} has no Triton kernel; expected one of {sorted(KERNEL_ACTS)}") from None
+        raise ConfigError(f"hidden_act {act!r} has no Triton kernel; expected one of {sorted(ACT_CODES)}") from None
 
 
 def _launch(f: torch.Tensor, g: torch.Tensor | None, act: str) -> torch.Tensor:

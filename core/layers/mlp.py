@@ -20,6 +20,8 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+# Activation name -> the code the kernels (Triton: core.kernels.activations, C: core.cpu) use.
+ACT_CODES = {"silu": 0, "swiglu": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3}
 
 
 def activation(name: str):
