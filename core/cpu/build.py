@@ -114,8 +114,3 @@ def library() -> ctypes.CDLL | None:
         warnings.warn(f"bestiary: the CPU kernels could not be built ({err}); running the torch references",
                       stacklevel=2)
         return None
-
-
-def available() -> bool:
-    """True when the compiled kernels are loaded (builds them on the first call)."""
-    return library() is not None

@@ -63,17 +63,13 @@ def matmul_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None
     if (wt.dtype == torch.bfloat16 and x2.dtype == wt.dtype and x2.shape[0] <= KERNEL_MAX_TOKENS
             and wt.is_contiguous() and dispatch.use_cpu_kernels(x2, wt)):
         y = dispatch.cpu_ops().linear_t(x2, wt)
-        if bias is not None:
-            y += bias
     elif x2.dtype in NATIVE_FLAGS and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype):
-        y = upcast_matmul(x2, wt)
-        if bias is not None:
-            y += bias
-        y = y.to(x.dtype)
+        y = upcast_matmul(x2, wt)  # float32
     else:
         y = x2 @ wt
-        if bias is not None:
-            y += bias
+    if bias is not None:
+        y += bias
+    y = y.to(x.dtype)  # rounds the upcast GEMM's float32 once (bias included); no-op otherwise
     return y.view(*x.shape[:-1], wt.shape[1])
 
 

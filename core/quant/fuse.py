@@ -13,7 +13,6 @@ so [y1, y2] = x [W1; W2]^T is exact. The members' tensors become views of the fu
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.packing import CPU_INT4_BLOCK_N
 from bestiary.core.quant.slot import WeightOnlySlot
@@ -32,8 +31,7 @@ def _fusable(members: list[Linear]) -> bool:
             return False
         if m.bias is not None or hasattr(m, "in_perm") or m.weight.device.type != "cpu":
             return False
-        if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N and not dispatch.use_cpu_kernels(
-                m.weights_scaling_factor):
+        if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N and not slot.runs_compiled(m):
             return False  # the aten CPU int4 layout: a member's rows must start on one of its blocks
     return True
 

@@ -155,8 +155,7 @@ class WeightOnlySlot:
         if linear.weight.device.type != "cpu":
             return
         s = linear.weights_scaling_factor
-        kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
-        if self.layout == "checkpoint" and kernel_group and dispatch.use_cpu_kernels(s):
+        if self.runs_compiled(linear):
             ops = dispatch.cpu_ops()
             z = getattr(linear, "zeros", None)
             self._packed = (ops.PackedWeight.int8(linear.weight, s) if self.lq.bits == 8
@@ -175,6 +174,12 @@ class WeightOnlySlot:
             self.layout = "cpu"
         z = getattr(linear, "zeros", None)
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
+
+    def runs_compiled(self, linear: nn.Module) -> bool:
+        """True when the compiled CPU kernels (core.cpu) run this layer, in the checkpoint layout."""
+        kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
+        return (self.layout == "checkpoint" and kernel_group
+                and dispatch.use_cpu_kernels(linear.weights_scaling_factor))
 
     def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
         """Run the matmuls in `dtype` (float32 makes the layer exact to fp32 rounding: tests)."""
