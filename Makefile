@@ -13,7 +13,7 @@ install:
 demo: install
 	bestiary demo
 
-# The whole suite except the tests marked slow (real-model quality and parity runs, ~20+ min
+# The whole suite except the tests marked slow (real-model quality and parity runs, ~10 min
 # on 2 cores): about 4 minutes. CI (.ci/run) runs both.
 test: install
 	$(PYTHON) -m pytest -q -m "not slow" tests
