@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
@@ -27,7 +27,9 @@ from bestiary.core.quant import packing
 from bestiary.core.quant.activations import LinearInputStats, collect_linear_inputs
 from bestiary.core.quant.apply import quantized_linears, set_compute_dtype
 from bestiary.core.quant.awq import awq_scale, search_awq_scale
+from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
 from bestiary.core.quant.calibrated import check_weight_quantizer, float_model
+from bestiary.core.quant import gptq
 from bestiary.core.quant.gptq import act_order_perm, gptq_int4, hessian_error
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.slot import WeightOnlySlot
@@ -69,13 +71,54 @@ def test_gptq_lowers_output_error_below_round_to_nearest(group, zero):
 @pytest.mark.parametrize("group,zero,k", [(64, False, 192), (128, True, 192), (64, True, 96)])
 def test_gptq_with_identity_hessian_is_round_to_nearest(group, zero, k):
     w = torch.randn(32, k, generator=torch.Generator().manual_seed(2))
-    codes, s, z = gptq_int4(w, torch.eye(k) * 3.0, group, zero)
+    codes, s, z = gptq_int4(w, torch.eye(k) * 3.0, group, zero, clip=False)
     ref_codes, ref_s, ref_z = packing.quantize_int4_groupwise(w, group, zero)
     assert torch.equal(codes, ref_codes) and torch.equal(s, ref_s)
     assert (z is None and ref_z is None) or torch.equal(z, ref_z)
     # with correlated inputs the error is propagated and the codes change (the check can fail)
     x = correlated_inputs(512, k)
-    assert not torch.equal(gptq_int4(w, x.t() @ x, group, zero)[0], ref_codes)
+    assert not torch.equal(gptq_int4(w, x.t() @ x, group, zero, clip=False)[0], ref_codes)
+
+
+def test_gptq_leaves_its_input_alone():
+    """Bug: a weight held as W^T's view (the CPU layout) came back overwritten with GPTQ's updates."""
+    w = torch.randn(96, 32, generator=torch.Generator().manual_seed(6)).t()  # [32, 96], w.t() contiguous
+    before = w.clone()
+    x = correlated_inputs(256, 96)
+    gptq_int4(w, x.t() @ x, 32, True)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_clip_search_never_loses_to_the_min_max_grid(zero):
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(7))
+    w[:4, 0] *= 6.0  # outlier weights: clipping them buys a finer step for the rest
+    x = correlated_inputs(512, 32)
+    h = x.t() @ x
+
+    def row_errors(s, z):
+        dw = gptq.fake_quantize_group(w, s, z) - w
+        return ((dw @ h) * dw).sum(dim=1)
+
+    searched = row_errors(*gptq.search_group_grid(w, h, zero, torch.float32))
+    plain = row_errors(*gptq.group_grid(w, zero, 1.0, torch.float32))
+    assert (searched <= plain + 1e-6 * plain).all()
+    assert searched.sum() < 0.95 * plain.sum()  # and clips somewhere
+    # ratio 1.0 is quantize_int4_groupwise's grid
+    _, ref_s, ref_z = packing.quantize_int4_groupwise(w, 32, zero)
+    s, z = gptq.group_grid(w, zero, 1.0, torch.float32)
+    assert torch.equal(s, ref_s[:, 0]) and torch.equal(z, ref_z[:, 0] if zero else torch.full_like(s, 8.0))
+
+
+def test_clip_search_lowers_gptq_output_error():
+    w = torch.randn(48, 192, generator=torch.Generator().manual_seed(8))
+    x = correlated_inputs(1024, 192)
+    h = x.t() @ x
+    errors = {}
+    for clip in (False, True):
+        codes, s, z = gptq_int4(w, h, 64, True, clip=clip)
+        errors[clip] = hessian_error(packing.dequantize_int4(codes, s, z, 64) - w, h)
+    assert errors[True] < errors[False], errors
 
 
 def test_gptq_scales_rounded_to_the_checkpoint_dtype():
@@ -205,7 +248,44 @@ def test_gptq_convert_logits_equal_hand_dequantized_reference(quant, tiny_src, t
     rtn_w = load_file(str(tmp_path / "rtn" / "rank0.safetensors"))
     assert gptq_w.keys() == rtn_w.keys()
     assert not torch.equal(gptq_w["transformer.layers.1.mlp.proj.weight"], rtn_w["transformer.layers.1.mlp.proj.weight"])
-    assert torch.equal(gptq_w["transformer.layers.1.post_layernorm.weight"], rtn_w["transformer.layers.1.post_layernorm.weight"])
+    # AWQ scales are folded into the norms (core.quant.awq_fold); what no fold touches is as read
+    assert not torch.equal(gptq_w["transformer.layers.1.post_layernorm.weight"],
+                           rtn_w["transformer.layers.1.post_layernorm.weight"])
+    for key in ("transformer.vocab_embedding.weight", "transformer.ln_f.weight"):
+        assert torch.equal(gptq_w[key], rtn_w[key])
+
+
+def test_folded_awq_scales_leave_the_float_model_unchanged(tiny_src, tmp_path):
+    """Folding s into the producers and the consumers' columns is exact: same logits before quantizing."""
+    convert(tiny_src, tmp_path / "f", show_progress=False)
+    engine = Engine.load(tmp_path / "f")
+    tensors = load_file(str(tmp_path / "f" / "rank0.safetensors"))
+    keys = {k for k in tensors if k.endswith((".qkv.weight", ".fc.weight", ".gate.weight", ".proj.weight"))}
+    folds = scale_folds(engine.model, keys)
+    assert len(folds) == 3 * engine.model.config.num_hidden_layers
+    assert {f.producers[0].rsplit(".", 2)[-2] for f in folds} == {"input_layernorm", "post_layernorm", "gate"}
+    stats = {}
+    for key in keys:
+        x = correlated_inputs(256, tensors[key].shape[1], seed=len(stats))
+        x[:, 5] *= 30.0  # a salient channel makes alpha > 0 worth it
+        stats[key] = LinearInputStats(x.abs().amax(0), float(x.abs().max()), x.t() @ x, 256)
+
+    def quantize(key, w):
+        return rtn(w, 32, False)
+
+    before = {k: v.clone() for k, v in tensors.items()}
+    hessians = {k: st.hessian.clone() for k, st in stats.items()}
+    made = fold_awq_scales(tensors, folds, stats, {k: k for k in keys}, quantize)
+    assert made and all(not torch.equal(tensors[k], before[k]) for k in made)
+    for key, s in made.items():  # the consumers' statistics are now those of x / s
+        assert torch.allclose(stats[key].hessian * s[:, None] * s[None, :], hessians[key], rtol=1e-4, atol=1e-3)
+    out = tmp_path / "folded"
+    out.mkdir()
+    (out / "config.json").write_text((tmp_path / "f" / "config.json").read_text())
+    save_file(tensors, str(out / "rank0.safetensors"))
+    prompt = list(range(3, 15))
+    ours, theirs = _logits(Engine.load(out), prompt), _logits(engine, prompt)
+    assert (ours - theirs).abs().max() < 1e-4 * max(1.0, theirs.abs().max().item())
 
 
 def test_gptq_with_tied_lm_head_and_int8_kv_cache(tmp_path):

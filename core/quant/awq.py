@@ -42,12 +42,23 @@ def search_awq_scale(
     `quantize`: W [N, K] float -> its quantized-then-dequantized float32 [N, K]."""
     if stats.hessian is None:
         raise ValueError("search_awq_scale needs the input Hessian (collect_linear_inputs(..., hessian=True))")
-    w = w.float()
-    best_s, best_err = torch.ones(w.shape[1]), float("inf")
+    return search_shared_scale([w], stats.hessian, stats.absmax, quantize, grid)
+
+
+def search_shared_scale(
+    weights: list[torch.Tensor],
+    hessian: torch.Tensor,
+    salience: torch.Tensor,
+    quantize: Callable[[torch.Tensor], torch.Tensor],
+    grid: int = GRID,
+) -> torch.Tensor:
+    """One s [K] for weights [N_i, K] that read the same input (Hessian [K, K]): s = awq_scale(salience,
+    alpha) with alpha minimising the summed output error sum_i trace(dW_i H dW_i^T) (alpha = 0: s = 1)."""
+    weights = [w.float() for w in weights]
+    best_s, best_err = torch.ones(weights[0].shape[1]), float("inf")
     for i in range(grid):
-        s = awq_scale(stats.absmax, i / grid)  # [K]
-        dw = quantize(w * s[None, :]) / s[None, :] - w  # [N, K]
-        err = hessian_error(dw, stats.hessian)
+        s = awq_scale(salience, i / grid)  # [K]
+        err = sum(hessian_error(quantize(w * s[None, :]) / s[None, :] - w, hessian) for w in weights)
         if err < best_err:
             best_s, best_err = s, err
     return best_s

@@ -2,7 +2,7 @@
 
 Round to nearest (RTN) packs each weight as it streams by. A data-aware quantizer (GPTQ for
 int4; the activation-quantized modes' SmoothQuant / AWQ scales and FP8 ranges) needs to know
-what the layer's inputs look like, so the rank is written in three steps instead:
+what the layer's inputs look like, so the rank is written in four steps instead:
 
 1. load: every tensor of the rank is read (quantized linears' weights as float32), and the
    rank's model is built from them in memory with float linears (the quantized model class,
@@ -10,7 +10,9 @@ what the layer's inputs look like, so the rank is written in three steps instead
 2. calibrate: the float model runs over the calibration tokens (`calibration_ids(...,
    limit=WEIGHT_CALIB_TOKENS)`: `--calib_text FILE`, else the built-in texts) and
    core.quant.activations collects each quantized linear's input statistics;
-3. quantize + write: each weight is packed by its slot with its layer's statistics
+3. (weight-only int4 with GPTQ) AWQ scales are searched and folded into the norms and linears
+   that feed the quantized linears (core.quant.awq_fold), and their statistics rescaled;
+4. quantize + write: each weight is packed by its slot with its layer's statistics
    (`slot.quantize(w, scale_dtype, stats)`), everything else is written as read.
 
 Calibration runs the whole model on one process: multi-rank conversions are refused.
@@ -28,6 +30,7 @@ from bestiary.core.errors import ConfigError
 from bestiary.core.quant.activations import DEFAULT_CHUNK, LinearInputStats, collect_linear_inputs
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
+from bestiary.core.quant.packing import dequantize_int4, quantize_int4_groupwise
 from torch import nn
 
 WEIGHT_QUANTIZERS = ("rtn", "gptq")
@@ -80,6 +83,13 @@ def needs_hessian(quant: QuantConfig | None, method: str) -> bool:
     if lq is not None and lq.algo in ACT_ALGOS:
         return lq.algo == "W4A8_AWQ"  # FP8 / SmoothQuant need the ranges only
     return needs_activation_stats(quant, method)
+
+
+def folds_awq_scales(quant: QuantConfig | None, method: str) -> bool:
+    """True if converting to `quant` with `method` folds AWQ scales into the layers (core.quant.awq_fold):
+    weight-only int4 quantized with GPTQ."""
+    lq = linear_quant_of(quant) if quant is not None else None
+    return lq is not None and lq.bits == 4 and lq.algo not in ACT_ALGOS and method == "gptq"
 
 
 def check_single_rank(config: PretrainedConfig, method: str) -> None:
@@ -151,6 +161,15 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
     chunks = bar.add_task("calibrate", total=-(-len(ids) // chunk))
     stats = collect_linear_inputs(model, ids, hessian=needs_hessian(config.quantization, method),
                                   names=set(names.values()), chunk=chunk, on_chunk=lambda: bar.advance(chunks))
+    if folds_awq_scales(config.quantization, method):
+        from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
+
+        def rtn(key: str, w: torch.Tensor) -> torch.Tensor:
+            lq = slots[key].lq
+            codes, s, z = quantize_int4_groupwise(w, lq.group_size, lq.has_zero_point)
+            return dequantize_int4(codes, s, z, lq.group_size)
+
+        fold_awq_scales(tensors, scale_folds(model, set(slots)), stats, names, rtn)
     del model
     scale_dtype = torch_dtype(config.dtype)
     packing = bar.add_task("quantize", total=len(tensors))
