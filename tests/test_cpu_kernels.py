@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bestiary.core.cpu import build, ops
+from bestiary.core.quant.kv import as_bytes, quantize_kv
 
 pytestmark = pytest.mark.skipif(build.library() is None, reason="no C compiler: the kernels are not built")
 
@@ -88,6 +89,54 @@ def test_decode_attention_matches_reference(dtype, alibi):
     ref = ops.decode_attention_ref(q, k_pool, v_pool, tables, kv_lens, d**-0.5, slopes)
     assert out.shape == (3, h * d)
     assert _rel_err(out, ref) < _tol(dtype)
+
+
+KV_CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("code_dtype", KV_CODE_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT)
+def test_decode_attention_over_quantized_pools_matches_reference(code_dtype, dtype):
+    gen = torch.Generator().manual_seed(13)
+    blocks, bs, kvh, d, h = 10, 4, 2, 40, 4
+    scales = torch.tensor([0.05, 0.02])
+    k = torch.randn(blocks, bs, kvh, d, generator=gen) * 3
+    v = torch.randn(blocks, bs, kvh, d, generator=gen)
+    k_pool, v_pool = quantize_kv(k, scales[0], code_dtype), quantize_kv(v, scales[1], code_dtype)
+    tables = torch.tensor([[3, 8, 1], [0, 9, 0]])
+    kv_lens = torch.tensor([11, 5])
+    q = torch.randn(2, h, d, generator=gen).to(dtype)
+    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5, kv_scales=scales)
+    ref = ops.decode_attention_ref(q, k_pool, v_pool, tables, kv_lens, d**-0.5, kv_scales=scales)
+    assert _rel_err(out, ref) < _tol(dtype)
+    # the codes are read with their scales: a float pool of the dequantized values agrees too
+    deq = ops.decode_attention_ref(q, k_pool.float() * scales[0], v_pool.float() * scales[1], tables, kv_lens,
+                                   d**-0.5)
+    assert _rel_err(out, deq) < _tol(dtype)
+    with pytest.raises(ValueError, match="needs kv_scales"):
+        ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5)
+
+
+@pytest.mark.parametrize("pool_dtype", KV_CODE_DTYPES + [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", FLOAT)
+def test_kv_write_stores_the_codes_of_quantize_kv(pool_dtype, dtype):
+    """Byte for byte what the eager path (core.quant.kv.quantize_kv / write_kv) stores."""
+    gen = torch.Generator().manual_seed(14)
+    blocks, bs, kvh, d = 6, 4, 2, 8
+    scales = torch.tensor([0.25, 0.125]) if pool_dtype in KV_CODE_DTYPES else None
+    qkv = torch.randn(5, 3, kvh, d, generator=gen) * 40  # beyond the int8 / e4m3 range: clamped
+    qkv[0, 1, 0, :4] = torch.tensor([0.125, -0.375, 1.0 / 64, -0.0])  # ties and a negative zero
+    qkv[0, 1, 1, :3] = torch.tensor([2 ** -10 * 0.25 * 3, 0.25 * 2 ** -9 * 0.5, 0.25 * 17.0])  # e4m3 ties
+    qkv = qkv.to(dtype)
+    k, v = qkv[:, 1], qkv[:, 2]  # strided rows, as SelfAttention writes them
+    slots = torch.tensor([0, 5, 13, 22, 7])
+    pools = [torch.zeros(blocks, bs, kvh, d, dtype=pool_dtype) for _ in range(2)]
+    ops.kv_write(k, v, pools[0], pools[1], slots, scales)
+    for pool, x, i in ((pools[0], k, 0), (pools[1], v, 1)):
+        want = x.float() if scales is None else quantize_kv(x, scales[i], pool_dtype)
+        got = pool.view(pool.dtype).flatten(0, 1)[slots]
+        assert torch.equal(as_bytes(got), as_bytes(want.to(pool_dtype))), (pool_dtype, i)
+        assert int(as_bytes(pool).flatten(0, 1).count_nonzero(dim=(1, 2)).gt(0).sum()) <= len(slots)
 
 
 @pytest.mark.parametrize("dtype", FLOAT)

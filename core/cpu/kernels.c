@@ -9,6 +9,7 @@
  *   DT_I8 = 2    int8 weights, one float scale per output row
  *   DT_I4 = 3    int4 weights, two per byte (low nibble = even k), float scale s and s * zero
  *                per row and group of G input features
+ *   DT_F8 = 4    float8 e4m3fn KV cache codes (DT_I8 too: int8 KV codes), x ~ code * scale
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -25,7 +26,7 @@
 #define BST_AVX512 0
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4 };
 #define INLINE static inline __attribute__((always_inline))
 
 int bst_has_avx512(void) { return BST_AVX512; }
@@ -451,17 +452,88 @@ void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *s
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* quantized KV cache codes: int8 and float8 e4m3fn                                         */
+/* ---------------------------------------------------------------------------------------- */
+
+static float e4m3_values[256]; /* code -> value (0x7f, 0xff: NaN) */
+
+__attribute__((constructor)) static void init_e4m3(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.f + (float)m / 8.f, e - 7);
+        if ((c & 0x7f) == 0x7f) v = NAN;
+        e4m3_values[c] = (c & 0x80) ? -v : v;
+    }
+}
+
+/* float -> e4m3fn code, round to nearest even, |y| <= 448 (the caller clamps) */
+INLINE uint8_t f32_to_e4m3(float y) {
+    uint8_t sign = signbit(y) ? 0x80 : 0;
+    float a = fabsf(y);
+    int lo = 0, hi = 126; /* largest code c with value(c) <= a */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (e4m3_values[mid] <= a) lo = mid; else hi = mid - 1;
+    }
+    if (lo < 126) {
+        float below = a - e4m3_values[lo], above = e4m3_values[lo + 1] - a;
+        if (above < below || (above == below && (lo & 1))) lo++;
+    }
+    return (uint8_t)(sign | lo);
+}
+
+/* the KV code of x: int8 clamp(round(x / s), -127, 127), e4m3fn(clamp(x / s, -448, 448)) */
+INLINE void store_kv(void *pool, int dt, int64_t i, float x, float s) {
+    float y = x / s;
+    if (dt == DT_I8) {
+        float r = nearbyintf(y);
+        ((int8_t *)pool)[i] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+    } else {
+        ((uint8_t *)pool)[i] = f32_to_e4m3(y > 448.f ? 448.f : y < -448.f ? -448.f : y);
+    }
+}
+
+/* dst[d] = code(pool[off + d]) * s for a row of D codes */
+static void load_kv_row(const void *pool, int dt, int64_t off, int64_t D, float s, float *dst) {
+    if (dt == DT_I8) {
+        const int8_t *c = (const int8_t *)pool + off;
+        for (int64_t d = 0; d < D; d++) dst[d] = (float)c[d] * s;
+    } else {
+        const uint8_t *c = (const uint8_t *)pool + off;
+        for (int64_t d = 0; d < D; d++) dst[d] = e4m3_values[c[d]] * s;
+    }
+}
+
+/* k / v rows [T, W] (src_stride elements apart, dtype sdt) -> pool slot rows (W = KVH * D); pools
+ * in pdt: float (scales NULL) or int8 / e4m3 codes with scales (s_k, s_v). */
+void bst_kv_write(const void *k, const void *v, int sdt, int64_t src_stride, void *k_pool, void *v_pool, int pdt,
+                  const int64_t *slots, int64_t T, int64_t W, const float *scales) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < W; j++) {
+            float kx = load_f(k, sdt, t * src_stride + j), vx = load_f(v, sdt, t * src_stride + j);
+            if (scales) {
+                store_kv(k_pool, pdt, slots[t] * W + j, kx, scales[0]);
+                store_kv(v_pool, pdt, slots[t] * W + j, vx, scales[1]);
+            } else {
+                store_f(k_pool, pdt, slots[t] * W + j, kx);
+                store_f(v_pool, pdt, slots[t] * W + j, vx);
+            }
+        }
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* decode attention over the paged pool                                                     */
 /* ---------------------------------------------------------------------------------------- */
 
 /* out[b, h, :] = softmax_j(q[b, h] . K_j * scale + slope_h * (j - (L_b - 1))) V_j over the L_b =
  * kv_lens[b] cached keys of sequence b: K_j = k_pool[table[b, j / bs], j % bs, h / G], G = H / KVH.
  * q [B, H, D] (qdt; q_stride elements from one sequence's row to the next), pools [blocks, bs, KVH, D] (kvdt), tables [B, max_blocks] int64,
- * slopes [H] float or NULL, out [B, H, D] (odt). */
+ * slopes [H] float or NULL, out [B, H, D] (odt). Quantized pools (kvdt DT_I8 / DT_F8) hold codes with
+ * K = code * kv_scales[0], V = code * kv_scales[1]; float pools pass kv_scales NULL. */
 void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *k_pool, const void *v_pool, int kvdt,
                           const int64_t *tables, int64_t max_blocks, const int64_t *kv_lens, int64_t B,
                           int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, const float *slopes,
-                          void *out, int odt, int threads) {
+                          void *out, int odt, const float *kv_scales, int threads) {
     int64_t G = H / KVH;
 #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < B * H; task++) {
@@ -472,18 +544,25 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         float *scores = L <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)L);
         to_f32((const char *)q + (b * q_stride + h * D) * (qdt == DT_F32 ? 4 : 2), qdt, D, qf);
         float mx = -INFINITY;
+        float row[512];
         for (int64_t j = 0; j < L; j++) {
             int64_t off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
+            const void *kp = k_pool;
+            int kdt = kvdt;
+            if (kv_scales) { /* codes -> a float row */
+                load_kv_row(k_pool, kvdt, off, D, kv_scales[0], row);
+                kp = row, kdt = DT_F32, off = 0;
+            }
             float s = 0.f;
 #if BST_AVX512
             __m512 a = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) {
                 __mmask16 mask = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1);
-                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, qf + d), load_w16_masked(k_pool, kvdt, off + d, mask), a);
+                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, qf + d), load_w16_masked(kp, kdt, off + d, mask), a);
             }
             s = _mm512_reduce_add_ps(a);
 #else
-            for (int64_t d = 0; d < D; d++) s += qf[d] * load_f(k_pool, kvdt, off + d);
+            for (int64_t d = 0; d < D; d++) s += qf[d] * load_f(kp, kdt, off + d);
 #endif
             s *= scale;
             if (slopes) s += slopes[h] * (float)(j - (L - 1));
@@ -499,15 +578,21 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         for (int64_t j = 0; j < L; j++) {
             int64_t off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
             float p = scores[j] / total;
+            const void *vp = v_pool;
+            int vdt = kvdt;
+            if (kv_scales) {
+                load_kv_row(v_pool, kvdt, off, D, kv_scales[1], row);
+                vp = row, vdt = DT_F32, off = 0;
+            }
 #if BST_AVX512
             __m512 pv = _mm512_set1_ps(p);
             for (int64_t d = 0; d < D; d += 16) {
                 __mmask16 mask = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1);
                 __m512 cur = _mm512_maskz_loadu_ps(mask, acc + d);
-                _mm512_mask_storeu_ps(acc + d, mask, _mm512_fmadd_ps(pv, load_w16_masked(v_pool, kvdt, off + d, mask), cur));
+                _mm512_mask_storeu_ps(acc + d, mask, _mm512_fmadd_ps(pv, load_w16_masked(vp, vdt, off + d, mask), cur));
             }
 #else
-            for (int64_t d = 0; d < D; d++) acc[d] += p * load_f(v_pool, kvdt, off + d);
+            for (int64_t d = 0; d < D; d++) acc[d] += p * load_f(vp, vdt, off + d);
 #endif
         }
         from_f32(acc, D, (char *)out + (b * H + h) * D * (odt == DT_F32 ? 4 : 2), odt);
@@ -620,16 +705,6 @@ static void embed(const void *table, int tdt, int64_t s0, int64_t s1, const int6
         for (int64_t h = 0; h < H; h++) store_f(out, odt, t * H + h, load_f(table, tdt, ids[t] * s0 + h * s1));
 }
 
-/* k / v rows [T, W] (src_stride elements apart, dtype sdt) -> pool slot rows (W = KVH * D). */
-static void kv_write(const void *k, const void *v, int sdt, int64_t src_stride, void *k_pool, void *v_pool, int pdt,
-                     const int64_t *slots, int64_t T, int64_t W) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < W; j++) {
-            store_f(k_pool, pdt, slots[t] * W + j, load_f(k, sdt, t * src_stride + j));
-            store_f(v_pool, pdt, slots[t] * W + j, load_f(v, sdt, t * src_stride + j));
-        }
-}
-
 void bst_run_plan(const bst_op *ops, int64_t n, int threads) {
     for (int64_t j = 0; j < n; j++) {
         const bst_op *o = ops + j;
@@ -652,14 +727,14 @@ void bst_run_plan(const bst_op *ops, int64_t n, int threads) {
                           (const float *)o->p[2], o->i[4], (int)o->i[5]);
                 break;
             case OP_KV_WRITE:
-                kv_write(o->p[0], o->p[1], (int)o->dt[0], o->i[2], o->p[2], o->p[3], (int)o->dt[1],
-                         (const int64_t *)o->p[4], o->i[0], o->i[1]);
+                bst_kv_write(o->p[0], o->p[1], (int)o->dt[0], o->i[2], o->p[2], o->p[3], (int)o->dt[1],
+                             (const int64_t *)o->p[4], o->i[0], o->i[1], (const float *)o->p[5]);
                 break;
             case OP_ATTENTION:
                 bst_decode_attention(o->p[0], (int)o->dt[0], o->i[7], o->p[1], o->p[2], (int)o->dt[1],
                                      (const int64_t *)o->p[3], o->i[0], (const int64_t *)o->p[4], o->i[1], o->i[2],
                                      o->i[3], o->i[4], o->i[5], o->f[0], (const float *)o->p[5], o->p[6],
-                                     (int)o->dt[2], threads);
+                                     (int)o->dt[2], (const float *)o->p[7], threads);
                 break;
             case OP_ACT_MUL:
                 bst_act_and_mul(o->p[0], o->p[1], (int)o->dt[0], o->i[0], o->i[1], (int)o->i[2], threads);

@@ -23,6 +23,7 @@ from bestiary.core.cpu.build import library
 from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale
 KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
 
 
@@ -140,11 +141,13 @@ def linear_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = No
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                     kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None,
+                     kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q K^T * scale + slope_h (j - (L_b - 1))) V per sequence b over its kv_lens[b] keys.
 
     q [B, H, D]; pools [blocks, block_size, KVH, D]; tables int64 [B, max_blocks]; kv_lens int64 [B];
-    slopes float32 [H] or None -> [B, H * D] in q's dtype."""
+    slopes float32 [H] or None -> [B, H * D] in q's dtype. INT8 / FP8 pools (core.quant.kv) hold
+    codes with K = code * kv_scales[0], V = code * kv_scales[1]."""
     b, h, d = q.shape
     _, bs, kvh, _ = k_pool.shape
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -152,24 +155,56 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     tables, kv_lens = tables.contiguous(), kv_lens.contiguous()
     out = torch.empty(b, h * d, dtype=q.dtype)
     slopes = None if slopes is None else slopes.float().contiguous()
+    kv_scales = _kv_scales(k_pool, kv_scales)
     library().bst_decode_attention(
-        q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), DTYPES[k_pool.dtype],
+        q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_dtype_code(k_pool),
         tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
-        out.data_ptr(), DTYPES[q.dtype], _threads())
+        out.data_ptr(), DTYPES[q.dtype], _ptr(kv_scales), _threads())
     return out
 
 
+def kv_dtype_code(pool: torch.Tensor) -> int:
+    """kernels.c's dtype code of a KV pool: float32 / bfloat16, or int8 / e4m3fn codes."""
+    return DTYPES[pool.dtype] if pool.dtype in DTYPES else KV_CODES[pool.dtype]
+
+
+def _kv_scales(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor | None:
+    """float32 (s_k, s_v) for a quantized pool, None for a float one; ValueError when they do not match."""
+    if (pool.dtype in KV_CODES) != (kv_scales is not None):
+        raise ValueError(f"a {pool.dtype} KV pool {'needs' if kv_scales is None else 'takes no'} kv_scales")
+    return None if kv_scales is None else kv_scales.float().contiguous()
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+             kv_scales: torch.Tensor | None = None) -> None:
+    """Write k, v rows [T, KVH, D] into the pools' slots (int64 [T]; slot = block * block_size + offset),
+    as codes of core.quant.kv.quantize_kv for INT8 / FP8 pools (kv_scales (s_k, s_v))."""
+    t = k.shape[0]
+    width = k_pool.shape[2] * k_pool.shape[3]
+    k2, v2 = k.reshape(t, width), v.reshape(t, width)
+    if k2.stride(1) != 1 or v2.stride(0) != k2.stride(0) or v2.dtype != k2.dtype:
+        k2, v2 = k2.contiguous(), v2.contiguous().to(k2.dtype)
+        if v2.stride(0) != k2.stride(0):
+            raise ValueError("k and v rows must share a stride")
+    slots = slots.to(torch.int64).contiguous()
+    kv_scales = _kv_scales(k_pool, kv_scales)
+    library().bst_kv_write(k2.data_ptr(), v2.data_ptr(), DTYPES[k2.dtype], k2.stride(0), k_pool.data_ptr(),
+                           v_pool.data_ptr(), kv_dtype_code(k_pool), slots.data_ptr(), t, width, _ptr(kv_scales))
+
+
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                         kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None,
+                         kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of `decode_attention`, in float32."""
     b, h, d = q.shape
     bs, kvh = k_pool.shape[1], k_pool.shape[2]
+    s_k, s_v = (1.0, 1.0) if kv_scales is None else (kv_scales[0].float(), kv_scales[1].float())
     outs = []
     for i in range(b):
         length = int(kv_lens[i])
         blocks = tables[i, : -(-length // bs)]
-        k = k_pool[blocks].flatten(0, 1)[:length].float()  # [L, KVH, D]
-        v = v_pool[blocks].flatten(0, 1)[:length].float()
+        k = k_pool[blocks].flatten(0, 1)[:length].float() * s_k  # [L, KVH, D]
+        v = v_pool[blocks].flatten(0, 1)[:length].float() * s_v
         k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)  # [L, H, D]
         scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale  # [H, L]
         if slopes is not None:

@@ -13,8 +13,9 @@ point at, then `bst_run_plan` runs the list. The math is the eager path's, op fo
                 y = rms_norm(x += a);  fg = y [Wfc; Wgate]^T;  m = act(f) * g;  d = m Wproj^T
     logits = rms_norm(x += d) W_lm^T
 
-`plan_for(model, batch, k_pools, v_pools)` returns None for anything else: other layer types,
-key-bias functions, quantized KV pools, LoRA, tensor/pipeline parallel, an overridden
+KV pools may be float or INT8 / FP8 codes (core.quant.kv; written and read with the layer's
+(s_k, s_v)). `plan_for(model, batch, k_pools, v_pools)` returns None for anything else: other
+layer types, key-bias functions, LoRA, tensor/pipeline parallel, an overridden
 embed / logits / position_ids, weights the kernels do not read, modules with forward hooks
 (a plan calls no module: hooks registered after a model's first decode step are not seen).
 The eager path runs those.
@@ -52,6 +53,13 @@ def _dt(t: torch.Tensor) -> int:
     if t.dtype not in ops.DTYPES:
         raise Unsupported(f"dtype {t.dtype}")
     return ops.DTYPES[t.dtype]
+
+
+def _kv_dt(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
+    """The dtype code of a KV pool: float (no scales) or INT8 / FP8 codes (with scales)."""
+    if (pool.dtype in ops.KV_CODES) != (kv_scales is not None):
+        raise Unsupported(f"KV pool {pool.dtype} with{'out' if kv_scales is None else ''} scales")
+    return ops.kv_dtype_code(pool) if pool.dtype in ops.KV_CODES else _dt(pool)
 
 
 def _op(code: int, dt=(), p=(), i=(), f=()) -> Op:
@@ -147,8 +155,12 @@ class DecodePlan:
         att, mlp = layer.attention, layer.mlp
         if type(layer) is not PreNormDecoderLayer or type(att) is not SelfAttention or type(mlp) is not GatedMLP:
             raise Unsupported(f"layer {type(layer).__name__}")
-        if att.attn.key_bias is not None or att.attn.kv_quant is not None:
-            raise Unsupported("key bias or quantized KV cache")
+        if att.attn.key_bias is not None:
+            raise Unsupported("key bias")
+        kv_scales = None
+        if att.attn.kv_quant is not None:  # INT8 / FP8 pools: codes with the layer's (s_k, s_v)
+            kv_scales = att.attn.kv_quant.scales.float().contiguous()
+            self._keep.append(kv_scales)
         if mlp.act_name not in ACT_CODES:
             raise Unsupported(f"activation {mlp.act_name}")
         b, h, kvh, d = self.batch, att.heads, att.kv_heads, att.head_dim
@@ -165,19 +177,19 @@ class DecodePlan:
             self.max_position = min(self.max_position, table.shape[0] - 1)
             recs.append(_op(OP_ROTARY, (_dt(qkv),), (qkv.data_ptr(), self.positions.data_ptr(), table.data_ptr()),
                             (b, h + kvh, d, width, att.rotary.rot_dim, int(att.rotary.style == "gptj"))))
-        _dt(k_pool)
+        kv_dt = _kv_dt(k_pool, kv_scales)
         item = qkv.element_size()
-        recs.append(_op(OP_KV_WRITE, (_dt(qkv), _dt(k_pool)),
+        recs.append(_op(OP_KV_WRITE, (_dt(qkv), kv_dt),
                         (qkv.data_ptr() + h * d * item, qkv.data_ptr() + (h + kvh) * d * item, k_pool.data_ptr(),
-                         v_pool.data_ptr(), self.slots.data_ptr()),
+                         v_pool.data_ptr(), self.slots.data_ptr(), _ptr(kv_scales)),
                         (b, kvh * d, width)))
         slopes = att.attn.alibi
         if slopes is not None:
             slopes = slopes.float().contiguous()
             self._keep.append(slopes)
-        recs.append(_op(OP_ATTENTION, (_dt(qkv), _dt(k_pool), _dt(o)),
+        recs.append(_op(OP_ATTENTION, (_dt(qkv), kv_dt, _dt(o)),
                         (qkv.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), self.tables.data_ptr(),
-                         self.kv_lens.data_ptr(), _ptr(slopes), o.data_ptr()),
+                         self.kv_lens.data_ptr(), _ptr(slopes), o.data_ptr(), _ptr(kv_scales)),
                         (self.tables.shape[1], b, h, kvh, d, k_pool.shape[1], 0, width), (att.attn.scale,)))
         w, bias = self._module_weight(att.dense)
         recs.append(self._linear(o, self.delta, w, bias))

@@ -79,6 +79,12 @@ def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
     return _mode == "auto" and tensors[0].device.type == "cpu" and cpu_ops().supports(*tensors)
 
 
+def reads_kv_codes(q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, key_bias) -> bool:
+    """True when this step's attention runs the compiled CPU decode kernel straight on INT8/FP8 pools."""
+    return (key_bias is None and meta.is_decode and not use_triton(q) and use_cpu_kernels(q)
+            and k_pool.device.type == "cpu" and k_pool.dtype in cpu_ops().KV_CODES)
+
+
 def cpu_ops() -> ModuleType:
     """bestiary.core.cpu.ops (compiled CPU kernels + their torch references), imported on first use."""
     module = _families.get("cpu")
@@ -187,12 +193,16 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
     key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of this step's queries q [T, H, D] over the (already written) paged cache -> [T, H*D]."""
+    """Attention of this step's queries q [T, H, D] over the (already written) paged cache -> [T, H*D].
+
+    `kv_scales` (s_k, s_v): the pools hold INT8/FP8 codes, only where `reads_kv_codes` said so."""
     m = family("attention")
-    if key_bias is None and meta.is_decode and not use_triton(q) and use_cpu_kernels(q, k_pool):
+    if kv_scales is not None or (key_bias is None and meta.is_decode and not use_triton(q)
+                                 and use_cpu_kernels(q, k_pool)):
         kv_lens = meta.step_value("kv_lens", lambda: torch.tensor(meta.kv_lens, dtype=torch.int64))
-        return cpu_ops().decode_attention(q, k_pool, v_pool, meta.block_tables, kv_lens, scale, slopes)
+        return cpu_ops().decode_attention(q, k_pool, v_pool, meta.block_tables, kv_lens, scale, slopes, kv_scales)
     fn = m.paged_attention if use_triton(q) else m.paged_attention_ref
     return fn(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias)
 

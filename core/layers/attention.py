@@ -326,10 +326,15 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
         k_pool: torch.Tensor, v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        if self.kv_quant is not None:  # INT8/FP8 pools: attend over this step's blocks, dequantized
+        kv_scales = None
+        if self.kv_quant is not None:  # INT8/FP8 pools
             write_kv(k_pool, v_pool, k, v, meta.slot_mapping, self.kv_quant.scales)
-            k_pool, v_pool = self.kv_quant.float_pools(k_pool, v_pool, meta, q.dtype)
+            if dispatch.reads_kv_codes(q, meta, k_pool, self.key_bias):  # compiled CPU decode: reads the codes
+                kv_scales = self.kv_quant.scales
+            else:  # attend over this step's blocks, dequantized
+                k_pool, v_pool = self.kv_quant.float_pools(k_pool, v_pool, meta, q.dtype)
         else:
             write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         # Triton kernels on CUDA; on the CPU paged_attention_ref = decode/prefill_attention below.
-        return dispatch.paged_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi, self.key_bias)
+        return dispatch.paged_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi, self.key_bias,
+                                        kv_scales)
