@@ -117,6 +117,15 @@ def test_decode_attention_over_quantized_pools_matches_reference(code_dtype, dty
         ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5)
 
 
+def test_decode_attention_refuses_heads_past_its_buffers():
+    """Bug: a head_dim above 512 would have overrun the kernel's stack buffers; it is refused (the
+    dispatcher and the decode plans check MAX_HEAD_DIM and run the torch path instead)."""
+    d = ops.MAX_HEAD_DIM + 16
+    pool = torch.zeros(2, 4, 1, d)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.decode_attention(torch.zeros(1, 1, d), pool, pool, torch.tensor([[0]]), torch.tensor([1]), 1.0)
+
+
 @pytest.mark.parametrize("pool_dtype", KV_CODE_DTYPES + [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", FLOAT)
 def test_kv_write_stores_the_codes_of_quantize_kv(pool_dtype, dtype):

@@ -24,6 +24,7 @@ from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale
+MAX_HEAD_DIM = 512  # decode_attention keeps a head's q, output and one K/V row in stack buffers
 KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
 
 
@@ -150,6 +151,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     codes with K = code * kv_scales[0], V = code * kv_scales[1]."""
     b, h, d = q.shape
     _, bs, kvh, _ = k_pool.shape
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d}: the compiled decode attention takes at most {MAX_HEAD_DIM}")
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()  # rows may be strided (q heads of a qkv tensor), heads must not
     tables, kv_lens = tables.contiguous(), kv_lens.contiguous()

@@ -157,6 +157,8 @@ class DecodePlan:
             raise Unsupported(f"layer {type(layer).__name__}")
         if att.attn.key_bias is not None:
             raise Unsupported("key bias")
+        if att.head_dim > ops.MAX_HEAD_DIM:
+            raise Unsupported(f"head_dim {att.head_dim}")
         kv_scales = None
         if att.attn.kv_quant is not None:  # INT8 / FP8 pools: codes with the layer's (s_k, s_v)
             kv_scales = att.attn.kv_quant.scales.float().contiguous()
