@@ -1,5 +1,6 @@
 """The compiled CPU kernels (core/cpu/kernels.c) against their torch references (core.cpu.ops).
 
+Each test runs twice: on the native build and on the scalar fallback (built with -mno-avx512f).
 Odd shapes on purpose: K not a multiple of 16 or 32 (masked tails), N not a multiple of the
 row / column tiles, batches across the 4-row input tiles, GQA groups, blocks not dividing the
 lengths, non-contiguous block tables.
@@ -15,6 +16,27 @@ from bestiary.core.quant.kv import as_bytes, quantize_kv
 pytestmark = pytest.mark.skipif(build.library() is None, reason="no C compiler: the kernels are not built")
 
 FLOAT = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def scalar_library(tmp_path_factory):
+    """kernels.c built without AVX-512: the scalar fallback that CPUs without it (AVX2) run."""
+    cc = build.compiler()
+    path = tmp_path_factory.mktemp("scalar") / "libbestiary_cpu_scalar.so"
+    build.compile_library(cc, path, ("-mno-avx512f",))
+    lib = build.load(path)
+    assert lib.bst_has_avx512() == 0
+    return lib
+
+
+@pytest.fixture(autouse=True, params=["native", "scalar"])
+def kernels(request, monkeypatch):
+    """Every test runs on the native build and on the scalar fallback (where native has AVX-512)."""
+    if request.param == "scalar":
+        if not build.library().bst_has_avx512():
+            pytest.skip("the native build is already the scalar one")
+        monkeypatch.setattr(ops, "library", lambda: request.getfixturevalue("scalar_library"))
+    return request.param
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -71,13 +71,14 @@ def _key(cc: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def compile_library(cc: str, out: Path) -> None:
-    """cc kernels.c -> out (atomically: built beside it, then renamed)."""
+def compile_library(cc: str, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """cc kernels.c -> out (atomically: built beside it, then renamed); `extra_flags` after FLAGS
+    (the tests build the scalar fallback with -mno-avx512f)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=False,
+        result = subprocess.run([cc, *FLAGS, *extra_flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=False,
                                 timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed on {SOURCE}: {result.stderr.strip().splitlines()[-1:]}")
@@ -87,7 +88,7 @@ def compile_library(cc: str, out: Path) -> None:
             os.unlink(tmp)
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
@@ -110,7 +111,7 @@ def library() -> ctypes.CDLL | None:
         path = cache_dir() / "cpu-kernels" / _key(cc) / "libbestiary_cpu.so"
         if not path.exists():
             compile_library(cc, path)
-        return _load(path)
+        return load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         warnings.warn(f"bestiary: the CPU kernels could not be built ({err}); running the torch references",
                       stacklevel=2)

@@ -495,6 +495,17 @@ INLINE void store_kv(void *pool, int dt, int64_t i, float x, float s) {
 
 /* dst[d] = code(pool[off + d]) * s for a row of D codes */
 static void load_kv_row(const void *pool, int dt, int64_t off, int64_t D, float s, float *dst) {
+#if BST_AVX512
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t d = 0; d < D; d += 16) {
+        __mmask16 mask = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1);
+        __m128i c = _mm_maskz_loadu_epi8(mask, (const uint8_t *)pool + off + d);
+        __m512 v = dt == DT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))
+                               : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, _mm512_cvtepu8_epi32(c),
+                                                          e4m3_values, 4);
+        _mm512_mask_storeu_ps(dst + d, mask, _mm512_mul_ps(v, sv));
+    }
+#else
     if (dt == DT_I8) {
         const int8_t *c = (const int8_t *)pool + off;
         for (int64_t d = 0; d < D; d++) dst[d] = (float)c[d] * s;
@@ -502,6 +513,7 @@ static void load_kv_row(const void *pool, int dt, int64_t off, int64_t D, float 
         const uint8_t *c = (const uint8_t *)pool + off;
         for (int64_t d = 0; d < D; d++) dst[d] = e4m3_values[c[d]] * s;
     }
+#endif
 }
 
 /* k / v rows [T, W] (src_stride elements apart, dtype sdt) -> pool slot rows (W = KVH * D); pools

@@ -89,12 +89,16 @@ def fold_awq_scales(
     stats: dict[str, LinearInputStats],
     names: dict[str, str],
     quantize: Callable[[str, torch.Tensor], torch.Tensor],
+    on_fold: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Search and fold each fold's scale into `tensors` in place; update `stats` (by linear name) to the
     scaled inputs. `names`: weight key -> linear name; `quantize(key, W)`: W's round-to-nearest
-    quantize-dequantize as the key's layer stores it. Returns weight key -> s of the folds made."""
+    quantize-dequantize as the key's layer stores it; `on_fold`: called after each fold (progress).
+    Returns weight key -> s of the folds made."""
     made = {}
     for fold in folds:
+        if on_fold is not None:
+            on_fold()
         first = stats.get(names[fold.consumers[0]])
         if first is None or first.hessian is None or first.tokens == 0:
             continue

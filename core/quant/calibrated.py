@@ -169,7 +169,9 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
             codes, s, z = quantize_int4_groupwise(w, lq.group_size, lq.has_zero_point)
             return dequantize_int4(codes, s, z, lq.group_size)
 
-        fold_awq_scales(tensors, scale_folds(model, set(slots)), stats, names, rtn)
+        folds = scale_folds(model, set(slots))
+        search = bar.add_task("AWQ scales", total=len(folds))
+        fold_awq_scales(tensors, folds, stats, names, rtn, on_fold=lambda: bar.advance(search))
     del model
     scale_dtype = torch_dtype(config.dtype)
     packing = bar.add_task("quantize", total=len(tensors))
