@@ -198,8 +198,7 @@ class ActQuantSlot:
 
     def _int4_roundtrip(self, w: torch.Tensor) -> torch.Tensor:
         """W [N, K] -> its symmetric int4 group-wise quantized-dequantized float32 [N, K]."""
-        codes, s, _ = packing.quantize_int4_groupwise(w, self.lq.group_size, False)
-        return packing.dequantize_int4(codes, s, None, self.lq.group_size)
+        return packing.int4_roundtrip(w, self.lq.group_size, False)
 
     # --- reading the weight back -------------------------------------------------------------
     def dequantize(self, linear: nn.Module) -> torch.Tensor:

@@ -30,7 +30,7 @@ from bestiary.core.errors import ConfigError
 from bestiary.core.quant.activations import DEFAULT_CHUNK, LinearInputStats, collect_linear_inputs
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
-from bestiary.core.quant.packing import dequantize_int4, quantize_int4_groupwise
+from bestiary.core.quant.packing import int4_roundtrip
 from torch import nn
 
 WEIGHT_QUANTIZERS = ("rtn", "gptq")
@@ -166,8 +166,7 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
 
         def rtn(key: str, w: torch.Tensor) -> torch.Tensor:
             lq = slots[key].lq
-            codes, s, z = quantize_int4_groupwise(w, lq.group_size, lq.has_zero_point)
-            return dequantize_int4(codes, s, z, lq.group_size)
+            return int4_roundtrip(w, lq.group_size, lq.has_zero_point)
 
         folds = scale_folds(model, set(slots))
         search = bar.add_task("AWQ scales", total=len(folds))

@@ -77,15 +77,10 @@ CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(20))  # 1.0, 0.975, ..., 0.52
 
 def group_grid(w: torch.Tensor, zero_point: bool, ratio: float,
                scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, g] (one group) -> (s [N], z [N]): quantize_int4_groupwise's grid over the range shrunk
-    by `ratio` (1.0: exactly its grid), s rounded to scale_dtype; symmetric groups have z = 8."""
-    if zero_point:
-        lo = w.amin(dim=1).clamp(max=0.0) * ratio
-        hi = w.amax(dim=1).clamp(min=0.0) * ratio
-        s = ((hi - lo) / 15).clamp(min=1e-12)
-        z = torch.round(-lo / s).clamp(0, 15)
-    else:
-        s = (w.abs().amax(dim=1) * ratio / 7).clamp(min=1e-12)
+    """w [N, g] (one group) -> (s [N], z [N]): packing.int4_grid's grid over the range shrunk by
+    `ratio` (1.0: quantize_int4_groupwise's grid), s rounded to scale_dtype; symmetric groups have z = 8."""
+    s, z = packing.int4_grid(w, zero_point, ratio)
+    if z is None:
         z = torch.full_like(s, 8.0)
     return s.to(scale_dtype).float().clamp(min=1e-12), z
 

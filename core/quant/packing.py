@@ -68,30 +68,44 @@ def num_groups(k: int, group_size: int) -> int:
     return -(-k // group_size)
 
 
+def int4_grid(g: torch.Tensor, zero_point: bool, ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Groups g [..., G] -> (s [...], z [...] or None): the min/max grid of the group's range shrunk by
+    `ratio` (1.0: the whole range). Symmetric s = max|w| r / 7 (z = 8 implied: None); asymmetric
+    s = (max w - min w) r / 15, z = round(-min w r / s) (the range always includes 0)."""
+    if zero_point:
+        lo = g.amin(dim=-1).clamp(max=0.0) * ratio
+        hi = g.amax(dim=-1).clamp(min=0.0) * ratio
+        s = ((hi - lo) / 15).clamp(min=1e-12)
+        return s, torch.round(-lo / s).clamp(0, 15)
+    return (g.abs().amax(dim=-1) * ratio / 7).clamp(min=1e-12), None
+
+
 def quantize_int4_groupwise(
     w: torch.Tensor, group_size: int, zero_point: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """w [N, K] -> (codes uint8 [N, K] in 0..15, s float32 [N, groups], z float32 [N, groups] or None).
 
-    Round to nearest on a min/max grid per group: symmetric s = max|w| / 7, z = 8; asymmetric
-    s = (max w - min w) / 15, z = round(-min w / s) (the range always includes 0).
-    (A per-group clip-ratio search for the least squared error was measured: 8-15% less
-    weight error but a worse SmolLM2 perplexity, so it is not used; see docs/quantization.md.)
-    A short last group is padded with zeros, which every grid holds exactly."""
+    Round to nearest on `int4_grid`'s min/max grid per group.
+    (A per-group clip-ratio search for the least squared weight error was measured: 8-15% less
+    weight error but a worse SmolLM2 perplexity, so round to nearest does not clip; GPTQ clips by
+    the output error instead, core.quant.gptq.) A short last group is padded with zeros, which
+    every grid holds exactly."""
     n, k = w.shape
     groups = num_groups(k, group_size)
     padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))
     g = padded.reshape(n, groups, group_size)  # [N, groups, G]
+    s, z = int4_grid(g, zero_point)  # [N, groups]
     if zero_point:
-        lo = g.amin(dim=-1).clamp(max=0.0)
-        hi = g.amax(dim=-1).clamp(min=0.0)
-        s = ((hi - lo) / 15).clamp(min=1e-12)  # [N, groups]
-        z = torch.round(-lo / s).clamp(0, 15)
         q = torch.round(g / s[..., None]) + z[..., None]
         return q.clamp(0, 15).to(torch.uint8).reshape(n, -1)[:, :k], s, z
-    s = (g.abs().amax(dim=-1) / 7).clamp(min=1e-12)
     q = torch.round(g / s[..., None]).clamp(-8, 7) + 8
     return q.to(torch.uint8).reshape(n, -1)[:, :k], s, None
+
+
+def int4_roundtrip(w: torch.Tensor, group_size: int, zero_point: bool) -> torch.Tensor:
+    """w [N, K] -> its round-to-nearest int4 quantized-then-dequantized float32 [N, K]."""
+    codes, s, z = quantize_int4_groupwise(w, group_size, zero_point)
+    return dequantize_int4(codes, s, z, group_size)
 
 
 def dequantize_int4(
