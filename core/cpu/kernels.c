@@ -439,10 +439,7 @@ void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *s
             if (wdt == DT_I8) {
                 v = (float)((const int8_t *)w)[row * k + kk] * scale[row];
             } else if (wdt == DT_I4) {
-                uint8_t byte = ((const uint8_t *)w)[row * (k / 2) + kk / 2];
-                float q = (float)((kk & 1) ? byte >> 4 : byte & 15);
-                int64_t g = row * groups + kk / group;
-                v = q * scale[g] - sz[g];
+                v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
             } else {
                 v = NAN; /* float weights are not dequantized */
             }

@@ -3,7 +3,9 @@
     linear          y = x W^T (* s) + b for a small batch of rows (decode), W float32 /
                     bfloat16 / int8 per-channel / int4 group-wise (checkpoint layouts)
     dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
-    decode_attention one query token per sequence over the paged KV pool (no gather)
+    decode_attention one query token per sequence over the paged KV pool (no gather); float
+                    pools or INT8 / FP8 codes with their scales
+    kv_write        new keys and values into the pool's slots (as codes for INT8 / FP8 pools)
     rms_norm        y = rms_norm(x [+ residual]) (and the sum)
     rotary          RoPE in place with the step's cos / sin
     act_and_mul     act(fg[:, :I]) * fg[:, I:] for the fused gated-MLP output
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from bestiary.core.cpu.build import library
 from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
+from bestiary.core.quant import packing
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale
@@ -126,7 +129,7 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         return w.float().t()
     if pw.kind == KIND_I8:
         return w.float() * pw.scale[:, None]
-    codes = torch.stack([w & 0xF, w >> 4], dim=-1).flatten(-2).float()  # [N, K]
+    codes = packing.unpack_int4(w).float()  # [N, K]
     s = pw.scale.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     sz = pw.scale_zero.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     return codes * s - sz
@@ -158,24 +161,24 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     tables, kv_lens = tables.contiguous(), kv_lens.contiguous()
     out = torch.empty(b, h * d, dtype=q.dtype)
     slopes = None if slopes is None else slopes.float().contiguous()
-    kv_scales = _kv_scales(k_pool, kv_scales)
+    kv_dt = kv_dtype_code(k_pool, kv_scales)
+    kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
     library().bst_decode_attention(
-        q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_dtype_code(k_pool),
+        q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_dt,
         tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
         out.data_ptr(), DTYPES[q.dtype], _ptr(kv_scales), _threads())
     return out
 
 
-def kv_dtype_code(pool: torch.Tensor) -> int:
-    """kernels.c's dtype code of a KV pool: float32 / bfloat16, or int8 / e4m3fn codes."""
-    return DTYPES[pool.dtype] if pool.dtype in DTYPES else KV_CODES[pool.dtype]
-
-
-def _kv_scales(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor | None:
-    """float32 (s_k, s_v) for a quantized pool, None for a float one; ValueError when they do not match."""
+def kv_dtype_code(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
+    """kernels.c's dtype code of a KV pool: float32 / bfloat16 (no kv_scales), or int8 / e4m3fn codes
+    (with kv_scales); ValueError for any other pool or a mismatch."""
     if (pool.dtype in KV_CODES) != (kv_scales is not None):
         raise ValueError(f"a {pool.dtype} KV pool {'needs' if kv_scales is None else 'takes no'} kv_scales")
-    return None if kv_scales is None else kv_scales.float().contiguous()
+    code = KV_CODES.get(pool.dtype, DTYPES.get(pool.dtype))
+    if code is None:
+        raise ValueError(f"KV pool dtype {pool.dtype}: expected float32, bfloat16, int8 or float8_e4m3fn")
+    return code
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
@@ -186,13 +189,12 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     width = k_pool.shape[2] * k_pool.shape[3]
     k2, v2 = k.reshape(t, width), v.reshape(t, width)
     if k2.stride(1) != 1 or v2.stride(0) != k2.stride(0) or v2.dtype != k2.dtype:
-        k2, v2 = k2.contiguous(), v2.contiguous().to(k2.dtype)
-        if v2.stride(0) != k2.stride(0):
-            raise ValueError("k and v rows must share a stride")
+        k2, v2 = k2.contiguous(), v2.contiguous().to(k2.dtype)  # rows of one stride, one dtype
     slots = slots.to(torch.int64).contiguous()
-    kv_scales = _kv_scales(k_pool, kv_scales)
+    kv_dt = kv_dtype_code(k_pool, kv_scales)
+    kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
     library().bst_kv_write(k2.data_ptr(), v2.data_ptr(), DTYPES[k2.dtype], k2.stride(0), k_pool.data_ptr(),
-                           v_pool.data_ptr(), kv_dtype_code(k_pool), slots.data_ptr(), t, width, _ptr(kv_scales))
+                           v_pool.data_ptr(), kv_dt, slots.data_ptr(), t, width, _ptr(kv_scales))
 
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,

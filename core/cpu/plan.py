@@ -57,9 +57,10 @@ def _dt(t: torch.Tensor) -> int:
 
 def _kv_dt(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
     """The dtype code of a KV pool: float (no scales) or INT8 / FP8 codes (with scales)."""
-    if (pool.dtype in ops.KV_CODES) != (kv_scales is not None):
-        raise Unsupported(f"KV pool {pool.dtype} with{'out' if kv_scales is None else ''} scales")
-    return ops.kv_dtype_code(pool) if pool.dtype in ops.KV_CODES else _dt(pool)
+    try:
+        return ops.kv_dtype_code(pool, kv_scales)
+    except ValueError as err:
+        raise Unsupported(str(err)) from None
 
 
 def _op(code: int, dt=(), p=(), i=(), f=()) -> Op:

@@ -79,11 +79,15 @@ def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
     return _mode == "auto" and tensors[0].device.type == "cpu" and cpu_ops().supports(*tensors)
 
 
+def _cpu_decode_step(q: torch.Tensor, meta: AttentionMetadata, key_bias) -> bool:
+    """A decode step the compiled CPU decode attention can take (its pools' dtypes aside)."""
+    return (key_bias is None and meta.is_decode and not use_triton(q)
+            and q.shape[-1] <= cpu_ops().MAX_HEAD_DIM and use_cpu_kernels(q))
+
+
 def reads_kv_codes(q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, key_bias) -> bool:
     """True when this step's attention runs the compiled CPU decode kernel straight on INT8/FP8 pools."""
-    return (key_bias is None and meta.is_decode and not use_triton(q) and use_cpu_kernels(q)
-            and k_pool.device.type == "cpu" and k_pool.dtype in cpu_ops().KV_CODES
-            and q.shape[-1] <= cpu_ops().MAX_HEAD_DIM)
+    return _cpu_decode_step(q, meta, key_bias) and k_pool.device.type == "cpu" and k_pool.dtype in cpu_ops().KV_CODES
 
 
 def cpu_ops() -> ModuleType:
@@ -200,8 +204,7 @@ def paged_attention(
 
     `kv_scales` (s_k, s_v): the pools hold INT8/FP8 codes, only where `reads_kv_codes` said so."""
     m = family("attention")
-    if kv_scales is not None or (key_bias is None and meta.is_decode and not use_triton(q)
-                                 and q.shape[-1] <= cpu_ops().MAX_HEAD_DIM and use_cpu_kernels(q, k_pool)):
+    if kv_scales is not None or (_cpu_decode_step(q, meta, key_bias) and use_cpu_kernels(k_pool)):
         kv_lens = meta.step_value("kv_lens", lambda: torch.tensor(meta.kv_lens, dtype=torch.int64))
         return cpu_ops().decode_attention(q, k_pool, v_pool, meta.block_tables, kv_lens, scale, slopes, kv_scales)
     fn = m.paged_attention if use_triton(q) else m.paged_attention_ref
