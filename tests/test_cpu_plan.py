@@ -14,12 +14,12 @@ pytest.importorskip("transformers")
 
 from bestiary.core.build import BuildConfig, build_engine
 from bestiary.core.config import QuantConfig
-from bestiary.core.model import DecoderLM
 from bestiary.core.convert import convert
 from bestiary.core.cpu import build as cpu_build
 from bestiary.core.cpu.plan import MAX_BATCH, DecodePlan, plan_for
 from bestiary.core.kernels import dispatch
 from bestiary.core.llm import LLM
+from bestiary.core.model import DecoderLM
 from bestiary.core.sampling import SamplingConfig
 from tiny_llama import make_tiny_llama
 

@@ -23,13 +23,12 @@ from bestiary.core.convert import convert
 from bestiary.core.engine import Engine
 from bestiary.core.errors import ConfigError
 from bestiary.core.layers.linear import Linear, Parallel
-from bestiary.core.quant import packing
+from bestiary.core.quant import gptq, packing
 from bestiary.core.quant.activations import LinearInputStats, collect_linear_inputs
 from bestiary.core.quant.apply import quantized_linears, set_compute_dtype
 from bestiary.core.quant.awq import awq_scale, search_awq_scale
 from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
 from bestiary.core.quant.calibrated import check_weight_quantizer, float_model
-from bestiary.core.quant import gptq
 from bestiary.core.quant.gptq import act_order_perm, gptq_int4, hessian_error
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.slot import WeightOnlySlot
