@@ -95,6 +95,9 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--weight_quantizer", default=None, choices=["rtn", "gptq"],
                    help="How weights are rounded: rtn (round to nearest) or gptq (calibrated error "
                         "compensation, int4 only). Default: gptq for weight-only int4 on one rank, else rtn.")
+    q.add_argument("--tune_steps", type=int, default=None, metavar="N",
+                   help="int4 GPTQ: steps of end-to-end scale tuning towards the float model's outputs "
+                        "on the calibration text (0 = none; default: a short tuning).")
     q.add_argument("--calib_text", default=None, metavar="FILE",
                    help="Text file for calibration (KV cache and activation scales); default: a short built-in text.")
 

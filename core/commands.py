@@ -38,7 +38,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   architecture=args.architecture, show_progress=sys.stderr.isatty(),
                   quantization=quant_config_from_flags(flags) if flags.any() else None,
                   calib_text=args.calib_text, smoothquant_alpha=args.smoothquant,
-                  weight_quantizer=args.weight_quantizer)
+                  weight_quantizer=args.weight_quantizer, tune_steps=args.tune_steps)
     ERR.print(f"checkpoint written to {out}")
     return 0
 

@@ -91,6 +91,7 @@ def convert(
     calib_text: str | Path | None = None,
     weight_quantizer: str | None = None,
     smoothquant_alpha: float | None = None,
+    tune_steps: int | None = None,
 ) -> Path:
     """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path.
 
@@ -98,7 +99,8 @@ def convert(
     and/or selects a quantized KV cache (scales calibrated on `calib_text`, or a built-in text);
     the section is written to config.json. `weight_quantizer`: "rtn" or "gptq" (default: gptq for
     int4 weights, calibrated on `calib_text` or the built-in texts; core.quant.calibrated).
-    `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot)."""
+    `tune_steps`: steps of end-to-end scale tuning after GPTQ (default core.quant.tune.DEFAULT_STEPS
+    for GPTQ int4, 0 = none). `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot)."""
     registry = registry or default_registry()
     source = open_source(model_dir)
     spec = registry.for_hf_config(source.hf_config, str(source.path), architecture)
@@ -121,12 +123,14 @@ def convert(
         check_calibratable(config)
     from bestiary.core.quant.calibrated import (
         check_single_rank,
+        check_tune_steps,
         check_weight_quantizer,
         needs_activation_stats,
     )
 
     method = check_weight_quantizer(quantization, weight_quantizer, prequantized=hf_quant is not None,
                                     world_size=config.mapping.world_size)
+    tune_steps = check_tune_steps(quantization, method, tune_steps)
     calibrated = needs_activation_stats(quantization, method)
     if calibrated:
         check_single_rank(config, method)
@@ -150,7 +154,8 @@ def convert(
             from bestiary.core.quant.calibrated import weight_calibration_ids, write_calibrated_rank
 
             ids = weight_calibration_ids(source.tokenizer, config.vocab_size, calib_text)
-            write_calibrated_rank(tmp, plans[0], loader, config, resolve(spec.model_class), ids, method, bar, task)
+            write_calibrated_rank(tmp, plans[0], loader, config, resolve(spec.model_class), ids, method, bar, task,
+                                  tune_steps)
         for plan in plans if not calibrated else ():
             write_rank(tmp, plan, loader, config, bar, task)
         if config.quantization.kv_cache_quant_algo:

@@ -14,7 +14,7 @@ import torch
 from bestiary.core.engine import Engine
 from bestiary.core.errors import BestiaryError
 from bestiary.core.kv_cache import KVCache, blocks_for
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.model import sequence_metadata
 
 
 @dataclass
@@ -37,7 +37,7 @@ def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     out = []
     for start in range(0, len(ids), build.max_num_tokens):
         chunk = ids[start : start + build.max_num_tokens]
-        meta = AttentionMetadata.build([len(chunk)], [start], [blocks], bs)
+        meta = sequence_metadata(model, ids[: start + len(chunk)], start, len(chunk), blocks, bs)
         out.append(model(torch.tensor(chunk), meta, kv, all_logits=True).float())
     return torch.cat(out)
 

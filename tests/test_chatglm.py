@@ -548,3 +548,18 @@ def test_architecture_override_in_convert(sources, checkpoints, tmp_path):
     expected = load_rank_weights(checkpoints("thudm_mha"), 0)
     got = load_rank_weights(tmp_path / "out", 0)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_v1_perplexity_and_kv_calibration_use_its_2d_positions(sources, checkpoints, tmp_path):
+    """eval and the calibration passes run v1 with its 2D position ids (they crashed on 1D ones)."""
+    from bestiary.core.config import QuantConfig
+    from bestiary.core.evaluate import perplexity
+
+    engine = Engine.load(checkpoints("v1"))
+    ids = prompt_of("v1")
+    logits = parity.EngineRunner(engine).feed(ids, all_logits=True)  # the executor's metadata
+    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    assert perplexity(engine, ids).nll == pytest.approx(float(nll), rel=1e-5)
+    convert(sources["v1"], tmp_path / "kv", show_progress=False, quantization=QuantConfig(kv_cache_quant_algo="INT8"))
+    scales = load_file(str(tmp_path / "kv" / "rank0.safetensors"))["transformer.layers.0.attention.kv_cache_scaling_factor"]
+    assert (scales != 1.0).all()

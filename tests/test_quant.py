@@ -156,9 +156,9 @@ def float_reference(ckpt: Path, out: Path) -> Path:
         prefix, _, name = key.rpartition(".")
         if name in ("weights_scaling_factor", "zeros"):
             continue
-        quantized = f"{prefix}.weights_scaling_factor" in tensors
+        quantized = name == "weight" and f"{prefix}.weights_scaling_factor" in tensors  # not its bias
         plain[key] = dequantize_by_hand(tensors, prefix, config["quantization"]["group_size"]) if quantized else t
-    if "lm_head.weight" in plain:
+    if "lm_head.weight" in plain and "tie_word_embeddings" in config:
         config["tie_word_embeddings"] = False  # the quantized copy of a tied lm_head
     config["quantization"] = QuantConfig().model_dump(mode="json")
     out.mkdir()

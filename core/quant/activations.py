@@ -57,23 +57,36 @@ class _Accumulator:
         return LinearInputStats(self.absmax, float(self.absmax.max()), self.hessian, self.tokens)
 
 
-def run_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK,
-               on_chunk: Callable[[], None] | None = None) -> None:
-    """Run `model` (float KV cache) over `ids` in sequences of at most `chunk` tokens (all logits)."""
+def chunk_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of `ids` as one sequence from position 0, through a private float KV cache."""
     from bestiary.core.kv_cache import KVCache, blocks_for
-    from bestiary.core.layers.attention import AttentionMetadata
+    from bestiary.core.model import sequence_metadata
 
     block_size = 32
+    blocks = list(range(blocks_for(len(ids), block_size)))
+    kv = KVCache.for_model(model, len(blocks), block_size)
+    kv.k.zero_()
+    kv.v.zero_()
+    meta = sequence_metadata(model, ids, 0, len(ids), blocks, block_size)
+    return model(torch.tensor(ids), meta, kv, all_logits=True)
+
+
+def calibration_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK) -> list[list[int]]:
+    """`ids` cut into sequences of at most `chunk` tokens (and the model's max_position_embeddings)."""
     limit = getattr(model.config, "max_position_embeddings", None) or chunk
     chunk = max(1, min(chunk, limit))
-    for start in range(0, len(ids), chunk):
-        part = ids[start:start + chunk]
-        blocks = list(range(blocks_for(len(part), block_size)))
-        kv = KVCache.for_model(model, len(blocks), block_size)
-        kv.k.zero_()
-        kv.v.zero_()
-        meta = AttentionMetadata.build([len(part)], [0], [blocks], block_size)
-        model(torch.tensor(part), meta, kv, all_logits=True)
+    return [ids[start:start + chunk] for start in range(0, len(ids), chunk)]
+
+
+def run_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK,
+               on_chunk: Callable[[], None] | None = None,
+               on_logits: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Run `model` (float KV cache) over `ids` in sequences of at most `chunk` tokens (all logits);
+    `on_logits(logits [T, V])` sees each sequence's logits."""
+    for part in calibration_chunks(model, ids, chunk):
+        logits = chunk_logits(model, part)
+        if on_logits is not None:
+            on_logits(logits)
         if on_chunk is not None:
             on_chunk()
 
@@ -86,10 +99,12 @@ def collect_linear_inputs(
     names: set[str] | None = None,
     chunk: int = DEFAULT_CHUNK,
     on_chunk: Callable[[], None] | None = None,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, LinearInputStats]:
     """linear.name -> LinearInputStats of every Linear of `model` (or those in `names`) over `ids`.
 
-    `hessian`: also accumulate sum_t x_t x_t^T (float32 [K, K] per layer)."""
+    `hessian`: also accumulate sum_t x_t x_t^T (float32 [K, K] per layer); `on_logits`: sees each
+    calibration sequence's logits [T, V] (the float model's, e.g. as a distillation target)."""
     from bestiary.core.layers.linear import Linear
 
     accs: dict[str, _Accumulator] = {}
@@ -101,7 +116,7 @@ def collect_linear_inputs(
         acc = accs[name] = _Accumulator(hessian)
         handles.append(module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0])))
     try:
-        run_chunks(model, ids, chunk, on_chunk)
+        run_chunks(model, ids, chunk, on_chunk, on_logits)
     finally:
         for h in handles:
             h.remove()

@@ -12,8 +12,12 @@ what the layer's inputs look like, so the rank is written in four steps instead:
    core.quant.activations collects each quantized linear's input statistics;
 3. (weight-only int4 with GPTQ) AWQ scales are searched and folded into the norms and linears
    that feed the quantized linears (core.quant.awq_fold), and their statistics rescaled;
-4. quantize + write: each weight is packed by its slot with its layer's statistics
-   (`slot.quantize(w, scale_dtype, stats)`), everything else is written as read.
+4. (weight-only int4 with GPTQ, `tune_steps` > 0) every linear is quantized by GPTQ, then its
+   group scales are tuned end to end towards the float model's next-token distributions over
+   the calibration tokens, recorded in step 2 (core.quant.tune);
+5. quantize + write: each weight is packed by its slot with its layer's statistics
+   (`slot.quantize(w, scale_dtype, stats)`), or from its tuned codes, everything else is written
+   as read.
 
 Calibration runs the whole model on one process: multi-rank conversions are refused.
 Memory: the rank's float weights (float32 for the quantized linears) and, for GPTQ, one
@@ -30,7 +34,7 @@ from bestiary.core.errors import ConfigError
 from bestiary.core.quant.activations import DEFAULT_CHUNK, LinearInputStats, collect_linear_inputs
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
-from bestiary.core.quant.packing import int4_roundtrip
+from bestiary.core.quant.packing import Int4Codes, int4_roundtrip
 from torch import nn
 
 WEIGHT_QUANTIZERS = ("rtn", "gptq")
@@ -85,11 +89,27 @@ def needs_hessian(quant: QuantConfig | None, method: str) -> bool:
     return needs_activation_stats(quant, method)
 
 
-def folds_awq_scales(quant: QuantConfig | None, method: str) -> bool:
-    """True if converting to `quant` with `method` folds AWQ scales into the layers (core.quant.awq_fold):
-    weight-only int4 quantized with GPTQ."""
+def is_gptq_int4(quant: QuantConfig | None, method: str) -> bool:
+    """True for weight-only int4 quantized with GPTQ: the convert that folds AWQ scales into the layers
+    (core.quant.awq_fold) and tunes the group scales end to end (core.quant.tune)."""
     lq = linear_quant_of(quant) if quant is not None else None
     return lq is not None and lq.bits == 4 and lq.algo not in ACT_ALGOS and method == "gptq"
+
+
+def check_tune_steps(quant: QuantConfig | None, method: str, steps: int | None) -> int:
+    """Steps of end-to-end scale tuning: `steps`, or by default tune.DEFAULT_STEPS for GPTQ int4 and 0
+    otherwise; ConfigError for a negative count or steps asked where there are no GPTQ codes to tune."""
+    from bestiary.core.quant.tune import DEFAULT_STEPS
+
+    applies = is_gptq_int4(quant, method)
+    if steps is None:
+        return DEFAULT_STEPS if applies else 0
+    if steps < 0:
+        raise ConfigError(f"--tune_steps {steps}: expected 0 (no tuning) or a positive number of steps")
+    if steps and not applies:
+        raise ConfigError(f"--tune_steps {steps}: tunes int4 GPTQ weights only "
+                          "(--use_weight_only --weight_only_precision int4, --weight_quantizer gptq)")
+    return steps
 
 
 def check_single_rank(config: PretrainedConfig, method: str) -> None:
@@ -128,6 +148,12 @@ def unquantize_linears(model: nn.Module, shapes: dict[str, tuple[int, int]]) -> 
     return out
 
 
+def load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], float_keys: set[str]) -> None:
+    """Assign `tensors` (the whole state, keys of the float linears' weights: `float_keys`) to `model`."""
+    state = {k: (t.to(model.dtype) if k in float_keys else t) for k, t in tensors.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+
+
 def float_model(model_class, config: PretrainedConfig, rank: int, tensors: dict[str, torch.Tensor],
                 float_keys: set[str]) -> tuple[nn.Module, dict[str, str]]:
     """The rank's model with float linears holding `tensors` (keys of the quantized linears' float
@@ -138,18 +164,38 @@ def float_model(model_class, config: PretrainedConfig, rank: int, tensors: dict[
     linears = unquantize_linears(model, {k: tuple(tensors[k].shape) for k in float_keys})
     if set(linears) != float_keys:
         raise ValueError(f"quantized linears {sorted(set(linears) ^ float_keys)[:3]} differ from the plan's")
-    state = {k: (t.to(model.dtype) if k in float_keys else t) for k, t in tensors.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    load_tensors(model, tensors, float_keys)
     model.eval()  # not prepare_for_inference: fused matmuls would bypass the Linears' hooks
     return model, {k: m.name for k, m in linears.items()}
 
 
+def tuned_int4_codes(model: nn.Module, tensors: dict[str, torch.Tensor], slots: dict, names: dict[str, str],
+                     stats: dict[str, LinearInputStats], chunks: list[list[int]], targets: list,
+                     steps: int, scale_dtype: torch.dtype, bar) -> dict[str, Int4Codes]:
+    """Weight key -> int4 codes of every quantized linear: GPTQ on `tensors` (the folded weights),
+    then `steps` steps of end-to-end scale tuning towards the float model's `targets` (core.quant.tune)."""
+    from bestiary.core.quant.tune import tune_group_scales
+
+    load_tensors(model, tensors, set(slots))  # the AWQ folds changed norms and weights
+    gptq = bar.add_task("GPTQ", total=len(slots))
+    layers = {}
+    for key, slot in slots.items():
+        layers[names[key]] = slot.int4_codes(tensors[key], scale_dtype, stats.get(names[key]))
+        bar.advance(gptq)
+    tune = bar.add_task("tune scales", total=steps)
+    tuned = tune_group_scales(model, layers, chunks, targets, steps,
+                              on_step=lambda loss: bar.update(tune, advance=1, description=f"tune scales (KL {loss:.4f})"))
+    return {key: tuned[name] for key, name in names.items()}
+
+
 def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, model_class, ids: list[int],
-                          method: str, bar, task) -> None:
+                          method: str, bar, task, tune_steps: int = 0) -> None:
     """Write rank `plan.rank` with each quantized linear packed from its inputs' statistics (module docstring)."""
     from bestiary.core.convert import rank_writer
     from bestiary.core.model import torch_dtype
+    from bestiary.core.quant.activations import calibration_chunks
     from bestiary.core.quant.convert import quantize_loaded
+    from bestiary.core.quant.tune import TeacherTargets
 
     tensors: dict[str, torch.Tensor] = {}
     for target in plan.reads:
@@ -159,9 +205,11 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
     model, names = float_model(model_class, config, plan.rank, tensors, set(slots))
     chunk = min(DEFAULT_CHUNK, config.max_position_embeddings or DEFAULT_CHUNK)
     chunks = bar.add_task("calibrate", total=-(-len(ids) // chunk))
+    targets: list[TeacherTargets] = []
     stats = collect_linear_inputs(model, ids, hessian=needs_hessian(config.quantization, method),
-                                  names=set(names.values()), chunk=chunk, on_chunk=lambda: bar.advance(chunks))
-    if folds_awq_scales(config.quantization, method):
+                                  names=set(names.values()), chunk=chunk, on_chunk=lambda: bar.advance(chunks),
+                                  on_logits=(lambda x: targets.append(TeacherTargets.from_logits(x))) if tune_steps else None)
+    if is_gptq_int4(config.quantization, method):
         from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
 
         def rtn(key: str, w: torch.Tensor) -> torch.Tensor:
@@ -171,17 +219,24 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
         folds = scale_folds(model, set(slots))
         search = bar.add_task("AWQ scales", total=len(folds))
         fold_awq_scales(tensors, folds, stats, names, rtn, on_fold=lambda: bar.advance(search))
-    del model
     scale_dtype = torch_dtype(config.dtype)
+    tuned = {}
+    if tune_steps:
+        tuned = tuned_int4_codes(model, tensors, slots, names, stats, calibration_chunks(model, ids, chunk),
+                                 targets, tune_steps, scale_dtype, bar)
+    del model
     packing = bar.add_task("quantize", total=len(tensors))
     with rank_writer(tmp, plan) as writer:
         for key in list(tensors):
             tensor = tensors.pop(key)
             slot = slots.get(key)
             if slot is None:
-                writer.write(key, tensor)
+                parts = {key: tensor}
+            elif key in tuned:
+                prefix = key.rpartition(".")[0]
+                parts = {f"{prefix}.{name}": t for name, t in slot.pack_int4(tuned[key], scale_dtype).items()}
             else:
-                layer_stats: LinearInputStats | None = stats.get(names[key])
-                for name, part in quantize_loaded(key, tensor, slot, scale_dtype, layer_stats).items():
-                    writer.write(name, part)
+                parts = quantize_loaded(key, tensor, slot, scale_dtype, stats.get(names[key]))
+            for name, part in parts.items():
+                writer.write(name, part)
             bar.advance(packing)

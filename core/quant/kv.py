@@ -121,13 +121,13 @@ def install_kv_quant(model: torch.nn.Module, algo: str) -> None:
 def calibrate_kv_amax(model: torch.nn.Module, ids: list[int], block_size: int = 32) -> list[tuple[float, float]]:
     """(amax |K|, amax |V|) per local layer of `model` (float KV cache) over one pass of `ids`."""
     from bestiary.core.kv_cache import KVCache, blocks_for
-    from bestiary.core.layers.attention import AttentionMetadata
+    from bestiary.core.model import sequence_metadata
 
     blocks = list(range(blocks_for(len(ids), block_size)))
     kv = KVCache.for_model(model, len(blocks), block_size)
     kv.k.zero_()
     kv.v.zero_()
-    meta = AttentionMetadata.build([len(ids)], [0], [blocks], block_size)
+    meta = sequence_metadata(model, ids, 0, len(ids), blocks, block_size)
     model(torch.tensor(ids), meta, kv)
     return [(kv.k[i].abs().amax().item(), kv.v[i].abs().amax().item()) for i in range(kv.k.shape[0])]
 

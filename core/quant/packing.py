@@ -13,8 +13,8 @@ K that G does not divide has a shorter last group, as GPTQ's g_idx = k // G allo
     weights_scaling_factor [N, groups];  zeros [N, groups] or absent
     w ~ (q[n, k] - z[n, k // G]) * s[n, k // G]
     symmetric (no zero point): z = 8,  s = max|w| / 7 over the group,  q = clamp(round(w / s), -8, 7) + 8
-    asymmetric: s = (max w - min w) / 15,  z = clamp(round(-min w / s), 0, 15) (an integer, stored as float),
-                q = clamp(round(w / s) + z, 0, 15)
+    asymmetric: s = (max w - min w) / 15,  z = clamp(round(-min w / s), 0, 15) (an integer, stored as float;
+                tuned scales make it any float, core.quant.tune),  q = clamp(round(w / s) + z, 0, 15)
 
 fp8 per tensor (FP8): weight float8_e4m3fn [N, K];  weights_scaling_factor [] (scalar)
     s = max|w| / 448,   q = fp8(w / s),   w ~ q * s
@@ -25,6 +25,8 @@ The CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`) wants its own layout; `
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +63,16 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4)."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+@dataclass
+class Int4Codes:
+    """One int4 linear before packing: codes uint8 [N, K] (0..15), s and z float32 [N, groups] (z None: 8)."""
+
+    codes: torch.Tensor
+    s: torch.Tensor
+    z: torch.Tensor | None
+    group_size: int
 
 
 def num_groups(k: int, group_size: int) -> int:

@@ -29,6 +29,7 @@ from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.quant import packing
 from bestiary.core.quant.modes import LinearQuant, check_linear
+from bestiary.core.quant.packing import Int4Codes
 from torch import nn
 
 # Steps with more tokens than this dequantize to bf16 and run a dense matmul on the CPU
@@ -116,6 +117,11 @@ class WeightOnlySlot:
                 raise ValueError("int8 weights are rounded to nearest: no calibration statistics expected")
             q, s = packing.quantize_int8_per_channel(w)
             return {"weight": q, "weights_scaling_factor": s.to(scale_dtype)}
+        return self.pack_int4(self.int4_codes(w, scale_dtype, stats), scale_dtype)
+
+    def int4_codes(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None) -> Int4Codes:
+        """Float weight [N, K] -> its int4 codes and scales: GPTQ with `stats` holding the input
+        Hessian, else round to nearest; scales rounded to `scale_dtype` as stored."""
         if stats is not None and stats.hessian is not None:
             from bestiary.core.quant.gptq import gptq_int4
 
@@ -123,9 +129,13 @@ class WeightOnlySlot:
                                     scale_dtype=scale_dtype)
         else:
             codes, s, z = packing.quantize_int4_groupwise(w, self.lq.group_size, self.lq.has_zero_point)
-        out = {"weight": packing.pack_int4(codes), "weights_scaling_factor": s.to(scale_dtype)}
-        if z is not None:
-            out["zeros"] = z.to(scale_dtype)
+        return Int4Codes(codes, s, z, self.lq.group_size)
+
+    def pack_int4(self, layer: Int4Codes, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Codes and scales -> {parameter name: tensor} in the checkpoint layout."""
+        out = {"weight": packing.pack_int4(layer.codes), "weights_scaling_factor": layer.s.to(scale_dtype)}
+        if layer.z is not None:
+            out["zeros"] = layer.z.to(scale_dtype)
         if self.lq.algo in PERMUTED_ALGOS:  # quantized in the given feature order: identity
             out["in_perm"] = torch.arange(self.in_offset, self.in_offset + self.in_local, dtype=torch.int32)
         return out
