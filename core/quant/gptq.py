@@ -16,7 +16,7 @@ Cholesky factor of H^-1, U^T U = H^-1):
 Lazy batches: the update is applied inside a block of B columns one column at a time, and to
 the columns after the block once per block (W[:, after] -= E_block U[block, after]), which is
 the same arithmetic in fewer, larger matmuls. H is dampened first, H += damp * mean(diag H) * I
-(damp = 0.01), and an input feature that never fired (H[k, k] = 0) gets H[k, k] = 1 and w_k = 0.
+(damp = DEFAULT_DAMP = 0.1), and an input feature that never fired (H[k, k] = 0) gets H[k, k] = 1 and w_k = 0.
 
 Group scales: when column k starts a group (k % G == 0), the group's scale (and zero point) is
 chosen over the group's columns as they are then, i.e. after the error updates from earlier
@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 from bestiary.core.quant import packing
 
-DEFAULT_DAMP = 0.01
+DEFAULT_DAMP = 0.1  # 0.01 (the paper's) overfits a few thousand calibration tokens: docs/quantization.md
 BLOCK = 128  # a multiple of every group size (32, 64, 128): groups never straddle a block
 
 

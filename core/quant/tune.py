@@ -80,7 +80,7 @@ class GroupScaled(nn.Module):
     def __init__(self, layer: Int4Codes, dtype: torch.dtype) -> None:
         super().__init__()
         self.group_size, self.dtype = layer.group_size, dtype
-        self.register_buffer("q", layer.codes.float(), persistent=False)  # [N, K]
+        self.register_buffer("q", layer.codes, persistent=False)  # uint8 [N, K]: widened per step
         self.register_buffer("s0", layer.s.float(), persistent=False)  # [N, groups]
         self.u = nn.Parameter(torch.zeros_like(self.s0))
         self.z = None if layer.z is None else nn.Parameter(layer.z.float().clone())
@@ -93,11 +93,11 @@ class GroupScaled(nn.Module):
         k = self.q.shape[1]
         s = self.scales().repeat_interleave(self.group_size, dim=1)[:, :k]  # [N, K]
         z = 8.0 if self.z is None else self.z.repeat_interleave(self.group_size, dim=1)[:, :k]
-        return ((self.q - z) * s).to(self.dtype)
+        return ((self.q.float() - z) * s).to(self.dtype)
 
     def tuned(self) -> Int4Codes:
         z = None if self.z is None else self.z.detach().clone()
-        return Int4Codes(self.q.to(torch.uint8), self.scales().detach(), z, self.group_size)
+        return Int4Codes(self.q, self.scales().detach(), z, self.group_size)
 
 
 def tune_group_scales(
