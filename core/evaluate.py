@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
 from bestiary.core.engine import Engine
 from bestiary.core.errors import BestiaryError
 from bestiary.core.kv_cache import KVCache, blocks_for
@@ -37,7 +36,7 @@ def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     out = []
     for start in range(0, len(ids), build.max_num_tokens):
         chunk = ids[start : start + build.max_num_tokens]
-        meta = sequence_metadata(model, ids[: start + len(chunk)], start, len(chunk), blocks, bs)
+        meta = sequence_metadata(model, ids, start, len(chunk), blocks, bs)  # the window is the prompt
         out.append(model(torch.tensor(chunk), meta, kv, all_logits=True).float())
     return torch.cat(out)
 
