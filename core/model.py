@@ -39,14 +39,13 @@ class Transformer(nn.Module):
     """Container whose attribute names are the checkpoint's `transformer.*` sections."""
 
 
-def sequence_metadata(model: nn.Module, tokens: list[int], start: int, count: int, blocks: list[int],
+def sequence_metadata(model: DecoderLM, tokens: list[int], start: int, count: int, blocks: list[int],
                       block_size: int) -> AttentionMetadata:
     """Metadata of one sequence's step over tokens[start:start + count] (`start` tokens already cached in
     `blocks`), with the architecture's position ids and mask (e.g. ChatGLM v1's 2D positions and prefix)."""
-    mask = getattr(model, "mask_kind", "causal")
     return AttentionMetadata.build(
-        [count], [start], [blocks], block_size, positions=model.position_ids(tokens, start, count), mask=mask,
-        prefix_lens=[model.prefix_len(tokens)] if mask != "causal" else None,
+        [count], [start], [blocks], block_size, positions=model.position_ids(tokens, start, count),
+        mask=model.mask_kind, prefix_lens=[model.prefix_len(tokens)] if model.mask_kind != "causal" else None,
     )
 
 

@@ -21,7 +21,13 @@ from bestiary.core.quant import packing
 from bestiary.core.quant.activations import calibration_chunks, chunk_logits
 from bestiary.core.quant.calibrated import check_tune_steps, load_tensors, weight_calibration_ids
 from bestiary.core.quant.packing import Int4Codes
-from bestiary.core.quant.tune import DEFAULT_STEPS, GroupScaled, TeacherTargets, distillation_loss, tune_group_scales
+from bestiary.core.quant.tune import (
+    DEFAULT_STEPS,
+    GroupScaled,
+    TeacherTargets,
+    distillation_loss,
+    tune_group_scales,
+)
 from test_quant_gptq import _float_model
 from tiny_llama import make_tiny_llama
 

@@ -194,7 +194,7 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
     from bestiary.core.convert import rank_writer
     from bestiary.core.model import torch_dtype
     from bestiary.core.quant.activations import calibration_chunks
-    from bestiary.core.quant.convert import quantize_loaded
+    from bestiary.core.quant.convert import checkpoint_names, quantize_loaded
     from bestiary.core.quant.tune import TeacherTargets
 
     tensors: dict[str, torch.Tensor] = {}
@@ -233,8 +233,7 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
             if slot is None:
                 parts = {key: tensor}
             elif key in tuned:
-                prefix = key.rpartition(".")[0]
-                parts = {f"{prefix}.{name}": t for name, t in slot.pack_int4(tuned[key], scale_dtype).items()}
+                parts = checkpoint_names(key, slot.pack_int4(tuned[key], scale_dtype))
             else:
                 parts = quantize_loaded(key, tensor, slot, scale_dtype, stats.get(names[key]))
             for name, part in parts.items():

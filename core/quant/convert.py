@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import torch
 from bestiary.core.loader import Target
+from bestiary.core.quant.act_slot import SCALE_NAMES as ACT_SCALE_NAMES
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.kv import SCALE_NAME as KV_SCALE_NAME
-from bestiary.core.quant.act_slot import SCALE_NAMES as ACT_SCALE_NAMES
 from bestiary.core.quant.slot import SCALE_NAMES, WeightOnlySlot
 from torch import nn
 
@@ -52,6 +52,11 @@ def quantize_loaded(key: str, weight: torch.Tensor, slot: WeightOnlySlot, scale_
                     stats=None) -> dict[str, torch.Tensor]:
     """Float weight of `key` (ending in .weight) -> {checkpoint key: tensor} of the packed weight and its
     scales; `stats`: the layer's calibration input statistics (core.quant.calibrated), if any."""
-    prefix = key.rpartition(".")[0]
     packed = slot.quantize(weight, scale_dtype) if stats is None else slot.quantize(weight, scale_dtype, stats)
+    return checkpoint_names(key, packed)
+
+
+def checkpoint_names(key: str, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A slot's {parameter name: tensor} -> {checkpoint key: tensor} for the weight `key` (ending in .weight)."""
+    prefix = key.rpartition(".")[0]
     return {f"{prefix}.{name}": tensor for name, tensor in packed.items()}

@@ -19,8 +19,9 @@ which every int4 kernel takes (w = (q - z) s; packing.int4_cpu_scale_zeros).
 This is EfficientQAT's end-to-end step (Chen et al., 2024: train the quantization parameters
 with the integer weights frozen), with the float model as teacher. Measured on SmolLM2-135M
 W4A16 g64 with zero points (lm_head float), in memory: +9.6% perplexity after GPTQ, +7.7% after
-40 steps of 256 tokens; the default convert (40 steps of 512) gives +7.9% (docs/quantization.md). The model runs in torch mode (kernels_mode("torch")), where every op
-has a gradient; one step costs a forward and a backward of one calibration sequence.
+40 steps of 256 tokens; the default convert (40 steps of 512) gives +7.9% (docs/quantization.md).
+The model runs in torch mode (kernels_mode("torch")), where every op has a gradient; one step
+costs a forward and a backward of one calibration sequence.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from bestiary.core.quant import packing
 from bestiary.core.quant.packing import Int4Codes
 from torch import nn
 from torch.nn.utils import parametrize
@@ -90,10 +91,8 @@ class GroupScaled(nn.Module):
         return self.s0 * self.u.exp()
 
     def forward(self, _weight: torch.Tensor) -> torch.Tensor:
-        k = self.q.shape[1]
-        s = self.scales().repeat_interleave(self.group_size, dim=1)[:, :k]  # [N, K]
-        z = 8.0 if self.z is None else self.z.repeat_interleave(self.group_size, dim=1)[:, :k]
-        return ((self.q.float() - z) * s).to(self.dtype)
+        """[N, K] = packing.dequantize_int4 of the codes with the current scales (differentiable in u, z)."""
+        return packing.dequantize_int4(self.q, self.scales(), self.z, self.group_size).to(self.dtype)
 
     def tuned(self) -> Int4Codes:
         z = None if self.z is None else self.z.detach().clone()
