@@ -333,3 +333,24 @@ def test_cli_weight_quantizer(tiny_src, tmp_path):
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "only for int4 weights" in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_builtin_weight_calibration_text_is_long_and_read_whole():
+    """The built-in calibration text gives GPTQ and scale tuning at least 16k SmolLM2 tokens, and
+    WEIGHT_CALIB_TOKENS reads all of it (text added past the limit would be silently dropped)."""
+    gguf = pytest.importorskip("gguf")
+    from bestiary.core.demo import demo_model_path
+    from bestiary.core.errors import BestiaryError
+    from bestiary.core.quant.calib_text import WEIGHT_CALIB_TEXT
+    from bestiary.core.quant.calibrated import WEIGHT_CALIB_TOKENS, weight_calibration_ids
+    from bestiary.core.sources.gguf_tokenizer import tokenizer_from_gguf
+    from bestiary.core.tokenizer import Tokenizer
+
+    try:
+        path = demo_model_path()
+    except BestiaryError as err:
+        pytest.skip(str(err))
+    files = tokenizer_from_gguf(gguf.GGUFReader(path, "r"))
+    every = Tokenizer(files.tokenizer_json, files.tokenizer_config).encode(WEIGHT_CALIB_TEXT)
+    assert 16384 <= len(every) <= WEIGHT_CALIB_TOKENS
+    assert weight_calibration_ids(files, 49152, None) == every

@@ -30,7 +30,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-
 from bestiary.core.config import Mapping, PretrainedConfig, QuantConfig, read_json
 from bestiary.core.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.quant import hf_formats, packing
@@ -120,7 +119,8 @@ class PrequantizedWeights:
                 self._shapes[f"{layer}.{name}"] = shape
                 self._owner[f"{layer}.{name}"] = layer
         hidden = {f"{layer}.{part}" for layer in self.layers for part in SOURCE_PARTS}
-        self._keys = [k for k in inner.keys() if k not in hidden] + list(self._shapes)
+        # inner is a WeightSource (keys() is its method), not a dict
+        self._keys = [k for k in inner.keys() if k not in hidden] + list(self._shapes)  # noqa: SIM118
         self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
 
     def _layer_shapes(self, layer: str, raw: set[str]) -> dict[str, tuple[int, ...]]:
