@@ -57,18 +57,23 @@ class _Accumulator:
         return LinearInputStats(self.absmax, float(self.absmax.max()), self.hessian, self.tokens)
 
 
-def chunk_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
-    """Logits [len(ids), V] of `ids` as one sequence from position 0, through a private float KV cache."""
+def run_sequence(model: nn.Module, ids: list[int], all_logits: bool, block_size: int = 32):
+    """Run `ids` as one sequence from position 0 through a private, zeroed float KV cache; returns
+    (logits [len(ids), V] with `all_logits`, else [1, V]; the KVCache holding the sequence's K and V)."""
     from bestiary.core.kv_cache import KVCache, blocks_for
     from bestiary.core.model import sequence_metadata
 
-    block_size = 32
     blocks = list(range(blocks_for(len(ids), block_size)))
     kv = KVCache.for_model(model, len(blocks), block_size)
     kv.k.zero_()
     kv.v.zero_()
     meta = sequence_metadata(model, ids, 0, len(ids), blocks, block_size)
-    return model(torch.tensor(ids), meta, kv, all_logits=True)
+    return model(torch.tensor(ids), meta, kv, all_logits=all_logits), kv
+
+
+def chunk_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of `ids` as one sequence from position 0, through a private float KV cache."""
+    return run_sequence(model, ids, all_logits=True)[0]
 
 
 def calibration_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK) -> list[list[int]]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from bestiary.core.config import PretrainedConfig, QuantConfig
 from bestiary.core.errors import ConfigError
-from bestiary.core.quant.activations import DEFAULT_CHUNK, LinearInputStats, collect_linear_inputs
+from bestiary.core.quant.activations import LinearInputStats, calibration_chunks, collect_linear_inputs
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
 from bestiary.core.quant.packing import Int4Codes, int4_roundtrip
@@ -80,7 +80,7 @@ def needs_activation_stats(quant: QuantConfig | None, method: str) -> bool:
     lq = linear_quant_of(quant) if quant is not None else None
     if lq is not None and lq.algo in ACT_ALGOS:  # activation scales (and SmoothQuant / AWQ scales)
         return True
-    return lq is not None and lq.bits == 4 and method == "gptq"
+    return is_gptq_int4(quant, method)
 
 
 def needs_hessian(quant: QuantConfig | None, method: str) -> bool:
@@ -195,7 +195,6 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
     """Write rank `plan.rank` with each quantized linear packed from its inputs' statistics (module docstring)."""
     from bestiary.core.convert import rank_writer
     from bestiary.core.model import torch_dtype
-    from bestiary.core.quant.activations import calibration_chunks
     from bestiary.core.quant.convert import checkpoint_names, quantize_loaded
     from bestiary.core.quant.tune import TeacherTargets
 
@@ -205,11 +204,11 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
         bar.advance(task)
     slots = plan.quantizers or {}
     model, names = float_model(model_class, config, plan.rank, tensors, set(slots))
-    chunk = min(DEFAULT_CHUNK, config.max_position_embeddings or DEFAULT_CHUNK)
-    chunks = bar.add_task("calibrate", total=-(-len(ids) // chunk))
+    sequences = calibration_chunks(model, ids)  # the ones collect_linear_inputs runs
+    calibrate = bar.add_task("calibrate", total=len(sequences))
     targets: list[TeacherTargets] = []
     stats = collect_linear_inputs(model, ids, hessian=needs_hessian(config.quantization, method),
-                                  names=set(names.values()), chunk=chunk, on_chunk=lambda: bar.advance(chunks),
+                                  names=set(names.values()), on_chunk=lambda: bar.advance(calibrate),
                                   on_logits=(lambda x: targets.append(TeacherTargets.from_logits(x))) if tune_steps else None)
     if is_gptq_int4(config.quantization, method):
         from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
@@ -224,8 +223,8 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
     scale_dtype = torch_dtype(config.dtype)
     tuned = {}
     if tune_steps:
-        tuned = tuned_int4_codes(model, tensors, slots, names, stats, calibration_chunks(model, ids, chunk),
-                                 targets, tune_steps, scale_dtype, bar)
+        tuned = tuned_int4_codes(model, tensors, slots, names, stats, sequences, targets, tune_steps,
+                                 scale_dtype, bar)
     del model
     packing = bar.add_task("quantize", total=len(tensors))
     with rank_writer(tmp, plan) as writer:

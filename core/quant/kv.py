@@ -120,15 +120,9 @@ def install_kv_quant(model: torch.nn.Module, algo: str) -> None:
 @torch.inference_mode()
 def calibrate_kv_amax(model: torch.nn.Module, ids: list[int], block_size: int = 32) -> list[tuple[float, float]]:
     """(amax |K|, amax |V|) per local layer of `model` (float KV cache) over one pass of `ids`."""
-    from bestiary.core.kv_cache import KVCache, blocks_for
-    from bestiary.core.model import sequence_metadata
+    from bestiary.core.quant.activations import run_sequence
 
-    blocks = list(range(blocks_for(len(ids), block_size)))
-    kv = KVCache.for_model(model, len(blocks), block_size)
-    kv.k.zero_()
-    kv.v.zero_()
-    meta = sequence_metadata(model, ids, 0, len(ids), blocks, block_size)
-    model(torch.tensor(ids), meta, kv)
+    _, kv = run_sequence(model, ids, all_logits=False, block_size=block_size)
     return [(kv.k[i].abs().amax().item(), kv.v[i].abs().amax().item()) for i in range(kv.k.shape[0])]
 
 
