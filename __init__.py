@@ -12,18 +12,18 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingConfig", "__version__"]
 
 if TYPE_CHECKING:
-    from bestiary.core.llm import LLM
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.runtime.llm import LLM
+    from bestiary.core.runtime.sampling import SamplingConfig
 
 
 def __getattr__(name: str) -> Any:
     """Lazy top-level exports: `from bestiary import LLM, SamplingConfig`."""
     if name == "LLM":
-        from bestiary.core.llm import LLM
+        from bestiary.core.runtime.llm import LLM
 
         return LLM
     if name == "SamplingConfig":
-        from bestiary.core.sampling import SamplingConfig
+        from bestiary.core.runtime.sampling import SamplingConfig
 
         return SamplingConfig
     raise AttributeError(f"module 'bestiary' has no attribute {name!r}")

@@ -29,7 +29,7 @@ def hf_generate_seconds(model, ids: torch.Tensor, n: int) -> float:
 
 
 def ours_generate_seconds(llm, ids: list[int], n: int) -> float:
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     t0 = time.perf_counter()
     llm.generate([ids], SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True))
@@ -44,11 +44,10 @@ def decode_rate(run, n: int) -> float:
 
 def main() -> None:
     import transformers
-
-    from bestiary.core.build import BuildConfig, build_engine
-    from bestiary.core.convert import convert
-    from bestiary.core.demo import demo_model_path
-    from bestiary.core.llm import LLM
+    from bestiary.core.cli.demo import demo_model_path
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.runtime.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new_tokens", type=int, default=64)

@@ -32,7 +32,7 @@ HELD_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a ti
 
 def modes() -> dict:
     """Mode name -> quantization section (None: fp32)."""
-    from bestiary.core.config import QuantConfig
+    from bestiary.core.format.config import QuantConfig
 
     return {
         "fp32": None,
@@ -69,7 +69,7 @@ def dir_mib(path: Path) -> float:
 
 
 def ours_seconds(llm, ids: list[int], n: int) -> float:
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     t0 = time.perf_counter()
     llm.generate([ids], SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True))
@@ -90,7 +90,7 @@ def decode_rate(run, n: int) -> float:
 
 
 def greedy_ids(llm, tokenizer, n: int) -> list[list[int]]:
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     # One prompt at a time: a batch of 4 here crashed inside aten._weight_int8pack_mm twice
     # (lm_head, bf16, 4 rows) in a process that also holds the HF model; not reproduced alone.
@@ -129,10 +129,10 @@ def llama_cpp_rate(gguf: Path, ids: list[int], n: int, repeats: int) -> float | 
 
 def main() -> None:
     import transformers
-    from bestiary.core.build import BuildConfig, build_engine
-    from bestiary.core.convert import convert
-    from bestiary.core.demo import demo_model_path
-    from bestiary.core.llm import LLM
+    from bestiary.core.cli.demo import demo_model_path
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.runtime.llm import LLM
 
     all_modes = modes()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -53,7 +53,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def ours_serving(llm, work: Workload) -> tuple[float, list[float], int]:
     """(seconds, per-request latencies, peak KV bytes) for the whole workload at once."""
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     ex = llm.executor
     ex.allocator.peak_used = ex.allocator.num_used
@@ -91,7 +91,7 @@ def hf_serving(model, work: Workload, kv_bytes_per_token: int) -> tuple[float, l
 
 
 def ours_ttft(llm, prompt: list[int]) -> float:
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     start = time.perf_counter()
     llm.generate([prompt], SamplingConfig(max_new_tokens=1, temperature=0.0, ignore_eos=True))
@@ -107,12 +107,11 @@ def hf_ttft(model, prompt: list[int]) -> float:
 
 def main() -> None:
     import transformers
-
-    from bestiary.core.build import BuildConfig, build_engine
-    from bestiary.core.convert import convert
-    from bestiary.core.demo import demo_model_path
-    from bestiary.core.kv_cache import KVCache
-    from bestiary.core.llm import LLM
+    from bestiary.core.cli.demo import demo_model_path
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.runtime.kv_cache import KVCache
+    from bestiary.core.runtime.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])

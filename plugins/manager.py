@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import pluggy
-
 from bestiary.plugins import hookspecs
 
 

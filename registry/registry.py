@@ -6,7 +6,7 @@ import dataclasses
 from functools import lru_cache
 from types import ModuleType
 
-from bestiary.core.errors import BestiaryError
+from bestiary.core.format.errors import BestiaryError
 from bestiary.plugins.manager import LoadedPlugins, PluginFailure, build_plugin_manager
 from bestiary.registry.spec import ArchitectureSpec
 

@@ -9,11 +9,10 @@ import math
 from pathlib import Path
 
 import torch
-
-from bestiary.core.convert import convert
-from bestiary.core.engine import Engine
-from bestiary.core.kv_cache import KVCache, blocks_for
+from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.runtime.engine import Engine
+from bestiary.core.runtime.kv_cache import KVCache, blocks_for
 
 
 def reinit_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -137,11 +136,11 @@ def reassemble_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:
     head is r * KVH // tp, so a kv head replicated on several ranks is taken once, after
     checking the copies are equal); replicated tensors must be equal on every rank.
     """
-    from bestiary.core.checkpoint import load_rank_weights
-    from bestiary.core.config import read_json
-    from bestiary.core.convert import instantiate
-    from bestiary.core.engine import validate_model_config
-    from bestiary.core.loader import model_targets
+    from bestiary.core.convert.loader import model_targets
+    from bestiary.core.convert.source_to_checkpoint import instantiate
+    from bestiary.core.format.checkpoint import load_rank_weights
+    from bestiary.core.format.config import read_json
+    from bestiary.core.runtime.engine import validate_model_config
     from bestiary.registry import default_registry
 
     config = validate_model_config(read_json(ckpt / "config.json"), str(ckpt))

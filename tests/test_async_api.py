@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bestiary.core.build import BuildConfig, build_engine  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.llm import LLM  # noqa: E402
-from bestiary.core.sampling import SamplingConfig  # noqa: E402
+from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.runtime.llm import LLM  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -9,13 +9,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import bestiary.core.executor as executor_module  # noqa: E402
-from bestiary.core.beam import Beam, BeamSearch  # noqa: E402
-from bestiary.core.build_config import BuildConfig, finalize_build_config  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.engine import Engine  # noqa: E402
-from bestiary.core.executor import Executor  # noqa: E402
-from bestiary.core.sampling import SamplingConfig, pad_outputs  # noqa: E402
+import bestiary.core.runtime.executor as executor_module  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.format.build_config import BuildConfig, finalize_build_config  # noqa: E402
+from bestiary.core.runtime.beam import Beam, BeamSearch  # noqa: E402
+from bestiary.core.runtime.engine import Engine  # noqa: E402
+from bestiary.core.runtime.executor import Executor  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig, pad_outputs  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 PAD = 95
@@ -214,7 +214,7 @@ CHAT = "<|im_start|>user\nWhat is 2+2? Answer with a number.<|im_end|>\n<|im_sta
 @pytest.mark.slow
 def test_beam_search_equals_hf_smollm2(engine_dir, hf_model, hf_tokenizer):  # noqa: F811
     """SmolLM2 fp32, 4 beams, 16 new tokens: HF's best sequence, and its score within 1e-4."""
-    from bestiary.core.llm import LLM
+    from bestiary.core.runtime.llm import LLM
 
     ids = hf_tokenizer(CHAT).input_ids
     eos = hf_model.generation_config.eos_token_id

@@ -28,14 +28,14 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import parity
-from bestiary.core.checkpoint import load_rank_weights
-from bestiary.core.config import Mapping, read_json
-from bestiary.core.convert import convert, instantiate
-from bestiary.core.engine import Engine, validate_model_config
-from bestiary.core.errors import BestiaryError, ConfigError, WeightsError
-from bestiary.core.llm import LLM
-from bestiary.core.loader import model_targets
-from bestiary.core.sampling import SamplingConfig
+from bestiary.core.convert.loader import model_targets
+from bestiary.core.convert.source_to_checkpoint import convert, instantiate
+from bestiary.core.format.checkpoint import load_rank_weights
+from bestiary.core.format.config import Mapping, read_json
+from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.runtime.engine import Engine, validate_model_config
+from bestiary.core.runtime.llm import LLM
+from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.models.chatglm.config import ChatGLM2Config, ChatGLMConfig, from_hf_config_v1, from_hf_config_v2
 from bestiary.plugins import hookimpl
 from bestiary.registry import Registry, default_registry
@@ -552,8 +552,8 @@ def test_architecture_override_in_convert(sources, checkpoints, tmp_path):
 
 def test_v1_perplexity_and_kv_calibration_use_its_2d_positions(sources, checkpoints, tmp_path):
     """eval and the calibration passes run v1 with its 2D position ids (they crashed on 1D ones)."""
-    from bestiary.core.config import QuantConfig
-    from bestiary.core.evaluate import perplexity
+    from bestiary.core.format.config import QuantConfig
+    from bestiary.core.runtime.evaluate import perplexity
 
     engine = Engine.load(checkpoints("v1"))
     ids = prompt_of("v1")

@@ -8,10 +8,10 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.checkpoint import StreamingSafetensorsWriter, atomic_directory  # noqa: E402
-from bestiary.core.config import read_json  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.errors import BestiaryError  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.format.checkpoint import StreamingSafetensorsWriter, atomic_directory  # noqa: E402
+from bestiary.core.format.config import read_json  # noqa: E402
+from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 
@@ -157,7 +157,7 @@ def test_single_safetensors_file_and_customized_key_dict(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_tp3_reassembles(tmp_path):
-    from bestiary.core.demo import demo_model_path
+    from bestiary.core.cli.demo import demo_model_path
 
     try:
         gguf = demo_model_path()
@@ -173,9 +173,8 @@ def test_transposed_source_slices_along_the_other_dim(tmp_path):
     same shards as the (out, in) source: the loader slices it along the other dim."""
     import dataclasses
 
-    from safetensors.torch import save_file
-
     from bestiary.registry import Registry
+    from safetensors.torch import save_file
 
     src = make_tiny_llama(tmp_path)
     state = load_file(str(src / "model.safetensors"))
@@ -187,7 +186,7 @@ def test_transposed_source_slices_along_the_other_dim(tmp_path):
               str(flipped_dir / "model.safetensors"))
     registry = Registry.from_plugins()
     spec = registry.get("LlamaForCausalLM")
-    hook = "bestiary.core.postprocess:transpose"
+    hook = "bestiary.core.convert.postprocess:transpose"
     registry.specs[spec.name] = dataclasses.replace(
         spec, postprocess={**spec.postprocess, "*.mlp.fc.weight": hook, "*.attention.dense.weight": hook})
     convert(src, tmp_path / "ref", tp_size=2, show_progress=False)
@@ -200,9 +199,8 @@ def test_transposed_source_slices_along_the_other_dim(tmp_path):
 def test_loaded_tensors_are_64_byte_aligned(tmp_path):
     """safetensors maps tensors at 8-byte-aligned file offsets; kernels fed loaded tensors as-is
     (int8 weights, bf16 scales -> aten._weight_int8pack_mm) segfaulted on such addresses."""
+    from bestiary.core.format.checkpoint import load_rank_weights, rank_file
     from safetensors.torch import save_file
-
-    from bestiary.core.checkpoint import load_rank_weights, rank_file
 
     tensors = {f"t{i}": torch.arange(n, dtype=dtype) for i, (n, dtype) in
                enumerate([(3, torch.int8), (5, torch.bfloat16), (7, torch.float32), (9, torch.int8), (64, torch.int8)])}

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from bestiary.core.config import Mapping, PretrainedConfig, QuantConfig, validate_config
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig, validate_config
+from bestiary.core.format.errors import ConfigError
 
 MINIMAL = dict(architecture="LlamaForCausalLM", dtype="float16", vocab_size=100, hidden_size=64,
                num_hidden_layers=2, num_attention_heads=4, hidden_act="silu")

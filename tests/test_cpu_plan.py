@@ -12,15 +12,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from bestiary.core.build import BuildConfig, build_engine
-from bestiary.core.config import QuantConfig
-from bestiary.core.convert import convert
+from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.cpu import build as cpu_build
 from bestiary.core.cpu.plan import MAX_BATCH, DecodePlan, plan_for
+from bestiary.core.format.config import QuantConfig
 from bestiary.core.kernels import dispatch
-from bestiary.core.llm import LLM
-from bestiary.core.model import DecoderLM
-from bestiary.core.sampling import SamplingConfig
+from bestiary.core.runtime.llm import LLM
+from bestiary.core.runtime.model import DecoderLM
+from bestiary.core.runtime.sampling import SamplingConfig
 from tiny_llama import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(cpu_build.library() is None, reason="no C compiler: the kernels are not built")

@@ -9,10 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bestiary.core.build import BuildConfig, build_engine  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.engine import Engine  # noqa: E402
-from bestiary.core.evaluate import perplexity  # noqa: E402
+from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.runtime.engine import Engine  # noqa: E402
+from bestiary.core.runtime.evaluate import perplexity  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 

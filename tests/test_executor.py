@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from bestiary.core.build_config import BuildConfig, finalize_build_config  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.engine import Engine  # noqa: E402
-from bestiary.core.executor import Executor  # noqa: E402
-from bestiary.core.sampling import SamplingConfig, filter_logits  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.format.build_config import BuildConfig, finalize_build_config  # noqa: E402
+from bestiary.core.runtime.engine import Engine  # noqa: E402
+from bestiary.core.runtime.executor import Executor  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig, filter_logits  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -118,7 +118,7 @@ def test_top_k_top_p_filter():
 
 
 def test_limits_are_enforced(engine):
-    from bestiary.core.errors import BestiaryError
+    from bestiary.core.format.errors import BestiaryError
 
     ex = executor(engine, max_input_len=16, max_seq_len=32)
     with pytest.raises(BestiaryError, match="max_input_len 16"):

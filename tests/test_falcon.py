@@ -21,14 +21,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parity  # noqa: E402
-
-from bestiary.core.checkpoint import load_rank_weights  # noqa: E402
-from bestiary.core.config import Mapping  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.engine import Engine  # noqa: E402
-from bestiary.core.errors import BestiaryError, WeightsError  # noqa: E402
-from bestiary.core.llm import LLM  # noqa: E402
-from bestiary.core.sampling import SamplingConfig  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.format.checkpoint import load_rank_weights  # noqa: E402
+from bestiary.core.format.config import Mapping  # noqa: E402
+from bestiary.core.format.errors import BestiaryError, WeightsError  # noqa: E402
+from bestiary.core.runtime.engine import Engine  # noqa: E402
+from bestiary.core.runtime.llm import LLM  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.models.falcon.config import FalconConfig, from_hf_config  # noqa: E402
 
 VOCAB = 96

@@ -79,8 +79,8 @@ def test_half_precision_close_to_fp32(tmp_path, dtype, tol):
     """bf16/fp16 engines stay near the fp32 reference (relative to the logit scale)."""
     hf = make_hf("gqa_untied")
     src = parity.save_hf(hf, tmp_path)
-    from bestiary.core.convert import convert
-    from bestiary.core.engine import Engine
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.runtime.engine import Engine
 
     convert(src, tmp_path / dtype, dtype=dtype, show_progress=False)
     engine = Engine.load(tmp_path / dtype)

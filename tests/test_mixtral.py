@@ -14,22 +14,21 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parity  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
-
 from bestiary.core import convert as convert_module  # noqa: E402
-from bestiary.core.checkpoint import load_rank_weights  # noqa: E402
-from bestiary.core.config import Mapping, read_json  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.engine import Engine, validate_model_config  # noqa: E402
-from bestiary.core.errors import WeightsError  # noqa: E402
+from bestiary.core.convert.loader import model_targets  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.format.checkpoint import load_rank_weights  # noqa: E402
+from bestiary.core.format.config import Mapping, read_json  # noqa: E402
+from bestiary.core.format.errors import WeightsError  # noqa: E402
 from bestiary.core.layers import moe as moe_module  # noqa: E402
 from bestiary.core.layers.moe import MoE  # noqa: E402
-from bestiary.core.llm import LLM  # noqa: E402
-from bestiary.core.loader import model_targets  # noqa: E402
-from bestiary.core.sampling import SamplingConfig  # noqa: E402
+from bestiary.core.runtime.engine import Engine, validate_model_config  # noqa: E402
+from bestiary.core.runtime.llm import LLM  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.models.mixtral.config import MixtralConfig, from_hf_config  # noqa: E402
 from bestiary.registry import default_registry  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
 
 HF_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

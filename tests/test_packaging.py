@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_DIRS = {"tests", "build", "dist", "docs", "benchmarks", "site"}
@@ -58,7 +58,13 @@ def test_regular_install_has_no_top_level_core(tmp_path):
     top = {p.name for p in tmp_path.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin"}
     assert top == {"bestiary"}, top
     assert (tmp_path / "bestiary" / "models" / "llama" / "__init__.py").is_file()
-    check = "import bestiary.models.llama, bestiary.core.cli; import importlib.util as u; assert u.find_spec('core') is None"
+    # package data: the calibration texts, read through importlib.resources from the install
+    read = ("import hashlib; from bestiary.core.quant.calib_text import WEIGHT_CALIB_TEXT as t; "
+            "print(hashlib.sha256(t.encode()).hexdigest())")
+    out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {read}"],
+                         capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "3ee5c6b90296727a6d40731476b213515ec4d76185b797b9acc42515188d10c7"
+    check = "import bestiary.models.llama, bestiary.core.cli.main; import importlib.util as u; assert u.find_spec('core') is None"
     result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
                             env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr

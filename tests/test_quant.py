@@ -21,16 +21,16 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.config import QuantConfig
-from bestiary.core.convert import convert
-from bestiary.core.engine import Engine
-from bestiary.core.errors import ConfigError
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.quant import packing
 from bestiary.core.quant.apply import quantized_linears, set_compute_dtype, set_max_kernel_tokens
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.options import QuantFlags, quant_config_from_flags
 from bestiary.core.quant.slot import WeightOnlySlot
+from bestiary.core.runtime.engine import Engine
 from parity import EngineRunner
 from tiny_llama import make_tiny_llama
 

@@ -18,10 +18,9 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.config import QuantConfig
-from bestiary.core.convert import convert
-from bestiary.core.engine import Engine
-from bestiary.core.errors import ConfigError
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.quant import gptq, packing
 from bestiary.core.quant.activations import LinearInputStats, collect_linear_inputs
@@ -32,6 +31,7 @@ from bestiary.core.quant.calibrated import check_weight_quantizer, float_model
 from bestiary.core.quant.gptq import act_order_perm, gptq_int4, hessian_error
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.slot import WeightOnlySlot
+from bestiary.core.runtime.engine import Engine
 from test_quant import _logits, float_reference
 from tiny_llama import make_tiny_llama
 
@@ -186,9 +186,9 @@ def tiny_src(tmp_path_factory):
 
 def _float_model(src, tmp_path):
     """The tiny model as core.quant.calibrated builds it for calibration (int4-selected linears float)."""
-    from bestiary.core.checkpoint import load_rank_weights
-    from bestiary.core.config import read_json
-    from bestiary.core.engine import validate_model_config
+    from bestiary.core.format.checkpoint import load_rank_weights
+    from bestiary.core.format.config import read_json
+    from bestiary.core.runtime.engine import validate_model_config
     from bestiary.registry import default_registry, resolve
 
     ckpt = convert(src, tmp_path / "f", show_progress=False)
@@ -339,12 +339,12 @@ def test_builtin_weight_calibration_text_is_long_and_read_whole():
     """The built-in calibration text gives GPTQ and scale tuning at least 16k SmolLM2 tokens, and
     WEIGHT_CALIB_TOKENS reads all of it (text added past the limit would be silently dropped)."""
     gguf = pytest.importorskip("gguf")
-    from bestiary.core.demo import demo_model_path
-    from bestiary.core.errors import BestiaryError
+    from bestiary.core.cli.demo import demo_model_path
+    from bestiary.core.format.errors import BestiaryError
     from bestiary.core.quant.calib_text import WEIGHT_CALIB_TEXT
     from bestiary.core.quant.calibrated import WEIGHT_CALIB_TOKENS, weight_calibration_ids
+    from bestiary.core.runtime.tokenizer import Tokenizer
     from bestiary.core.sources.gguf_tokenizer import tokenizer_from_gguf
-    from bestiary.core.tokenizer import Tokenizer
 
     try:
         path = demo_model_path()

@@ -20,14 +20,14 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.convert import convert
-from bestiary.core.engine import Engine
-from bestiary.core.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.quant import hf_formats
 from bestiary.core.quant.apply import quantized_linears, set_compute_dtype
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.slot import WeightOnlySlot
+from bestiary.core.runtime.engine import Engine
 from parity import EngineRunner, reassemble_checkpoint
 from tiny_llama import make_tiny_llama
 

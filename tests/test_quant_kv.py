@@ -10,12 +10,12 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.config import QuantConfig
-from bestiary.core.convert import convert
-from bestiary.core.engine import Engine
-from bestiary.core.errors import ConfigError
-from bestiary.core.kv_cache import KVCache
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.quant.calibrate import calibration_ids
+from bestiary.core.runtime.engine import Engine
+from bestiary.core.runtime.kv_cache import KVCache
 from parity import EngineRunner
 from tiny_llama import make_tiny_llama
 

@@ -13,13 +13,13 @@ import importlib
 import inspect
 
 import pytest
-from bestiary.core.build import BuildConfig, build_engine
-from bestiary.core.config import QuantConfig
-from bestiary.core.convert import convert
-from bestiary.core.demo import demo_model_path
-from bestiary.core.engine import Engine
-from bestiary.core.errors import BestiaryError
-from bestiary.core.evaluate import perplexity
+from bestiary.core.cli.demo import demo_model_path
+from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import BestiaryError
+from bestiary.core.runtime.engine import Engine
+from bestiary.core.runtime.evaluate import perplexity
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.config import QuantConfig
-from bestiary.core.convert import convert
-from bestiary.core.errors import ConfigError
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.quant import packing
 from bestiary.core.quant.activations import calibration_chunks, chunk_logits
 from bestiary.core.quant.calibrated import check_tune_steps, load_tensors, weight_calibration_ids
@@ -117,7 +117,7 @@ def test_convert_tunes_scales_and_keeps_gptq_codes(tiny_src, tmp_path):
     assert not torch.equal(plain[f"{key}.zeros"], tuned[f"{key}.zeros"])
 
     # on its calibration tokens, the tuned checkpoint is closer to the float model
-    from bestiary.core.engine import Engine
+    from bestiary.core.runtime.engine import Engine
 
     ref = Engine.load(convert(tiny_src, tmp_path / "f", show_progress=False)).model
     ids = weight_calibration_ids(None, ref.config.vocab_size, None)[:256]
@@ -160,8 +160,8 @@ def _source(arch: str, directory):
 def test_tuned_convert_of_every_architecture_is_packed_exactly(arch, tmp_path):
     """Tuning runs through every architecture's layers (a gradient for every op in torch mode) and the
     tuned checkpoint's logits equal the hand-dequantized reference's."""
-    from bestiary.core.engine import Engine
     from bestiary.core.quant.apply import set_compute_dtype
+    from bestiary.core.runtime.engine import Engine
     from test_quant import _logits, float_reference
 
     src = _source(arch, tmp_path / "src")

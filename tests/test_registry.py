@@ -7,8 +7,7 @@ import sys
 import types
 
 import pytest
-
-from bestiary.core.errors import BestiaryError
+from bestiary.core.format.errors import BestiaryError
 from bestiary.plugins import hookimpl
 from bestiary.registry import ArchitectureSpec, DuplicateArchitectureError, Registry
 
@@ -79,7 +78,7 @@ def test_claim_hook_and_conflict():
 def test_list_imports_no_torch():
     """`bestiary list` and `--help` stay light: no torch, no triton."""
     code = (
-        "import sys; from bestiary.core.cli import main; main(['list']);"
+        "import sys; from bestiary.core.cli.main import main; main(['list']);"
         "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -10,12 +10,17 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers.generation import logits_process as hf_lp  # noqa: E402
-
-from bestiary.core.errors import BestiaryError  # noqa: E402
-from bestiary.core.logits_processors import LogitsPipeline  # noqa: E402
-from bestiary.core.sampling import SamplingConfig, TokenChooser, filter_logits, make_generator, pad_outputs  # noqa: E402
+from bestiary.core.format.errors import BestiaryError  # noqa: E402
+from bestiary.core.runtime.logits_processors import LogitsPipeline  # noqa: E402
+from bestiary.core.runtime.sampling import (  # noqa: E402
+    SamplingConfig,
+    TokenChooser,
+    filter_logits,
+    make_generator,
+    pad_outputs,
+)
 from test_beam import make_executor, make_tiny_pair, run_checked  # noqa: E402
+from transformers.generation import logits_process as hf_lp  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +225,7 @@ def test_stop_words_end_generation_at_the_right_token(tiny):
 
 def test_log_probs_and_logits_outputs(tiny, tmp_path):
     """Context logits == HF's prompt logits; generation logits == HF's step logits; log probs of them."""
-    from bestiary.core.llm import LLM
+    from bestiary.core.runtime.llm import LLM
     from parity import hf_logits
 
     hf, engine = tiny

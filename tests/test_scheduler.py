@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bestiary.core.build_config import BuildConfig, finalize_build_config  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.engine import Engine  # noqa: E402
-from bestiary.core.executor import Executor, supports_block_reuse  # noqa: E402
-from bestiary.core.kv_cache import KvCacheConfig  # noqa: E402
-from bestiary.core.sampling import SamplingConfig  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.format.build_config import BuildConfig, finalize_build_config  # noqa: E402
+from bestiary.core.runtime.engine import Engine  # noqa: E402
+from bestiary.core.runtime.executor import Executor, supports_block_reuse  # noqa: E402
+from bestiary.core.runtime.kv_cache import KvCacheConfig  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -135,7 +135,7 @@ def test_cancel_mid_prefill_and_mid_decode_returns_blocks(engine):
 
 def test_reuse_is_off_for_prefix_lm_and_2d_positions():
     """ChatGLM v1's K/V depend on the whole prompt (bidirectional prefix, 2D positions): no reuse."""
-    from bestiary.core.model import DecoderLM
+    from bestiary.core.runtime.model import DecoderLM
 
     class PrefixLM(DecoderLM):
         mask_kind = "prefix_lm"

@@ -14,13 +14,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bestiary.core.build import BuildConfig, build_engine  # noqa: E402
-from bestiary.core.convert import convert  # noqa: E402
-from bestiary.core.demo import demo_model_path  # noqa: E402
-from bestiary.core.engine import Engine  # noqa: E402
-from bestiary.core.errors import BestiaryError  # noqa: E402
-from bestiary.core.llm import LLM  # noqa: E402
-from bestiary.core.sampling import SamplingConfig  # noqa: E402
+from bestiary.core.cli.demo import demo_model_path  # noqa: E402
+from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.format.errors import BestiaryError  # noqa: E402
+from bestiary.core.runtime.engine import Engine  # noqa: E402
+from bestiary.core.runtime.llm import LLM  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -106,7 +106,7 @@ def test_logits_parity(engine_dir, hf_model, hf_tokenizer):
 
 def test_chat_template_matches_hf(engine_dir, hf_tokenizer):
     """--chat renders the GGUF's chat template exactly as transformers does."""
-    from bestiary.core.tokenizer import Tokenizer
+    from bestiary.core.runtime.tokenizer import Tokenizer
 
     ours = Tokenizer.from_dir(engine_dir)
     messages = [{"role": "user", "content": "Hi there!"}]

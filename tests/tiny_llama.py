@@ -9,9 +9,8 @@ import torch
 
 def make_tiny_llama(tmp_path: Path, seed: int = 0, **overrides) -> Path:
     """Save a 2-layer HF LlamaForCausalLM (GQA 4/2, hidden 64) to tmp_path/'hf'; return the dir."""
-    import transformers
-
     import parity
+    import transformers
 
     torch.manual_seed(seed)
     cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,

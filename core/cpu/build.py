@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp first: the library then shares its thread pool)
-from bestiary.core.cache import cache_dir
+from bestiary.core.format.cache import cache_dir
 
 SOURCE = Path(__file__).with_name("kernels.c")
 ENV_VAR = "BESTIARY_CPU_KERNELS"

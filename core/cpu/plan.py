@@ -81,7 +81,7 @@ class DecodePlan:
     """One decode step of `batch` sequences (one new token each) of `model` over these pools."""
 
     def __init__(self, model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> None:
-        from bestiary.core.model import torch_dtype
+        from bestiary.core.runtime.model import torch_dtype
 
         self.batch, self.model = batch, model
         self.pool_ptrs = [p.data_ptr() for p in (*k_pools, *v_pools)]
@@ -252,7 +252,7 @@ def plan_for(model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch
     """A DecodePlan for `model`, or None when the compiled kernels are off or the model has
     something a plan does not express (then the eager path runs every step)."""
     from bestiary.core.kernels import dispatch
-    from bestiary.core.model import DecoderLM
+    from bestiary.core.runtime.model import DecoderLM
 
     cls = type(model)
     if not 1 <= batch <= MAX_BATCH or dispatch.mode() != "auto" or library() is None:

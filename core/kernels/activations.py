@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
 
 # --- torch references (the CPU path: core.layers.mlp's ACTIVATIONS table) ------------------

@@ -26,7 +26,6 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-
 from bestiary.core.layers.attention import AttentionMetadata, decode_attention, prefill_attention
 
 # --- torch reference (the CPU path: core.layers.attention, unchanged) -----------------------

@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.errors import ConfigError
 
 if TYPE_CHECKING:
     from bestiary.core.layers.attention import AttentionMetadata

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from bestiary.core.kernels.activations import act_and_mul, act_and_mul_ref, activation, activation_ref
 from bestiary.core.kernels.attention import dot_precision
 

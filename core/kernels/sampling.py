@@ -1,4 +1,4 @@
-"""Top-k / top-p filtering of a batch of logits rows (core.sampling's semantics, batched).
+"""Top-k / top-p filtering of a batch of logits rows (core.runtime.sampling's semantics, batched).
 
 For row b with logits x [V], k = top_k[b] (0 or >= V: off), p = top_p[b] (1.0: off):
 
@@ -19,14 +19,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from bestiary.core.sampling import filter_logits as _filter_row
+from bestiary.core.runtime.sampling import filter_logits as _filter_row
 
 # --- torch reference -----------------------------------------------------------------------
 
 
 def filter_logits_ref(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> filtered [B, V], row by row with core.sampling.filter_logits."""
+    """logits [B, V] -> filtered [B, V], row by row with core.runtime.sampling.filter_logits."""
     rows = [_filter_row(row, int(k), float(p)) for row, k, p in zip(logits, top_k.tolist(), top_p.tolist())]
     return torch.stack(rows) if rows else logits.clone()
 

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels.attention import dot_precision
 
 GROUP_SIZES = (64, 128)

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import LoraDelta
+from torch import nn
 
 # Additive per-head bias of key positions: k_pos [L] (int64) -> [H_local, L] (float32).
 KeyBias = Callable[[torch.Tensor], torch.Tensor]

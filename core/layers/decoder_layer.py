@@ -7,9 +7,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from bestiary.core.layers.attention import AttentionMetadata
+from torch import nn
 
 
 def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

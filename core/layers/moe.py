@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
 from bestiary.core.layers.mlp import activation
+from torch import nn
 
 
 class ExpertLinear(nn.Module):

@@ -7,9 +7,8 @@ bestiary.core.kernels.dispatch.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from bestiary.core.kernels import dispatch
+from torch import nn
 
 
 class RMSNorm(nn.Module):

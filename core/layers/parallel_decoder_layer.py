@@ -11,9 +11,8 @@ input_layernorm(x) too; with two (Falcon-40B/180B's ln_attn, ln_mlp) each branch
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from bestiary.core.layers.attention import AttentionMetadata
+from torch import nn
 
 
 class ParallelDecoderLayer(nn.Module):

@@ -7,10 +7,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.layers.decoder_layer import add_and_norm
+from torch import nn
 
 
 class PostNormDecoderLayer(nn.Module):

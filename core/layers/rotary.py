@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
+from torch import nn
 
 
 def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ A head of D dims is split in two halves of D/2; with the neox-style rotation of
 from __future__ import annotations
 
 import torch
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.layers.rotary import Rotary
 from torch import nn
 

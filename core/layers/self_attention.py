@@ -14,11 +14,10 @@ rank r holds query heads [r H/tp, (r+1) H/tp) and kv head r KVH // tp.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from bestiary.core.layers.attention import AttentionMetadata, KeyBias, PagedAttention
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.rotary import Rotary
+from torch import nn
 
 
 def kv_heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> range:

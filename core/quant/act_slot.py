@@ -261,7 +261,7 @@ def _int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def set_smoothquant_alpha(slots, alpha: float) -> None:
     """Give every SmoothQuant slot in `slots` the migration strength `alpha` (0 < alpha <= 1)."""
-    from bestiary.core.errors import ConfigError
+    from bestiary.core.format.errors import ConfigError
 
     if not 0 < alpha <= 1:
         raise ConfigError(f"--smoothquant {alpha}: expected a migration strength alpha with 0 < alpha <= 1")

@@ -60,8 +60,8 @@ class _Accumulator:
 def run_sequence(model: nn.Module, ids: list[int], all_logits: bool, block_size: int = 32):
     """Run `ids` as one sequence from position 0 through a private, zeroed float KV cache; returns
     (logits [len(ids), V] with `all_logits`, else [1, V]; the KVCache holding the sequence's K and V)."""
-    from bestiary.core.kv_cache import KVCache, blocks_for
-    from bestiary.core.model import sequence_metadata
+    from bestiary.core.runtime.kv_cache import KVCache, blocks_for
+    from bestiary.core.runtime.model import sequence_metadata
 
     blocks = list(range(blocks_for(len(ids), block_size)))
     kv = KVCache.for_model(model, len(blocks), block_size)

@@ -5,7 +5,7 @@ model is loaded with a float KV cache, run over the calibration tokens, and each
 kv_cache_scaling_factor is overwritten in place with amax / qmax (core.quant.kv).
 
 Calibration tokens: `--calib_text FILE` through the source's tokenizer, else the short
-built-in text below, else (no tokenizer) seeded random token ids. At most CALIB_TOKENS.
+built-in text (data/kv_calibration.txt), else (no tokenizer) seeded random token ids. At most CALIB_TOKENS.
 """
 
 from __future__ import annotations
@@ -15,37 +15,15 @@ import struct
 from pathlib import Path
 
 import torch
-from bestiary.core.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
-from bestiary.core.config import PretrainedConfig
-from bestiary.core.errors import BestiaryError, ConfigError
+from bestiary.core.format.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
+from bestiary.core.format.config import PretrainedConfig
+from bestiary.core.format.errors import BestiaryError, ConfigError
+from bestiary.core.quant.calib_text import builtin_text
 from bestiary.core.quant.kv import SCALE_NAME, calibrate_kv_amax, scales_from_amax
 
 CALIB_TOKENS = 512
 
-BUILTIN_TEXT = """\
-The library opened at nine in the morning, and by ten the reading room was full. A student
-copied equations from a worn textbook while an old man compared two maps of the same river,
-drawn a century apart. The river had moved: where the older map showed a bend, the newer one
-showed a straight channel and a row of warehouses. Nobody in the room remembered the flood
-that had done it, but the maps did.
-
-def moving_average(values, window):
-    total = sum(values[:window])
-    out = [total / window]
-    for i in range(window, len(values)):
-        total += values[i] - values[i - window]
-        out.append(total / window)
-    return out
-
-In 1879 the town council voted 7 to 2 to build a bridge of iron rather than timber. The cost
-was 14,300 pounds, nearly twice the estimate, and the newspaper called it a monument to
-optimism. It still stands. Questions about it arrive by letter every year: How long is it?
-(112 metres.) Who designed it? (An engineer from Leeds whose name the plaque misspells.)
-Why is it painted green? Nobody knows; the first photographs are black and white.
-
-Q: What is the capital of France?
-A: Paris. It has been the capital, with short interruptions, since the tenth century.
-"""
+BUILTIN_TEXT = builtin_text("kv_calibration.txt")  # a short general text (package data)
 
 
 def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_positions: int | None,
@@ -54,7 +32,7 @@ def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_po
 
     `limit`: at most this many tokens instead (callers that run them in chunks, e.g.
     core.quant.calibrated), with `builtin` as the text when no file is given."""
-    from bestiary.core.tokenizer import Tokenizer
+    from bestiary.core.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(files.tokenizer_json, files.tokenizer_config) if files is not None else None
     if limit is None:

@@ -29,8 +29,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from bestiary.core.config import PretrainedConfig, QuantConfig
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.config import PretrainedConfig, QuantConfig
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.quant.activations import LinearInputStats, calibration_chunks, collect_linear_inputs
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
@@ -193,10 +193,10 @@ def tuned_int4_codes(model: nn.Module, tensors: dict[str, torch.Tensor], slots: 
 def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, model_class, ids: list[int],
                           method: str, bar, task, tune_steps: int = 0) -> None:
     """Write rank `plan.rank` with each quantized linear packed from its inputs' statistics (module docstring)."""
-    from bestiary.core.convert import rank_writer
-    from bestiary.core.model import torch_dtype
+    from bestiary.core.convert.source_to_checkpoint import rank_writer
     from bestiary.core.quant.convert import checkpoint_names, quantize_loaded
     from bestiary.core.quant.tune import TeacherTargets
+    from bestiary.core.runtime.model import torch_dtype
 
     tensors: dict[str, torch.Tensor] = {}
     for target in plan.reads:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from bestiary.core.loader import Target
+from bestiary.core.convert.loader import Target
 from bestiary.core.quant.act_slot import SCALE_NAMES as ACT_SCALE_NAMES
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.kv import SCALE_NAME as KV_SCALE_NAME

@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.config import Mapping, PretrainedConfig, QuantConfig, read_json
-from bestiary.core.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig, read_json
+from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.quant import hf_formats, packing
 from bestiary.core.sources.base import ModelSource, WeightSource, slice_dim
 

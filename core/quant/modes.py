@@ -20,8 +20,8 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from bestiary.core.config import QuantConfig
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
 
 GROUP_SIZES = (32, 64, 128)
 INT8_ALGOS = ("W8A16",)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bestiary.core.config import QuantConfig
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.quant.modes import GROUP_SIZES
 
 PRECISIONS = ("int8", "int4")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bestiary.core.config import read_json
-from bestiary.core.errors import BestiaryError
+from bestiary.core.format.config import read_json
+from bestiary.core.format.errors import BestiaryError
 from bestiary.core.sources.base import ModelSource, TokenizerFiles, WeightSource, slice_dim
 
 __all__ = ["ModelSource", "TokenizerFiles", "WeightSource", "open_source", "slice_dim"]

@@ -7,7 +7,7 @@ v2/3 has multi_query_group_num).
 
 from __future__ import annotations
 
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.errors import ConfigError
 from bestiary.models.chatglm.config import V1_NAME, V2_NAME
 from bestiary.plugins import hookimpl
 from bestiary.registry import ArchitectureSpec, Supports

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from bestiary.core.config import Mapping, PretrainedConfig, validate_config
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
+from bestiary.core.format.errors import ConfigError
 from pydantic import Field, model_validator
 
 V1_NAME = "ChatGLMForCausalLM"

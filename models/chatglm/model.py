@@ -23,7 +23,7 @@ from bestiary.core.layers.norm import LayerNorm, RMSNorm
 from bestiary.core.layers.rotary import Rotary
 from bestiary.core.layers.rotary_2d import Rotary2D
 from bestiary.core.layers.self_attention import SelfAttention
-from bestiary.core.model import DecoderLM
+from bestiary.core.runtime.model import DecoderLM
 from bestiary.models.chatglm.config import ChatGLM2Config, ChatGLMConfig
 from torch import nn
 

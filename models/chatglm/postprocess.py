@@ -19,8 +19,8 @@ when tp exceeds them.
 from __future__ import annotations
 
 import torch
+from bestiary.core.convert.loader import slices_itself
 from bestiary.core.layers.self_attention import qkv_rank_slice
-from bestiary.core.loader import slices_itself
 
 
 def rank_rows(t: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from bestiary.core.layers.attention import alibi_slopes
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
 from bestiary.core.layers.mlp import MLP
@@ -22,8 +20,9 @@ from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
 from bestiary.core.layers.rotary import Rotary
 from bestiary.core.layers.self_attention import SelfAttention
-from bestiary.core.model import DecoderLM
+from bestiary.core.runtime.model import DecoderLM
 from bestiary.models.falcon.config import FalconConfig
+from torch import nn
 
 
 class FalconAlibi:

@@ -14,9 +14,8 @@ heads than ranks, the one kv head each rank's queries use, replicated.
 from __future__ import annotations
 
 import torch
-
+from bestiary.core.convert.loader import slices_itself
 from bestiary.core.layers.self_attention import qkv_rank_slice
-from bestiary.core.loader import slices_itself
 
 
 def classic_to_head_major(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

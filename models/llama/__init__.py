@@ -30,7 +30,7 @@ SPEC = ArchitectureSpec(
     model_class="bestiary.models.llama.model:LlamaForCausalLM",
     from_hf_config="bestiary.models.llama.config:from_hf_config",
     key_map=KEY_MAP,
-    postprocess={"*.attention.qkv.*": "bestiary.core.postprocess:concat_dim0"},
+    postprocess={"*.attention.qkv.*": "bestiary.core.convert.postprocess:concat_dim0"},
     description="LLaMA 1/2/3, SmolLM: RMSNorm, RoPE (linear/llama3 scaling), GQA, SwiGLU",
     supports=Supports(),
 )

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
 from pydantic import Field
-
-from bestiary.core.config import Mapping, PretrainedConfig, validate_config
 
 
 class LlamaConfig(PretrainedConfig):

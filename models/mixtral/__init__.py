@@ -53,7 +53,7 @@ SPEC = ArchitectureSpec(
     from_hf_config="bestiary.models.mixtral.config:from_hf_config",
     key_map=KEY_MAP,
     postprocess={
-        "*.attention.qkv.*": "bestiary.core.postprocess:concat_dim0",
+        "*.attention.qkv.*": "bestiary.core.convert.postprocess:concat_dim0",
         "*.mlp.fc.weight": STACK,
         "*.mlp.gate.weight": STACK,
         "*.mlp.proj.weight": STACK,

@@ -5,9 +5,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Literal
 
+from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
 from pydantic import Field, model_validator
-
-from bestiary.core.config import Mapping, PretrainedConfig, validate_config
 
 # HF MixtralConfig's defaults (Mixtral-8x7B), used where the HF config.json omits a field.
 HF_DEFAULTS = dict(

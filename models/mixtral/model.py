@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
 from bestiary.core.layers.moe import MoE
 from bestiary.core.layers.norm import RMSNorm
 from bestiary.core.layers.rotary import Rotary
 from bestiary.core.layers.self_attention import SelfAttention
-from bestiary.core.model import DecoderLM
+from bestiary.core.runtime.model import DecoderLM
 from bestiary.models.mixtral.config import MixtralConfig
+from torch import nn
 
 
 class MixtralForCausalLM(DecoderLM):

@@ -37,7 +37,7 @@ SPEC = ArchitectureSpec(
     model_class="bestiary.models.opt.model:OPTForCausalLM",
     from_hf_config="bestiary.models.opt.config:from_hf_config",
     key_map=KEY_MAP,
-    postprocess={"*.attention.qkv.*": "bestiary.core.postprocess:concat_dim0"},
+    postprocess={"*.attention.qkv.*": "bestiary.core.convert.postprocess:concat_dim0"},
     description=(
         "OPT 125m-66b: learned positions (offset 2), LayerNorm pre- or post-norm (do_layer_norm_before), "
         "ReLU MLP, project_in/out when word_embed_proj_dim != hidden_size (350m)"

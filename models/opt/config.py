@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
+from bestiary.core.format.errors import ConfigError
 from pydantic import Field, field_validator, model_validator
-
-from bestiary.core.config import Mapping, PretrainedConfig, validate_config
-from bestiary.core.errors import ConfigError
 
 
 class OPTConfig(PretrainedConfig):

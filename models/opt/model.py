@@ -11,8 +11,6 @@ projections exist only when P != H (OPT-350m).
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
 from bestiary.core.layers.linear import Linear
@@ -21,8 +19,9 @@ from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.layers.position_embedding import LearnedPositionEmbedding
 from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
 from bestiary.core.layers.self_attention import SelfAttention
-from bestiary.core.model import DecoderLM
+from bestiary.core.runtime.model import DecoderLM
 from bestiary.models.opt.config import OPTConfig
+from torch import nn
 
 
 class OPTForCausalLM(DecoderLM):

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DOT_DTYPES, assert_close, assert_far
-
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.attention import AttentionMetadata, alibi_slopes, write_kv
+from kernel_helpers import DOT_DTYPES, assert_close, assert_far
 
 attention = dispatch.family("attention")
 BLOCK_SIZE = 5

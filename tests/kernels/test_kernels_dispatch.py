@@ -8,8 +8,7 @@ import sys
 
 import pytest
 import torch
-
-from bestiary.core.errors import ConfigError
+from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
 
 
@@ -51,7 +50,7 @@ def test_importing_layers_loads_no_triton():
     """Kernel modules (and triton) load on an op's first call, not when a model module is imported."""
     code = (
         "import sys; import bestiary.core.layers.norm, bestiary.core.layers.rotary, bestiary.core.layers.mlp, "
-        "bestiary.core.layers.attention, bestiary.core.layers.self_attention, bestiary.core.model; "
+        "bestiary.core.layers.attention, bestiary.core.layers.self_attention, bestiary.core.runtime.model; "
         "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('bestiary.core.kernels.')))"
     )
     out = _run(code)

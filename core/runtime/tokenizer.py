@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bestiary.core.errors import BestiaryError
+from bestiary.core.format.errors import BestiaryError
 
 
 def _token_text(value) -> str | None:

@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from bestiary.core.cache import cache_dir
-from bestiary.core.engine import Engine
-from bestiary.core.errors import BestiaryError
-from bestiary.core.executor import Executor, Request
-from bestiary.core.kv_cache import KvCacheConfig
-from bestiary.core.sampling import SamplingConfig
-from bestiary.core.tokenizer import StreamDecoder
+from bestiary.core.format.cache import cache_dir
+from bestiary.core.format.errors import BestiaryError
+from bestiary.core.runtime.engine import Engine
+from bestiary.core.runtime.executor import Executor, Request
+from bestiary.core.runtime.kv_cache import KvCacheConfig
+from bestiary.core.runtime.sampling import SamplingConfig
+from bestiary.core.runtime.tokenizer import StreamDecoder
 
 
 def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = False) -> Path:
@@ -35,8 +34,8 @@ def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = F
     path = Path(path)
     if path.is_dir() and (path / "config.json").is_file() and (path / "rank0.safetensors").is_file():
         return path
-    from bestiary.core.build import BuildConfig, build_engine
-    from bestiary.core.convert import convert
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import convert
 
     stat = path.stat() if path.exists() else None
     key = hashlib.sha1(f"{path.absolute()}|{stat and stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]

@@ -25,12 +25,11 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
-from bestiary.core.errors import WeightsError
-from bestiary.core.postprocess import identity
+from bestiary.core.convert.postprocess import identity
+from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import WeightSource
 from bestiary.registry.spec import ArchitectureSpec, resolve
+from torch import nn
 
 # The TensorRT-LLM loader's default: canonical section -> HF LLaMA section.
 DEFAULT_KEY_MAP: dict[str, str | list[str] | None] = {

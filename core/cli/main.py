@@ -11,7 +11,7 @@ import sys
 import typing
 from collections.abc import Callable
 
-from bestiary.core.errors import BestiaryError
+from bestiary.core.format.errors import BestiaryError
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -104,7 +104,7 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     from bestiary import __version__
-    from bestiary.core.build_config import BuildConfig
+    from bestiary.core.format.build_config import BuildConfig
 
     parser = argparse.ArgumentParser(prog="bestiary", description="Plugin-based LLM model zoo and inference engine.")
     parser.add_argument("--version", action="version", version=f"bestiary {__version__}")
@@ -158,17 +158,13 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `bestiary` script."""
     args = make_parser().parse_args(argv)
-    from bestiary.core import cli, commands  # noqa: F401 - registers the handlers (also under `python -m`)
+    from bestiary.core.cli import commands  # noqa: F401 - registers the handlers into COMMANDS
 
     try:
-        return cli.COMMANDS[args.command](args) or 0
+        return COMMANDS[args.command](args) or 0
     except BestiaryError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,9 +12,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
+from bestiary.core.format.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from bestiary.core.errors import ConfigError
 
 DType = Literal["float32", "float16", "bfloat16"]
 

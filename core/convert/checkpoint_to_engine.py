@@ -6,10 +6,15 @@ import os
 import shutil
 from pathlib import Path
 
-from bestiary.core.build_config import FORMAT_VERSION, TOKENIZER_FILES, BuildConfig, finalize_build_config
-from bestiary.core.checkpoint import atomic_directory, rank_file, write_json
-from bestiary.core.config import read_json
-from bestiary.core.errors import BestiaryError
+from bestiary.core.format.build_config import (
+    FORMAT_VERSION,
+    TOKENIZER_FILES,
+    BuildConfig,
+    finalize_build_config,
+)
+from bestiary.core.format.checkpoint import atomic_directory, rank_file, write_json
+from bestiary.core.format.config import read_json
+from bestiary.core.format.errors import BestiaryError
 
 __all__ = ["FORMAT_VERSION", "BuildConfig", "build_engine", "finalize_build_config"]
 
@@ -22,7 +27,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
     model_config = read_json(checkpoint_dir / "config.json")
     if "pretrained_config" in model_config:
         raise BestiaryError(f"{checkpoint_dir}: is already an engine directory; pass a checkpoint from `bestiary convert`")
-    from bestiary.core.engine import validate_model_config
+    from bestiary.core.runtime.engine import validate_model_config
 
     validate_model_config(model_config, str(checkpoint_dir / "config.json"))
     build = finalize_build_config(build, model_config)

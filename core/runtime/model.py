@@ -12,7 +12,7 @@ with `load_state_dict`. Under pipeline parallelism a rank holds only its stage's
 from __future__ import annotations
 
 import torch
-from bestiary.core.config import PretrainedConfig
+from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.layers.cpu_matmul import hold_transposed, matmul_t

@@ -29,8 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from bestiary.core.logits_processors import LogitsPipeline, ProcessorState, ends_with_any
+from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState, ends_with_any
 
 NEG = -1.0e9  # HF's "impossible" score
 

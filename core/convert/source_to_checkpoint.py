@@ -11,11 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bestiary.core.checkpoint import StreamingSafetensorsWriter, atomic_directory, rank_file, write_json
-from bestiary.core.config import Mapping, PretrainedConfig, QuantConfig
-from bestiary.core.errors import BestiaryError
-from bestiary.core.loader import Target, WeightsLoader, model_targets
-from bestiary.core.progress import progress
+from bestiary.core.convert.loader import Target, WeightsLoader, model_targets
+from bestiary.core.format.checkpoint import (
+    StreamingSafetensorsWriter,
+    atomic_directory,
+    rank_file,
+    write_json,
+)
+from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig
+from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.progress import progress
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry, resolve
 from bestiary.registry.spec import ArchitectureSpec
@@ -173,8 +178,8 @@ def convert(
 
 def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: PretrainedConfig, bar, task) -> None:
     """Stream rank `plan.rank`'s tensors into rank{N}.safetensors."""
-    from bestiary.core.model import torch_dtype
     from bestiary.core.quant.convert import quantize_loaded
+    from bestiary.core.runtime.model import torch_dtype
 
     scale_dtype: torch.dtype = torch_dtype(config.dtype)
     with rank_writer(tmp, plan) as writer:

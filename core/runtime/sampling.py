@@ -4,8 +4,8 @@ Semantics (docs/sampling.md has the full table): temperature 0 or top_k == 1 is 
 top_k == 0 and top_p == 1.0 are off. Otherwise logits / temperature are filtered to the
 top_k largest, then to the smallest set whose probability mass reaches top_p,
 renormalised and sampled with the request's own generator (seeded by random_seed, so a
-seed reproduces a run). Penalties, bans and the embedding bias (core.logits_processors)
-act on the logits before temperature. beam_width > 1 is beam search (core.beam).
+seed reproduces a run). Penalties, bans and the embedding bias (core.runtime.logits_processors)
+act on the logits before temperature. beam_width > 1 is beam search (core.runtime.beam).
 
 Plain requests (no penalty, no ban, no extra output) take `sample`, a batched fast path;
 every other request gets a `TokenChooser` holding its per-step state.
@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from bestiary.core.logits_processors import LogitsPipeline, ProcessorState
 
 WordList = list[list[int] | str]
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from bestiary.core.sampling import SamplingConfig
+    from bestiary.core.runtime.sampling import SamplingConfig
 
 
 def repetition_penalty(x: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.engine import Engine
-from bestiary.core.errors import BestiaryError
-from bestiary.core.kv_cache import KVCache, blocks_for
-from bestiary.core.model import sequence_metadata
+from bestiary.core.format.errors import BestiaryError
+from bestiary.core.runtime.engine import Engine
+from bestiary.core.runtime.kv_cache import KVCache, blocks_for
+from bestiary.core.runtime.model import sequence_metadata
 
 
 @dataclass

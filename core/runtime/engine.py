@@ -6,13 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from bestiary.core.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
-from bestiary.core.checkpoint import load_rank_weights
-from bestiary.core.config import PretrainedConfig, read_json, validate_config
-from bestiary.core.errors import BestiaryError, ConfigError, WeightsError
-from bestiary.core.model import DecoderLM
-from bestiary.core.tokenizer import Tokenizer
+from bestiary.core.format.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
+from bestiary.core.format.checkpoint import load_rank_weights
+from bestiary.core.format.config import PretrainedConfig, read_json, validate_config
+from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.runtime.model import DecoderLM
+from bestiary.core.runtime.tokenizer import Tokenizer
 from bestiary.registry import Registry, default_registry, resolve
 
 

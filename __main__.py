@@ -1,0 +1,7 @@
+"""`python -m bestiary ...`, the same as the `bestiary` script."""
+
+import sys
+
+from bestiary.core.cli.main import main
+
+sys.exit(main())
