@@ -7,6 +7,7 @@ every `import` / `from ... import` in its source (at module level or inside func
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 from pathlib import Path
@@ -32,6 +33,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "bestiary.core.layers": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.models"),
     "bestiary.core.kernels": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.models"),
     "bestiary.core.cpu": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.models"),
+    "bestiary.core.lora": ("bestiary.core.convert", "bestiary.core.runtime", "bestiary.core.cli", "bestiary.models"),
     "bestiary.core.quant": ("bestiary.core.cli", "bestiary.models"),
     "bestiary.registry": ("bestiary.core.convert", "bestiary.core.runtime", "bestiary.core.cli"),
     "bestiary.plugins": ("bestiary.core.convert", "bestiary.core.runtime", "bestiary.core.cli"),
@@ -52,21 +54,30 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(("bestiary", *parts))
 
 
-def imports_of(source: str, me: str, known: set[str]) -> set[str]:
-    """Every bestiary module an import statement in `source` names (relative ones resolved).
-
-    `from pkg import name` counts as `pkg.name` when that is a module in `known`, else as `pkg`.
-    """
-    found: set[str] = set()
+@functools.cache
+def import_statements(source: str, me: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(module, names) of each import statement in `source`; relative modules resolved from `me`."""
+    found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            found.extend((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = me.rsplit(".", node.level)[0]
                 base = f"{anchor}.{base}" if base else anchor
-            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+            found.append((base, tuple(a.name for a in node.names)))
+    return tuple(found)
+
+
+def imports_of(source: str, me: str, known: set[str]) -> set[str]:
+    """Every bestiary module an import statement in `source` names.
+
+    `from pkg import name` counts as `pkg.name` when that is a module in `known`, else as `pkg`.
+    """
+    found: set[str] = set()
+    for base, names in import_statements(source, me):
+        found.update(f"{base}.{n}" if f"{base}.{n}" in known else base for n in names or ("",))
     return {m for m in found if m == "bestiary" or m.startswith("bestiary.")}
 
 
