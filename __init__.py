@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingConfig", "__version__"]
+__all__ = ["LLM", "LoraRequest", "SamplingConfig", "__version__"]
 
 if TYPE_CHECKING:
+    from bestiary.core.lora.store import LoraRequest
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
 
@@ -22,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from bestiary.core.runtime.llm import LLM
 
         return LLM
+    if name == "LoraRequest":
+        from bestiary.core.lora.store import LoraRequest
+
+        return LoraRequest
     if name == "SamplingConfig":
         from bestiary.core.runtime.sampling import SamplingConfig
 

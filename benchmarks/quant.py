@@ -107,13 +107,15 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
     return sum(fractions) / len(fractions)
 
 
-def llama_cpp_rate(gguf: Path, ids: list[int], n: int, repeats: int) -> float | None:
-    """llama.cpp batch-1 decode tokens/s on the GGUF, or None without llama-cpp-python."""
+def llama_cpp_seconds(gguf: Path, ids: list[int]):
+    """A function k -> seconds llama.cpp takes to generate k tokens after `ids` (greedy) on the GGUF,
+    or None without llama-cpp-python."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
-    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False)
+    threads = torch.get_num_threads()  # prompt batches too: llama.cpp would take every core for those
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
 
     def run(k: int) -> float:
         llm.reset()
@@ -123,6 +125,14 @@ def llama_cpp_rate(gguf: Path, ids: list[int], n: int, repeats: int) -> float | 
                 break
         return time.perf_counter() - t0
 
+    return run
+
+
+def llama_cpp_rate(gguf: Path, ids: list[int], n: int, repeats: int) -> float | None:
+    """llama.cpp batch-1 decode tokens/s on the GGUF, or None without llama-cpp-python."""
+    run = llama_cpp_seconds(gguf, ids)
+    if run is None:
+        return None
     run(4)
     return statistics.median(decode_rate(run, n) for _ in range(repeats))
 

@@ -9,6 +9,7 @@
 - `convert/`  loader (key maps, rank slices), postprocess hooks, `bestiary convert` and `bestiary build`.
 - `runtime/`  model, engine loading, executor, paged KV cache, sampling, beam search, tokenizer,
               the Python API (`LLM`), evaluation.
+- `serve/`    the OpenAI-compatible HTTP server on the runtime's asyncio API (`bestiary serve`).
 - `cli/`      the `bestiary` command line (nothing else imports it).
 - `layers/`, `kernels/`, `cpu/`, `quant/`: the building blocks the model is made of, their
               Triton / torch / compiled C kernels, quantization (both sides).

@@ -6,9 +6,9 @@ import dataclasses
 from functools import lru_cache
 from types import ModuleType
 
-from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.errors import BestiaryError, PluginError
 from bestiary.plugins.manager import LoadedPlugins, PluginFailure, build_plugin_manager
-from bestiary.registry.spec import ArchitectureSpec
+from bestiary.registry.spec import ArchitectureSpec, check_reference
 
 
 class DuplicateArchitectureError(BestiaryError):
@@ -40,13 +40,16 @@ class Registry:
                 hook(register=lambda spec, _p=package: self.register(spec, _p))
             except DuplicateArchitectureError:
                 raise
+            except PluginError as err:  # a bad reference: its one line is the whole story
+                self.failures.append(PluginFailure(name, package, str(err)))
             except Exception:  # noqa: BLE001 - a broken plugin is reported, the rest keep working
                 import traceback
 
                 self.failures.append(PluginFailure(name, package, traceback.format_exc()))
 
     def register(self, spec: ArchitectureSpec, package: str = "") -> None:
-        """Add `spec`; a second spec with the same name is an error naming both packages."""
+        """Add `spec`; a second spec with the same name is an error naming both packages, and so is
+        a lazy reference that does not resolve (PluginError, checked without importing)."""
         if not isinstance(spec, ArchitectureSpec):
             raise TypeError(f"register() expects an ArchitectureSpec, got {type(spec).__name__}")
         spec = dataclasses.replace(spec, package=package or spec.package)
@@ -55,6 +58,12 @@ class Registry:
             raise DuplicateArchitectureError(
                 f"architecture {spec.name!r} is registered twice: by {other!r} and by {spec.package!r}"
             )
+        for field_name, ref in spec.references().items():
+            try:
+                check_reference(ref)
+            except PluginError as err:
+                where = f"architecture {spec.name!r} (package {spec.package or '?'})"
+                raise PluginError(f"{where}: {field_name}: {err}") from None
         self.specs[spec.name] = spec
 
     def names(self) -> list[str]:
@@ -68,7 +77,8 @@ class Registry:
         for spec in self.specs.values():
             if name in spec.hf_architectures:
                 return spec
-        raise BestiaryError(f"unknown architecture {name!r}; registered: {', '.join(self.names()) or 'none'}")
+        raise BestiaryError(f"unknown architecture {name!r}; registered: {', '.join(self.names()) or 'none'}"
+                            + self._failures_note())
 
     def for_hf_config(self, hf_config: dict, source: str, override: str | None = None) -> ArchitectureSpec:
         """The spec that handles an HF config dict read from `source`.
@@ -99,7 +109,13 @@ class Registry:
         what = ", ".join(wanted) or f"model_type {model_type!r}"
         raise BestiaryError(
             f"{source}: unknown architecture {what}; registered: {', '.join(self.names()) or 'none'}"
+            + self._failures_note()
         )
+
+    def _failures_note(self) -> str:
+        """'; plugin X failed to load: <last line>' for each broken plugin (it may have been the one)."""
+        return "".join(f"; plugin {f.name!r} failed to load: {f.traceback.strip().splitlines()[-1]}"
+                       for f in self.failures)
 
 
 @lru_cache(maxsize=1)

@@ -6,34 +6,113 @@ Code is referenced lazily as "module:attribute" strings so that listing architec
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from bestiary.core.format.errors import PluginError
 
 KeyMap = dict[str, "str | list[str] | None"]
 
 
 def resolve(ref: str) -> Any:
-    """Import "package.module:attr" and return attr. Import errors propagate with their real cause."""
+    """Import "package.module:attr" and return attr.
+
+    A reference that names no module or attribute is a one-line PluginError; an import error
+    inside the named module propagates with its real cause."""
     module_name, _, attr = ref.partition(":")
     if not attr:
-        raise ValueError(f"lazy reference {ref!r} must look like 'package.module:attribute'")
-    module = importlib.import_module(module_name)
+        raise PluginError(f"lazy reference {ref!r} must look like 'package.module:attribute'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not module_name.startswith(err.name):
+            raise
+        raise PluginError(f"lazy reference {ref!r}: no module named {err.name!r}") from None
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise AttributeError(f"lazy reference {ref!r}: module {module_name} has no attribute {attr!r}") from None
+        raise PluginError(f"lazy reference {ref!r}: module {module_name} has no attribute {attr!r}") from None
+
+
+def check_reference(ref: str) -> None:
+    """Check "package.module:attr" without importing the module (so `bestiary list` stays light).
+
+    The module must be findable (importlib.util.find_spec imports only its parent packages) and,
+    when its source is at hand, bind `attr` (def, class, assignment or import);
+    a module with a `__getattr__` or a star import is taken on trust. PluginError otherwise."""
+    module_name, _, attr = ref.partition(":")
+    if not attr or not module_name or not attr.isidentifier():
+        raise PluginError(f"lazy reference {ref!r} must look like 'package.module:attribute'")
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise PluginError(f"lazy reference {ref!r}: no module named {module_name!r}")
+    names = _top_level_names(found.origin) if found.origin and found.origin.endswith(".py") else None
+    if names is not None and attr not in names and "__getattr__" not in names and "*" not in names:
+        raise PluginError(f"lazy reference {ref!r}: module {module_name} has no attribute {attr!r}")
+
+
+def _top_level_names(path: str) -> set[str] | None:
+    """Names a module's source binds anywhere (None when it cannot be read or parsed)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """How HF PEFT adapter modules land on an architecture's layers (data, read by core.lora).
+
+    hf_modules: HF module name (the last part of a PEFT module path, e.g. "q_proj") -> the
+      TensorRT-LLM LoRA module name(s) it feeds (core.lora.modules.MODULE_IDS). A tuple fans one
+      fused HF module out: its lora_B rows go to each named module through that module's
+      canonical weight postprocess (e.g. ChatGLM2's dense_h_to_4h -> ("mlp_h_to_4h", "mlp_gate")).
+    hf_layers: HF paths of the decoder layer list ("model.layers"); an adapter whose modules
+      sit elsewhere was made for another architecture.
+    """
+
+    hf_modules: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    hf_layers: tuple[str, ...] = ("model.layers",)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Every LoRA module name an HF module feeds, in first-seen order."""
+        out: list[str] = []
+        for value in self.hf_modules.values():
+            out += [v for v in ((value,) if isinstance(value, str) else value) if v not in out]
+        return tuple(out)
 
 
 @dataclass(frozen=True)
 class Supports:
-    """Capabilities an architecture declares, so bad combinations are refused before reading weights."""
+    """Capabilities an architecture declares, so bad combinations are refused before reading weights.
+
+    quant_algos / kv_cache_quant_algos: the QuantAlgo / KVCacheQuantAlgo values it takes; empty means
+    every one bestiary implements. registry.capabilities checks a convert against them.
+    """
 
     quant_algos: tuple[str, ...] = ()
     kv_cache_quant_algos: tuple[str, ...] = ()
-    lora_modules: tuple[str, ...] = ()
+    lora_modules: tuple[str, ...] = ()  # TensorRT-LLM LoRA module names (attn_q, mlp_gate, ...): see `lora`
     tensor_parallel: bool = True
     pipeline_parallel: bool = True
+    expert_parallel: bool = False  # experts spread over ranks (no built-in does: MoE splits each expert's FFN)
 
     def summary(self) -> str:
         """Short human-readable list, for `bestiary list`."""
@@ -73,6 +152,7 @@ class ArchitectureSpec:
       `(key: str, tensors: list[Tensor], config) -> dict[str, Tensor]`.
     ignored_source_keys: globs over source keys that no weight consumes on purpose (e.g.
       rotary `inv_freq` buffers saved by the reference code); every other source key must be used.
+    lora: which HF PEFT modules map to which LoRA modules (`supports.lora_modules` lists them).
     """
 
     name: str
@@ -89,4 +169,12 @@ class ArchitectureSpec:
     ignored_source_keys: tuple[str, ...] = ()
     description: str = ""
     supports: Supports = field(default_factory=Supports)
+    lora: LoraTargets = field(default_factory=LoraTargets)
     package: str = ""  # filled in by the registry: the distribution that registered it
+
+    def references(self) -> dict[str, str]:
+        """Every lazy "module:attr" reference of the spec, by the field that holds it."""
+        refs = {"config_class": self.config_class, "model_class": self.model_class,
+                "from_hf_config": self.from_hf_config}
+        refs.update({f"postprocess[{pattern!r}]": ref for pattern, ref in self.postprocess.items()})
+        return refs

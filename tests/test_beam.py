@@ -86,6 +86,68 @@ def test_beam_search_equals_hf_tiny(tiny, length_penalty, early_stopping):
     assert ended_early, "no case exercised a beam finishing on the end id"
 
 
+# Constructed log-probabilities (width 2, end id 0, 6 new tokens) on which the stopping rules
+# disagree. Step 1 finishes [0]; step 2 finishes [1, 0] (both slots full) while [2, 4] runs on
+# with log p ~ log 0.25; then [2, 4] meets a flat row and every other prefix continues with
+# token 4 at p 0.999. Length penalty 1.0: True stops at the two short hypotheses, False and
+# "never" go on to length 6. Length penalty 0.5: False stops (best running -1.39 / sqrt 2 is
+# below the worst finished), "never" bounds with the longest length (-1.39 / sqrt 6) and goes on.
+SCRIPT_VOCAB, SCRIPT_PROMPT, SCRIPT_NEW = 96, [5, 9, 12], 6
+SCRIPT = {(): {0: 0.40, 1: 0.35, 2: 0.25}, (1,): {0: 0.6, 3: 0.4}, (2,): {4: 0.999},
+          (2, 4): {5: 0.2, 6: 0.18, 7: 0.16, 3: 0.14, 1: 0.12, 2: 0.1}}
+
+
+def scripted_logits(output: list[int]) -> torch.Tensor:
+    """[V] logits of the next token after `output`: SCRIPT's probabilities, distinct tiny ones elsewhere."""
+    logits = torch.log(1e-4 * (1 + 0.01 * torch.arange(SCRIPT_VOCAB, dtype=torch.float32)))
+    for token, p in SCRIPT.get(tuple(output), {4: 0.999}).items():
+        logits[token] = float(torch.tensor(p).log())
+    return logits
+
+
+class ScriptedLogits(transformers.LogitsProcessor):
+    """Replaces HF's log-probabilities by those of `scripted_logits` (the model's are ignored)."""
+
+    def __call__(self, input_ids, scores):
+        rows = [scripted_logits(r[len(SCRIPT_PROMPT):].tolist()) for r in input_ids]
+        return torch.log_softmax(torch.stack(rows), dim=-1)
+
+
+def scripted_search(length_penalty, early_stopping) -> tuple[list[list[int]], list[float]]:
+    """Our BeamSearch driven by the scripted logits: (hypotheses, scores), best first."""
+    cfg = SamplingConfig(beam_width=2, length_penalty=length_penalty, early_stopping=early_stopping,
+                         max_new_tokens=SCRIPT_NEW, end_id=0)
+    search = BeamSearch(cfg, SCRIPT_PROMPT, {0}, [], None, SCRIPT_NEW)
+    search.step(scripted_logits([])[None], Beam(SCRIPT_PROMPT))
+    while not search.done:
+        search.step(torch.stack([scripted_logits(b.output) for b in search.beams]))
+    return [h.output_ids for h in search.results()], [h.score for h in search.results()]
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+def test_early_stopping_rules_on_constructed_logits(tiny, length_penalty):
+    """Each early_stopping rule gives HF's hypotheses and scores where the rules disagree."""
+    hf, _ = tiny
+    ours = {}
+    for early_stopping in (False, True, "never"):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([SCRIPT_PROMPT]), num_beams=2, num_return_sequences=2,
+                              length_penalty=length_penalty, early_stopping=early_stopping,
+                              max_new_tokens=SCRIPT_NEW, do_sample=False, eos_token_id=0, pad_token_id=PAD,
+                              logits_processor=[ScriptedLogits()], output_scores=True,
+                              return_dict_in_generate=True)
+        ids, scores = scripted_search(length_penalty, early_stopping)
+        ref_ids, longest = ref.sequences[:, len(SCRIPT_PROMPT):], max(map(len, ids))
+        assert pad_outputs([ids], PAD)[0].tolist() == ref_ids[:, :longest].tolist()
+        assert bool((ref_ids[:, longest:] == PAD).all())
+        torch.testing.assert_close(torch.tensor(scores), ref.sequences_scores, atol=1e-6, rtol=0)
+        ours[early_stopping] = ids
+    if length_penalty == 1.0:  # the case tells True from False
+        assert ours[True] == [[1, 0], [0]] and ours[False] == ours["never"] != ours[True]
+    else:  # ... and "never" from False
+        assert ours[False] == ours[True] == [[0], [1, 0]] and ours["never"][0] == [1, 3, 4, 4, 4, 4]
+
+
 def test_partial_block_must_be_copied_on_fork(tiny, monkeypatch):
     """Broken variant: children that share (instead of copy) the parent's partial block diverge from HF."""
     hf, engine = tiny

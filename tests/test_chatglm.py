@@ -40,6 +40,7 @@ from bestiary.models.chatglm.config import ChatGLM2Config, ChatGLMConfig, from_h
 from bestiary.plugins import hookimpl
 from bestiary.registry import Registry, default_registry
 from safetensors.torch import load_file, save_file
+from split_dims import DENSE_TP_DIMS, assert_split_dims
 
 V1, V2 = "ChatGLMForCausalLM", "ChatGLM2ForCausalLM"
 GLM_CONFIG = {
@@ -438,12 +439,16 @@ def reassemble(ckpt: Path) -> dict[str, torch.Tensor]:
     return whole
 
 
+TP_DIMS = DENSE_TP_DIMS  # fc / gate (gate_proj / up_proj halves of dense_h_to_4h) column-parallel
+
+
 @pytest.mark.parametrize("variant", ["thudm", "glm", "v1"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_sharded_conversion_reassembles(variant, tp, pp, checkpoints):
     single = load_rank_weights(checkpoints(variant), 0)
     sharded = reassemble(checkpoints(variant, tp, pp))
     assert sorted(sharded) == sorted(single)
+    assert_split_dims(checkpoints(variant, tp, pp), single, TP_DIMS, tp)
     for key, tensor in single.items():
         assert torch.equal(sharded[key], tensor), key
 
@@ -554,6 +559,7 @@ def test_v1_perplexity_and_kv_calibration_use_its_2d_positions(sources, checkpoi
     """eval and the calibration passes run v1 with its 2D position ids (they crashed on 1D ones)."""
     from bestiary.core.format.config import QuantConfig
     from bestiary.core.runtime.evaluate import perplexity
+    from kv_scales import expected_kv_scales
 
     engine = Engine.load(checkpoints("v1"))
     ids = prompt_of("v1")
@@ -561,5 +567,8 @@ def test_v1_perplexity_and_kv_calibration_use_its_2d_positions(sources, checkpoi
     nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
     assert perplexity(engine, ids).nll == pytest.approx(float(nll), rel=1e-5)
     convert(sources["v1"], tmp_path / "kv", show_progress=False, quantization=QuantConfig(kv_cache_quant_algo="INT8"))
-    scales = load_file(str(tmp_path / "kv" / "rank0.safetensors"))["transformer.layers.0.attention.kv_cache_scaling_factor"]
-    assert (scales != 1.0).all()
+    # the scales are amax / 127 of the float engine's K and V over the calibration ids, per layer
+    kv = load_file(str(tmp_path / "kv" / "rank0.safetensors"))
+    for layer, expected in enumerate(expected_kv_scales(engine, 127.0)):
+        scales = kv[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"]
+        torch.testing.assert_close(scales, expected, rtol=1e-5, atol=0)

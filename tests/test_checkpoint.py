@@ -44,13 +44,27 @@ def test_atomic_directory_leaves_nothing_on_error(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_atomic_directory_replaces_existing(tmp_path):
+def test_atomic_directory_replaces_an_earlier_output_of_its_kind(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old").write_text("x")
-    with atomic_directory(out) as tmp:
+    (out / "config.json").write_text('{"architecture": "LlamaForCausalLM", "mapping": {}}')
+    (out / "rank0.safetensors").write_text("x")
+    with atomic_directory(out, "checkpoint") as tmp:
         (tmp / "new").write_text("y")
     assert sorted(p.name for p in out.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_atomic_directory_refuses_a_foreign_directory(tmp_path):
+    """It used to replace it: a file and a subfolder of the user's were deleted."""
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(BestiaryError, match="not empty and not a bestiary checkpoint"):
+        with atomic_directory(out, "checkpoint") as tmp:
+            (tmp / "new").write_text("y")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "sub"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def _qkv_parts(t: torch.Tensor, heads: int, kv_heads: int, tp: int) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
 """The compiled CPU kernels (core/cpu/kernels.c) against their torch references (core.cpu.ops).
 
-Each test runs twice: on the native build and on the scalar fallback (built with -mno-avx512f).
+Each test runs on every build this CPU runs (AVX-512, AVX2, scalar; core.cpu.build.ISAS).
 Odd shapes on purpose: K not a multiple of 16 or 32 (masked tails), N not a multiple of the
 row / column tiles, batches across the 4-row input tiles, GQA groups, blocks not dividing the
 lengths, non-contiguous block tables.
@@ -18,25 +18,16 @@ pytestmark = pytest.mark.skipif(build.library() is None, reason="no C compiler: 
 FLOAT = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def scalar_library(tmp_path_factory):
-    """kernels.c built without AVX-512: the scalar fallback that CPUs without it (AVX2) run."""
-    cc = build.compiler()
-    path = tmp_path_factory.mktemp("scalar") / "libbestiary_cpu_scalar.so"
-    build.compile_library(cc, path, ("-mno-avx512f",))
-    lib = build.load(path)
-    assert lib.bst_has_avx512() == 0
-    return lib
-
-
-@pytest.fixture(autouse=True, params=["native", "scalar"])
+@pytest.fixture(autouse=True, params=list(build.ISAS))
 def kernels(request, monkeypatch):
-    """Every test runs on the native build and on the scalar fallback (where native has AVX-512)."""
-    if request.param == "scalar":
-        if not build.library().bst_has_avx512():
-            pytest.skip("the native build is already the scalar one")
-        monkeypatch.setattr(ops, "library", lambda: request.getfixturevalue("scalar_library"))
-    return request.param
+    """Every test runs on each ISA's build (skipped where this CPU lacks the ISA)."""
+    isa = request.param
+    if isa not in build.supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    lib = build.library_for(isa)
+    assert lib.bst_isa() == build.ISAS[isa].code
+    monkeypatch.setattr(ops, "library", lambda: lib)
+    return isa
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -190,13 +181,16 @@ def test_rotary_matches_reference(dtype, style):
     gen = torch.Generator().manual_seed(5)
     t, heads, d, rot = 4, 5, 16, 12  # partial rotary: dims 12..15 untouched
     qkv = torch.randn(t, heads + 2, d, generator=gen).to(dtype)
+    before = qkv.clone()
     x, x_ref = qkv[:, :heads], qkv.clone()[:, :heads]  # strided rows
     cs = torch.randn(t, 1, rot, generator=gen)
     cos, sin = cs[..., : rot // 2], cs[..., rot // 2 :]
     ops.rotary(x, cos, sin, rot, style)
     ops.rotary_ref(x_ref, cos, sin, rot, style)
     assert _rel_err(x, x_ref) < _tol(dtype)
-    torch.testing.assert_close(qkv[:, heads:], qkv[:, heads:])  # the v rows beside are untouched
+    assert not torch.equal(x, before[:, :heads])  # it did rotate
+    # the v rows beside are untouched (against a copy taken before the call)
+    torch.testing.assert_close(qkv[:, heads:], before[:, heads:], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", FLOAT)
@@ -212,10 +206,71 @@ def test_off_switch_and_missing_compiler_fall_back(monkeypatch):
     monkeypatch.setenv(build.ENV_VAR, "auto")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     build.library.cache_clear()
+    build.built_library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="could not be built"):
             assert build.library() is None
     finally:
         monkeypatch.delenv("CC")
         build.library.cache_clear()
+        build.built_library.cache_clear()
     assert build.library() is not None
+
+
+@pytest.mark.parametrize("dtype", FLOAT)
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("d,rot", [(64, 64), (80, 52), (128, 96)])
+def test_rotary_vector_widths_match_reference(dtype, style, d, rot):
+    """Head sizes where the vector paths run (whole vectors of a, b pairs) and leave tails."""
+    gen = torch.Generator().manual_seed(d + rot)
+    t, heads = 3, 4
+    qkv = torch.randn(t, heads + 1, d, generator=gen).to(dtype)
+    before = qkv.clone()
+    x, x_ref = qkv[:, :heads], qkv.clone()[:, :heads]
+    cs = torch.randn(t, 1, rot, generator=gen).to(dtype)  # bfloat16 cos / sin too
+    cos, sin = cs[..., : rot // 2], cs[..., rot // 2 :]
+    ops.rotary(x, cos, sin, rot, style)
+    ops.rotary_ref(x_ref, cos, sin, rot, style)
+    assert _rel_err(x, x_ref) < _tol(dtype)
+    torch.testing.assert_close(qkv[..., rot:], before[..., rot:], rtol=0, atol=0)  # past rot: untouched
+    torch.testing.assert_close(qkv[:, heads:], before[:, heads:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "int8", "fp8"])
+def test_decode_attention_long_context_matches_reference(pool):
+    """Hundreds of keys (the vector softmax), head_dim 64 (whole vectors), several sequences."""
+    gen = torch.Generator().manual_seed(15)
+    blocks, bs, kvh, d, h = 40, 16, 3, 64, 9
+    k, v = torch.randn(blocks, bs, kvh, d, generator=gen) * 2, torch.randn(blocks, bs, kvh, d, generator=gen)
+    scales = None
+    if pool in ("int8", "fp8"):
+        scales = torch.tensor([0.04, 0.01])
+        code = torch.int8 if pool == "int8" else torch.float8_e4m3fn
+        k_pool, v_pool = quantize_kv(k, scales[0], code), quantize_kv(v, scales[1], code)
+    else:
+        k_pool, v_pool = k.to(getattr(torch, pool)), v.to(getattr(torch, pool))
+    tables = torch.randperm(blocks, generator=gen)[:36].reshape(2, 18)
+    kv_lens = torch.tensor([283, 17])
+    q = torch.randn(2, h, d, generator=gen)
+    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5, kv_scales=scales)
+    ref = ops.decode_attention_ref(q, k_pool, v_pool, tables, kv_lens, d**-0.5, kv_scales=scales)
+    assert _rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", FLOAT)
+def test_norm_activation_and_kv_write_at_model_widths(dtype):
+    """Widths of real models (whole vectors, no tails): rms_norm, act_and_mul, kv_write codes."""
+    gen = torch.Generator().manual_seed(16)
+    x, w = torch.randn(2, 576, generator=gen).to(dtype), torch.randn(576, generator=gen).to(dtype)
+    assert _rel_err(ops.rms_norm(x, w, 1e-5), ops.rms_norm_ref(x, w, 1e-5)) < _tol(dtype)
+    fg = (torch.randn(2, 2 * 1536, generator=gen) * 4).to(dtype)
+    for act in ("silu", "gelu", "gelu_new", "relu"):
+        assert _rel_err(ops.act_and_mul(fg, act), ops.act_and_mul_ref(fg, act)) < _tol(dtype), act
+    kv = (torch.randn(3, 2, 3, 64, generator=gen) * 30).to(dtype)
+    slots, scales = torch.tensor([1, 9, 4]), torch.tensor([0.2, 0.05])
+    for code in KV_CODE_DTYPES:
+        pools = [torch.zeros(4, 4, 3, 64, dtype=code) for _ in range(2)]
+        ops.kv_write(kv[:, 0], kv[:, 1], pools[0], pools[1], slots, scales)
+        for i in range(2):
+            want = quantize_kv(kv[:, i], scales[i], code)
+            assert torch.equal(as_bytes(pools[i].flatten(0, 1)[slots]), as_bytes(want)), (code, i)

@@ -60,9 +60,27 @@ def _generate(llm: LLM):
     return llm.generate(PROMPTS, cfg)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_plan_equals_eager_torch(hf_dir, tmp_path, case, monkeypatch):
+# every case on the best build this CPU runs; on the other builds (AVX2, scalar on an AVX-512
+# CPU) the cases that between them run every compiled op
+ISA_CASES = ("fp32", "bf16", "w4a16_g32_zp", "w8a16_fp8_kv")
+PLAN_RUNS = [(case, "auto") for case in CASES] + [(case, isa) for isa in cpu_build.supported_isas()[1:]
+                                                  for case in ISA_CASES]
+
+
+@pytest.fixture
+def forced_isa(request, monkeypatch):
+    """BESTIARY_CPU_ISA for the test (auto: the default choice); library re-chosen before and after."""
+    monkeypatch.setenv(cpu_build.ISA_ENV_VAR, request.param)
+    cpu_build.library.cache_clear()
+    yield request.param
+    cpu_build.library.cache_clear()
+
+
+@pytest.mark.parametrize("case,forced_isa", PLAN_RUNS, indirect=["forced_isa"])
+def test_plan_equals_eager_torch(hf_dir, tmp_path, case, forced_isa, monkeypatch):
     dtype, quant, tol = CASES[case]
+    expected = cpu_build.supported_isas()[0] if forced_isa == "auto" else forced_isa
+    assert cpu_build.library().bst_isa() == cpu_build.ISAS[expected].code
     llm = _llm(hf_dir, tmp_path, dtype, quant)
     planned = _generate(llm)
     plans = llm.executor.model.__dict__.get("_decode_plans", {})

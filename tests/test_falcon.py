@@ -29,6 +29,7 @@ from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.models.falcon.config import FalconConfig, from_hf_config  # noqa: E402
+from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -102,6 +103,10 @@ def test_greedy_generation_matches_hf(case):
         ours.output_ids, ref, near_tie)
 
 
+TP_DIMS = {**DENSE_TP_DIMS, "transformer.layers.*.mlp_layernorm.weight": -1,  # new decoder: 2 norms
+           "transformer.layers.*.mlp_layernorm.bias": -1}
+
+
 def _check_reassembles(src, ckpt, out, tp_size: int, pp_size: int) -> None:
     convert(src, out, tp_size=tp_size, pp_size=pp_size, show_progress=False)
     whole = parity.reassemble_checkpoint(out)
@@ -109,6 +114,7 @@ def _check_reassembles(src, ckpt, out, tp_size: int, pp_size: int) -> None:
     if "lm_head.weight" not in ref:  # tied at tp 1: lm_head is the embedding itself
         ref["lm_head.weight"] = ref["transformer.vocab_embedding.weight"]
     assert sorted(whole) == sorted(ref)
+    assert_split_dims(out, ref, TP_DIMS, tp_size)
     for key, tensor in ref.items():
         assert torch.equal(whole[key], tensor), key
 

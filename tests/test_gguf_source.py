@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from bestiary.core.format.errors import BestiaryError, WeightsError
-from bestiary.core.sources.gguf_source import _llama3_rope_factors, hf_config_from_gguf, open_gguf
+from bestiary.core.sources.gguf_source import hf_config_from_gguf, open_gguf
 from bestiary.core.sources.gguf_tokenizer import tokenizer_from_gguf
 from tokenizers import Tokenizer
 
@@ -210,9 +210,17 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
         "▁is",
         "at",
     ]
+    scores = [0.0] * len(tokens) + [-float(i) for i in range(len(pieces))]
+    # Tied scores, where only the length tie-breaks of the merge order decide (checked on
+    # "xxyz" and "kmmn" in SPM_TEXTS): after x+x, the splits x|x+y and y+z tie at -41 and the
+    # longer left piece goes first (xxy, z); after m+n, k+m and m+mn tie at -44 and the longer
+    # right piece goes first (k, mmn). The losing merge of each pair comes first in the file.
+    tied = [("x", -36.0), ("y", -37.0), ("z", -38.0), ("k", -39.0), ("xx", -40.0), ("yz", -41.0),
+            ("xxy", -41.0), ("mn", -42.0), ("m", -43.0), ("n", -43.5), ("km", -44.0), ("mmn", -44.0)]
+    pieces += [piece for piece, _ in tied]
+    scores += [score for _, score in tied]
     tokens += pieces
     types += [1] * len(pieces)
-    scores = [0.0] * (len(tokens) - len(pieces)) + [-float(i) for i in range(len(pieces))]
     return tokens, scores, types
 
 
@@ -365,6 +373,8 @@ SPM_TEXTS = [
     "\n",
     "hello\tworld  ",
     "数",
+    "xxyz",  # tied merge scores (_spm_vocab)
+    "kmmn",
 ]
 
 
@@ -381,6 +391,8 @@ def test_synthetic_sentencepiece_tokenizer_matches_transformers(tiny):
         assert ids == theirs(text)["input_ids"], text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
     assert ours.encode("<tool>", add_special_tokens=False).ids == [4]
+    assert ours.encode("xxyz", add_special_tokens=False).tokens == ["▁", "xxy", "z"]  # length tie-breaks
+    assert ours.encode("kmmn", add_special_tokens=False).tokens == ["▁", "k", "mmn"]
 
 
 def test_rope_scaling_from_metadata(tmp_path):
@@ -389,13 +401,33 @@ def test_rope_scaling_from_metadata(tmp_path):
     assert open_gguf(path).hf_config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}  # Llama-3.1's published parameters
+
+
+def _hf_llama3_inv_freq(rope_scaling: dict) -> torch.Tensor:
+    """transformers' llama3 RoPE init: the scaled inverse frequencies [HEAD_DIM/2] of the tiny llama."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=N_HEAD,
+                                      max_position_embeddings=256,
+                                      rope_parameters={"rope_theta": 10000.0, **rope_scaling})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    return inv_freq.float()
+
+
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    """rope_freqs as llama.cpp writes it (unscaled / transformers' llama3 inverse frequencies) reads
+    back as the rope_scaling transformers started from, every field; the tensor is not a weight."""
     path = tmp_path / "llama3.gguf"
-    factors = _llama3_rope_factors(HEAD_DIM, 10000.0, 8.0, 1.0, 4.0, 8192)
-    write_tiny_llama(path, extra_tensors={"rope_freqs.weight": factors})
+    base = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    factors = base / _hf_llama3_inv_freq(LLAMA3_SCALING)  # [HEAD_DIM/2], 1 (high freq) .. 8 (low freq)
+    assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
+    write_tiny_llama(path, extra_tensors={"rope_freqs.weight": factors.numpy()})
     src = open_gguf(path)
-    assert src.hf_config["rope_scaling"]["rope_type"] == "llama3"
-    assert src.hf_config["rope_scaling"]["factor"] == 8.0
+    assert src.hf_config["rope_scaling"] == LLAMA3_SCALING
+    torch.testing.assert_close(_hf_llama3_inv_freq(src.hf_config["rope_scaling"]), base / factors)
     assert not any("rope" in key for key in list(src.weights.keys()))
 
 

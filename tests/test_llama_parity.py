@@ -74,7 +74,10 @@ def test_tied_checkpoint_has_no_lm_head(tmp_path):
     assert "lm_head.weight" not in keys and "transformer.vocab_embedding.weight" in keys
 
 
-@pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.08), ("float16", 0.02)])
+# max |ours - HF fp32| / max |HF fp32| measured on this model and prompt: bf16 2.49e-2, fp16 3.2e-3.
+# Tolerances ~1.6x those: statistics of the norms taken in the half dtype raise bf16 to 4.2e-2, and
+# with weights cast toward zero fp16 goes to 5.9e-3 (both passed the earlier 0.08 / 0.02).
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.04), ("float16", 0.005)])
 def test_half_precision_close_to_fp32(tmp_path, dtype, tol):
     """bf16/fp16 engines stay near the fp32 reference (relative to the logit scale)."""
     hf = make_hf("gqa_untied")

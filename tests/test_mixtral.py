@@ -28,6 +28,7 @@ from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.models.mixtral.config import MixtralConfig, from_hf_config  # noqa: E402
 from bestiary.registry import default_registry  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
 
 HF_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -227,6 +228,12 @@ def global_key(key: str, layer_offset: int) -> str:
     return ".".join(sections)
 
 
+# Experts [E, out, in] split along I: fc / gate along out (1), proj along in (2); router replicated.
+TP_DIMS = {**DENSE_TP_DIMS, "transformer.layers.*.mlp.router.weight": -1,
+           "transformer.layers.*.mlp.fc.weight": 1, "transformer.layers.*.mlp.gate.weight": 1,
+           "transformer.layers.*.mlp.proj.weight": 2}
+
+
 @pytest.mark.parametrize("tp_size, pp_size", [(2, 1), (1, 2), (2, 2)])
 def test_sharded_conversion_reassembles_to_tp1(hf_dir, ckpt, tmp_path, tp_size, pp_size):
     """--tp_size / --pp_size shards re-assemble to the tp 1 tensors; experts split along I."""
@@ -234,6 +241,7 @@ def test_sharded_conversion_reassembles_to_tp1(hf_dir, ckpt, tmp_path, tp_size, 
     reference = load_rank_weights(ckpt, 0)
     full = reassemble(out)
     assert set(full) == set(reference)
+    assert_split_dims(out, reference, TP_DIMS, tp_size)
     for key, tensor in reference.items():
         assert torch.equal(full[key], tensor), key
     rank0 = load_rank_weights(out, 0)

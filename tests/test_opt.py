@@ -26,6 +26,7 @@ from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.models.opt.config import OPTConfig, from_hf_config  # noqa: E402
+from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, ffn_dim=48, num_attention_heads=4,
@@ -80,6 +81,10 @@ def test_greedy_generation_matches_hf(case):
         ours.output_ids, ref, near_tie)
 
 
+TP_DIMS = {**DENSE_TP_DIMS, "transformer.position_embedding.weight": -1,  # learned positions
+           "transformer.project_in.weight": -1, "transformer.project_out.weight": -1}  # 350m: replicated
+
+
 def test_tp2_pp2_shards_reassemble_to_tp1(case, tmp_path):
     """--tp_size 2 --pp_size 2: the 4 rank files re-assemble to exactly the tp 1 tensors."""
     _, _, src, ckpt = case
@@ -89,6 +94,7 @@ def test_tp2_pp2_shards_reassemble_to_tp1(case, tmp_path):
     if "lm_head.weight" not in ref:  # tied at tp 1: lm_head is the embedding itself
         ref["lm_head.weight"] = ref["transformer.vocab_embedding.weight"]
     assert sorted(whole) == sorted(ref)
+    assert_split_dims(tmp_path / "tp2pp2", ref, TP_DIMS, tp_size=2)
     for key, tensor in ref.items():
         assert torch.equal(whole[key], tensor), key
 

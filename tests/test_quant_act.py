@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")

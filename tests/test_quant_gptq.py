@@ -32,6 +32,7 @@ from bestiary.core.quant.gptq import act_order_perm, gptq_int4, hessian_error
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.slot import WeightOnlySlot
 from bestiary.core.runtime.engine import Engine
+from kv_scales import expected_kv_scales
 from test_quant import _logits, float_reference
 from tiny_llama import make_tiny_llama
 
@@ -294,8 +295,15 @@ def test_gptq_with_tied_lm_head_and_int8_kv_cache(tmp_path):
     tensors = load_file(str(tmp_path / "q" / "rank0.safetensors"))
     assert tensors["lm_head.weight"].dtype == torch.uint8
     assert tensors["transformer.vocab_embedding.weight"].dtype == torch.float32
-    scales = tensors["transformer.layers.0.attention.kv_cache_scaling_factor"]
-    assert (scales != 1.0).all()  # calibrated after the calibrated weights were written
+    # calibrated after the calibrated weights were written: amax / 127 of K and V of the same
+    # W4A16 weights with a float KV cache, over the KV calibration ids
+    weights_only = quant.model_copy(update={"kv_cache_quant_algo": None})
+    convert(src, tmp_path / "w", show_progress=False, quantization=weights_only)
+    weights = load_file(str(tmp_path / "w" / "rank0.safetensors"))
+    assert all(torch.equal(tensors[k], w) for k, w in weights.items())  # the same packed weights
+    for layer, expected in enumerate(expected_kv_scales(Engine.load(tmp_path / "w"), 127.0)):
+        scales = tensors[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"]
+        torch.testing.assert_close(scales, expected, rtol=1e-5, atol=0)
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "INT8"
 
 

@@ -97,7 +97,8 @@ def test_logits_close_to_float_cache_and_scale_matters(algo, tiny):
     ours, _ = _feed(engine, prompt)
     scale = ref.abs().max().item()
     # a random (untrained) model amplifies K/V noise; the quality gate is SmolLM2's perplexity
-    # (test_quant_smollm2.py), the exact write is checked by test_pool_holds_codes_of_the_float_keys
+    # (test_quant_smollm2.py), the exact write is checked by test_pool_holds_codes_of_the_float_keys.
+    # Measured max |ours - ref| / scale: INT8 2.47e-2, FP8 1.10e-1; the bounds are ~2x those.
     assert (ours - ref).abs().max() < (5e-2 if algo == "INT8" else 2e-1) * scale
     assert (ours - ref).abs().max() > 0  # the decode steps really read quantized values
     for layer in engine.model.transformer.layers:  # broken variant: a 64x too small scale clips K and V

@@ -18,7 +18,37 @@ def plugin(**hooks) -> types.SimpleNamespace:
 
 
 def spec(name: str, **kw) -> ArchitectureSpec:
-    return ArchitectureSpec(name=name, config_class="x:Y", model_class="x:Y", from_hf_config="x:y", **kw)
+    """A spec whose lazy references exist (they are checked at registration): LLaMA's code."""
+    refs = dict(config_class="bestiary.models.llama.config:LlamaConfig",
+                model_class="bestiary.models.llama.model:LlamaForCausalLM",
+                from_hf_config="bestiary.models.llama.config:from_hf_config")
+    return ArchitectureSpec(name=name, **{**refs, **kw})
+
+
+@pytest.mark.parametrize("field,ref,words", [
+    ("model_class", "bestiary.models.llama.model:LlamaForCausalLMM", ["model_class", "has no attribute"]),
+    ("config_class", "bestiary.models.llama.confg:LlamaConfig", ["config_class", "no module named"]),
+    ("from_hf_config", "bestiary.models.llama.config.from_hf_config", ["from_hf_config", "must look like"]),
+])
+def test_a_reference_typo_is_refused_at_registration_in_one_line(field, ref, words):
+    """It used to pass registration and fail at convert with a 22-line AttributeError."""
+    def typo(register):
+        register(spec("TypoForCausalLM", hf_architectures=("TypoForCausalLM",), **{field: ref}))
+
+    registry = Registry.from_plugins({"typo": plugin(bestiary_register_architectures=typo)})
+    (failure,) = [f for f in registry.failures if f.name == "typo"]
+    assert "Traceback" not in failure.traceback and len(failure.traceback.splitlines()) == 1
+    assert all(w in failure.traceback for w in ["TypoForCausalLM", ref, *words]), failure.traceback
+    with pytest.raises(BestiaryError, match="plugin 'typo' failed to load: .*" + words[-1]):
+        registry.for_hf_config({"architectures": ["TypoForCausalLM"]}, "c/config.json")
+
+
+def test_resolve_typo_is_one_line():
+    from bestiary.core.format.errors import PluginError
+    from bestiary.registry import resolve
+
+    with pytest.raises(PluginError, match="has no attribute 'nope'"):
+        resolve("bestiary.models.llama.config:nope")
 
 
 def test_builtin_llama_registered_through_entry_point():

@@ -114,11 +114,20 @@ def test_chat_template_matches_hf(engine_dir, hf_tokenizer):
     assert ours.apply_chat_template(messages) == expected
 
 
-def test_demo_runs_end_to_end(tmp_path):
-    """`bestiary demo`: convert -> build -> chat, answer on stdout, tokens/s on stderr."""
-    cmd = [sys.executable, "-m", "bestiary.core.cli", "demo", "--workdir", str(tmp_path), "--max_output_len", "12"]
+def test_demo_runs_end_to_end(tmp_path, hf_model, hf_tokenizer):
+    """`bestiary demo`: convert -> build -> chat; the answer on stdout is HF's greedy answer to the
+    chat-templated prompt (12 tokens), tokens/s on stderr."""
+    prompt = "What is the capital of France? Answer in one sentence."
+    cmd = [sys.executable, "-m", "bestiary.core.cli", "demo", "--workdir", str(tmp_path),
+           "--max_output_len", "12", "--prompt", prompt]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
+    chat = hf_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                            add_generation_prompt=True)
+    ids = hf_tokenizer(chat, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf_model.generate(ids, max_new_tokens=12, do_sample=False)
+    answer = hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert answer.strip() and result.stdout == answer + "\n"
     assert "tokens/s" in result.stderr
     assert (tmp_path / "smollm2-float32-engine" / "config.json").is_file()

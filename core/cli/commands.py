@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from bestiary.core.cli.main import command
+from bestiary.core.format.config import read_text_file
 from bestiary.core.format.errors import BestiaryError
 from rich.console import Console
 from rich.table import Table
@@ -29,6 +30,12 @@ def _threads(n: int | None) -> None:
 
 @command("convert")
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return convert_dry_run(args)
+    if args.report:
+        raise BestiaryError("--report: only with --dry_run")
+    if not args.output_dir:
+        raise BestiaryError("--output_dir: required (unless --dry_run)")
     from bestiary.core.convert.source_to_checkpoint import convert
     from bestiary.core.quant.options import QuantFlags, quant_config_from_flags
 
@@ -37,9 +44,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   architecture=args.architecture, show_progress=sys.stderr.isatty(),
                   quantization=quant_config_from_flags(flags) if flags.any() else None,
                   calib_text=args.calib_text, smoothquant_alpha=args.smoothquant,
-                  weight_quantizer=args.weight_quantizer, tune_steps=args.tune_steps)
+                  weight_quantizer=args.weight_quantizer, tune_steps=args.tune_steps,
+                  allow_nonfinite=args.allow_nonfinite)
     ERR.print(f"checkpoint written to {out}")
     return 0
+
+
+def convert_dry_run(args: argparse.Namespace) -> int:
+    """`convert --dry_run`: the linter's table on stdout, findings on stderr; 1 when anything is flagged."""
+    from bestiary.core.convert.lint import lint
+
+    report = lint(args.model_dir, tp_size=args.tp_size, pp_size=args.pp_size, architecture=args.architecture)
+    table = Table(title=f"{report.source} -> {report.architecture} (tp {report.tp_size}, pp {report.pp_size}): dry run")
+    for col in ("rank", "target", "shape", "source tensor(s)", "postprocess", "TP slice"):
+        table.add_column(col)
+    for row in report.tensors:
+        table.add_row(str(row.rank), row.target, str(row.shape), "\n".join(row.sources),
+                      row.postprocess.rpartition(".")[2], row.tp_slice)
+    stdout_console().print(table)
+    for note in report.notes:
+        ERR.print(f"note: {note}", markup=False, highlight=False)
+    if args.report:
+        from bestiary.core.format.checkpoint import write_json
+
+        write_json(Path(args.report), report.to_json())
+    problems = report.problems()
+    for line in problems:
+        ERR.print(f"[red]flag:[/red] {line}", highlight=False)
+    ERR.print(f"{len(problems)} finding(s); nothing written" if problems else "no findings; nothing written")
+    return 1 if problems else 0
 
 
 @command("build")
@@ -49,8 +82,17 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     flags = {k: getattr(args, k) for k in BuildConfig.model_fields if getattr(args, k) is not None}
     build = validate_config(BuildConfig, flags, "build flags")
-    out = build_engine(args.checkpoint_dir, args.output_dir, build)
+    out = build_engine(args.checkpoint_dir, args.output_dir, build, check_memory=not args.skip_memory_check)
     ERR.print(f"engine written to {out}")
+    return 0
+
+
+@command("export")
+def cmd_export(args: argparse.Namespace) -> int:
+    from bestiary.core.convert.export_flm import export_flm
+
+    out = export_flm(args.engine_dir or args.checkpoint_dir, args.output_file, args.flm_dtype)
+    ERR.print(f"{args.format} file written to {out}")
     return 0
 
 
@@ -90,26 +132,56 @@ def cmd_run(args: argparse.Namespace) -> int:
     from bestiary.core.runtime.llm import LLM
 
     sampling = _sampling(args)
-    llm = LLM(args.engine_dir, num_threads=args.num_threads)
+    if args.streaming and args.output_log_probs:
+        raise BestiaryError("--streaming --output_log_probs: streaming prints text only; "
+                            "drop --streaming to get the log probs")
+    llm = LLM(args.engine_dir, num_threads=args.num_threads, allow_nonfinite=args.allow_nonfinite)
+    _note_length_cap(args.max_output_len, llm.engine.build.max_seq_len)
     prompts: list = _parse_ids(args.input_ids) if args.input_ids else list(args.input_text)
     if llm.tokenizer is None and not args.input_ids:
         raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; use --input_ids")
     as_ids = args.output_ids or llm.tokenizer is None
+    adapters = _lora_requests(args.lora_dir, args.lora_task_uids, len(prompts))
     if args.streaming:
-        for prompt in prompts:
-            for piece in llm.generate_stream(prompt, sampling, chat=args.chat):
+        for prompt, lora in zip(prompts, adapters):
+            for piece in llm.generate_stream(prompt, sampling, chat=args.chat, lora=lora):
                 sys.stdout.write(f"{piece} " if as_ids and isinstance(piece, int) else str(piece))
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            _print_stats(llm.last_stats)
+            _print_stats(llm.last_stats, sampling.beam_width)
         return 0
-    completions = llm.generate(prompts, sampling, chat=args.chat)
+    completions = llm.generate(prompts, sampling, chat=args.chat, lora=adapters)
     for c in completions:
         print(" ".join(map(str, c.output_ids)) if as_ids else c.text)
         if args.output_log_probs:
             print(json.dumps(_log_prob_record(c)))
-    _print_stats(llm.last_stats)
+    _print_stats(llm.last_stats, sampling.beam_width)
     return 0
+
+
+def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int) -> list:
+    """--lora_dir / --lora_task_uids -> one LoraRequest (or None: -1, the base model) per input."""
+    from bestiary.core.lora.store import LoraRequest
+
+    if uids is None:
+        if dirs and len(dirs) > 1:
+            raise BestiaryError(f"--lora_dir gives {len(dirs)} adapters: say which input uses which with "
+                                "--lora_task_uids (one per input, -1: the base model)")
+        return [LoraRequest(Path(dirs[0]).name, dirs[0]) if dirs else None] * count
+    if not dirs:
+        raise BestiaryError("--lora_task_uids needs --lora_dir")
+    if len(uids) != count:
+        raise BestiaryError(f"--lora_task_uids has {len(uids)} values for {count} inputs; give one per input")
+    out = []
+    for uid in uids:
+        try:
+            i = int(uid)
+        except ValueError:
+            raise BestiaryError(f"--lora_task_uids: {uid!r} is not an integer") from None
+        if not -1 <= i < len(dirs):
+            raise BestiaryError(f"--lora_task_uids: {i} is not -1 or an index of the {len(dirs)} --lora_dir adapters")
+        out.append(None if i < 0 else LoraRequest(f"{i}:{Path(dirs[i]).name}", dirs[i]))
+    return out
 
 
 def _log_prob_record(c) -> dict:
@@ -121,13 +193,23 @@ def _log_prob_record(c) -> dict:
     return record
 
 
-def _print_stats(stats) -> None:
+def _note_length_cap(max_output_len: int, max_seq_len: int) -> None:
+    """Say so when --max_output_len is more than the engine can give (it used to run for minutes silently)."""
+    if max_output_len >= max_seq_len:
+        print(f"note: --max_output_len {max_output_len:,} is more than the engine allows: each output ends "
+              f"at max_seq_len {max_seq_len} tokens (prompt + output)", file=sys.stderr)
+
+
+def _print_stats(stats, beam_width: int = 1) -> None:
+    """The timing line on stderr. Beam search returns its tokens when it finishes, so it has no
+    first-token time or decode rate (dividing by the time after the "first" token gave 1e6 tok/s)."""
+    head = f"[bestiary] {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated in {stats.seconds:.2f} s"
+    if beam_width > 1:
+        print(f"{head}: {stats.tokens_per_second:.1f} tokens/s (beam search, {beam_width} beams)", file=sys.stderr)
+        return
     ttft = f"{stats.first_token_seconds * 1000:.0f} ms" if stats.first_token_seconds is not None else "-"
-    print(
-        f"[bestiary] {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated in {stats.seconds:.2f} s: "
-        f"{stats.tokens_per_second:.1f} tokens/s ({stats.decode_tokens_per_second:.1f} decode), first token {ttft}",
-        file=sys.stderr,
-    )
+    print(f"{head}: {stats.tokens_per_second:.1f} tokens/s ({stats.decode_tokens_per_second:.1f} decode), "
+          f"first token {ttft}", file=sys.stderr)
 
 
 @command("eval")
@@ -136,13 +218,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from bestiary.core.runtime.evaluate import perplexity
 
     _threads(args.num_threads)
-    path = Path(args.text_file)
-    if not path.is_file():
-        raise BestiaryError(f"{path}: no such text file")
-    engine = Engine.load(args.engine_dir)
+    text = read_text_file(args.text_file, "--text_file")
+    engine = Engine.load(args.engine_dir, allow_nonfinite=args.allow_nonfinite)
     if engine.tokenizer is None:
         raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; eval needs one")
-    ids = engine.tokenizer.encode(path.read_text())
+    ids = engine.tokenizer.encode(text)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     result = perplexity(engine, ids)
@@ -188,7 +268,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         tensors.add_section()
         tensors.add_row("total", "", "", f"{total / 2**20:.2f}")
         out.print(tensors)
+    out.print(cpu_kernels_table())
     return 0
+
+
+def cpu_kernels_table() -> Table:
+    """The CPU kernels' path on this machine (core.cpu.build.describe): ISA chosen and why."""
+    from bestiary.core.cpu.build import describe
+
+    table = Table(title="CPU kernels (this machine)")
+    table.add_column("field")
+    table.add_column("value")
+    for key, value in describe().items():
+        table.add_row(key, value)
+    return table
 
 
 def _dtype_bytes(name: str) -> int:
@@ -197,21 +290,43 @@ def _dtype_bytes(name: str) -> int:
 
 @command("list")
 def cmd_list(args: argparse.Namespace) -> int:
-    from bestiary.registry import default_registry
+    from bestiary.registry import capabilities, default_registry
 
     registry = default_registry()
-    table = Table(title="bestiary architectures")
-    for col in ("architecture", "package", "HF architectures", "model types", "supports"):
-        table.add_column(col, no_wrap=True)
+    specs = [registry.specs[name] for name in registry.names()]
+    cells = [capabilities.columns(spec) for spec in specs]
+    caps = list(dict.fromkeys(col for row in cells for col in row))  # LoRA only once some spec declares it
+    table = Table(title="bestiary architectures (TP/PP/EP: tensor/pipeline/expert parallel; quant: algorithms)")
+    for col in ("architecture", "package", "HF architectures", "model types", *caps):
+        table.add_column(col, no_wrap=col not in ("quant", "LoRA"))
     table.add_column("description")
-    for name in registry.names():
-        spec = registry.specs[name]
-        table.add_row(name, spec.package, ", ".join(spec.hf_architectures), ", ".join(spec.hf_model_types),
-                      spec.supports.summary(), spec.description)
+    for spec, row in zip(specs, cells, strict=True):
+        table.add_row(spec.name, spec.package, ", ".join(spec.hf_architectures), ", ".join(spec.hf_model_types),
+                      *(row.get(col, "-") for col in caps), spec.description)
     stdout_console().print(table)
     for failure in registry.failures:
         ERR.print(f"[red]plugin {failure.name!r} (package {failure.package}) failed to load:[/red]")
         ERR.print(failure.traceback, markup=False, highlight=False)
+    return 0
+
+
+@command("cache")
+def cmd_cache(args: argparse.Namespace) -> int:
+    from bestiary.core.format.cache import cache_dir, cache_entries, clear_cache
+
+    if args.action == "clear":
+        freed = clear_cache()
+        ERR.print(f"cache {cache_dir()} cleared: {freed / 2**20:.1f} MiB freed")
+        return 0
+    table = Table(title=f"bestiary cache: {cache_dir()}")
+    for col in ("kind", "name", "source", "MiB"):
+        table.add_column(col, justify="right" if col == "MiB" else "left", no_wrap=col != "source")
+    entries = cache_entries()
+    for e in entries:
+        table.add_row(e.kind, e.name, e.source, f"{e.size / 2**20:.1f}")
+    table.add_section()
+    table.add_row("total", "", "", f"{sum(e.size for e in entries) / 2**20:.1f}")
+    stdout_console().print(table)
     return 0
 
 

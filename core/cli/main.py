@@ -1,17 +1,15 @@
-"""The `bestiary` command line: convert, build, run, eval, inspect, list, demo.
+"""The `bestiary` command line: convert, build, run, serve, eval, inspect, list, cache, demo.
 
-User mistakes (BestiaryError) print one line `error: ...` on stderr and exit with code 2;
-bad flags are argparse errors (also exit code 2). Heavy modules load inside commands.
+User mistakes (BestiaryError) print one line `error: ...` on stderr and exit with code 2,
+environment faults (read-only or full disk, memory) with code 1 (core.cli.failures has the
+table); bad flags are argparse errors (also exit code 2). Heavy modules load inside commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import typing
 from collections.abc import Callable
-
-from bestiary.core.format.errors import BestiaryError
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -110,19 +108,37 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"bestiary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf -> checkpoint dir")
-    p.add_argument("--model_dir", required=True, help="HF model directory or a .gguf/.safetensors file.")
-    p.add_argument("--output_dir", required=True)
+    p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir")
+    p.add_argument("--model_dir", required=True, help="HF model directory or a .gguf/.flm/.safetensors file.")
+    p.add_argument("--output_dir", default=None, help="The checkpoint directory (not needed with --dry_run).")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--tp_size", type=positive_int, default=1)
     p.add_argument("--pp_size", type=positive_int, default=1)
     p.add_argument("--architecture", default=None, help="Force a registered architecture (see `bestiary list`).")
+    p.add_argument("--allow_nonfinite", action="store_true",
+                   help="Accept weights with NaN or inf values (refused by default, naming the tensor).")
+    p.add_argument("--dry_run", action="store_true",
+                   help="Write nothing: list each target tensor's sources, postprocess hook and TP slice, and flag "
+                        "missing, unused, mis-shaped and (against an HF reference) transposed tensors; exit 1 if any.")
+    p.add_argument("--report", default=None, metavar="FILE.json", help="With --dry_run: also write the findings as JSON.")
     add_quant_flags(p)
 
     p = sub.add_parser("build", help="checkpoint dir -> engine dir")
     p.add_argument("--checkpoint_dir", required=True)
     p.add_argument("--output_dir", required=True)
     add_model_flags(p, BuildConfig)
+    p.add_argument("--skip_memory_check", action="store_true",
+                   help="Build limits whose KV cache exceeds this host's RAM (for a larger target host).")
+
+    p = sub.add_parser("export", help="checkpoint or engine dir -> FastLLM .flm file (docs/fastllm.md)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine_dir", help="The engine directory to export.")
+    src.add_argument("--checkpoint_dir", help="The checkpoint directory to export.")
+    p.add_argument("--format", default="flm", choices=["flm"], help="Output format: FastLLM's .flm (version 2).")
+    p.add_argument("--output_file", required=True, help="The .flm file to write (an existing .flm is replaced).")
+    p.add_argument("--flm_dtype", default=None, metavar="DTYPE",
+                   help="Linear weights as float32, float16, int8, int4 (per row) or int4g128 (groups of 128); "
+                        "default: the model's own layout.")
 
     p = sub.add_parser("run", help="generate text from an engine")
     p.add_argument("--engine_dir", required=True)
@@ -134,17 +150,41 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="Wrap each input in the model's chat template.")
     p.add_argument("--output_ids", action="store_true", help="Print generated ids instead of text.")
     p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+    p.add_argument("--allow_nonfinite", action="store_true",
+                   help="Accept weights with NaN or inf values (refused by default, naming the tensor).")
+    p.add_argument("--lora_dir", nargs="+", default=None, metavar="DIR",
+                   help="HF PEFT LoRA adapter directories; task uid i is the i-th directory.")
+    p.add_argument("--lora_task_uids", nargs="+", default=None, metavar="UID",
+                   help="One per input: the index of its --lora_dir adapter, or -1 for the base model.")
 
     p = sub.add_parser("eval", help="perplexity of an engine on a text file")
     p.add_argument("--engine_dir", required=True)
     p.add_argument("--text_file", required=True)
     p.add_argument("--max_tokens", type=positive_int, default=None, help="Evaluate at most this many tokens.")
     p.add_argument("--num_threads", type=positive_int, default=None)
+    p.add_argument("--allow_nonfinite", action="store_true",
+                   help="Accept weights with NaN or inf values (refused by default, naming the tensor).")
 
     p = sub.add_parser("inspect", help="config, tensor table, dtype and size of a checkpoint/engine dir")
     p.add_argument("directory")
 
     sub.add_parser("list", help="registered architectures")
+
+    p = sub.add_parser("cache", help="list or clear the cache (LLM(source) conversions, demo, CPU kernels)")
+    p.add_argument("action", choices=["list", "clear"])
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for an engine (docs/serving.md)")
+    p.add_argument("--engine_dir", required=True)
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this host only).")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api_key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
+    p.add_argument("--served_model_name", default=None, help="Model id of the API (default: the engine dir's name).")
+    p.add_argument("--max_queue_len", type=positive_int, default=1024,
+                   help="Requests that may wait for their first token; more are answered 503.")
+    p.add_argument("--chat_template", default=None, metavar="FILE",
+                   help="Jinja2 chat template replacing the model's (or a tokenizer_config.json with one).")
+    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+    p.add_argument("--log_level", default="warning", choices=["debug", "info", "warning", "error"])
 
     p = sub.add_parser("demo", help="convert, build and chat with the embedded SmolLM2-135M-Instruct")
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
@@ -156,15 +196,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `bestiary` script."""
+    """Entry point of the `bestiary` script: every failure is one line and an exit code (cli.failures)."""
     args = make_parser().parse_args(argv)
-    from bestiary.core.cli import commands  # noqa: F401 - registers the handlers into COMMANDS
+    from bestiary.core.cli import commands, serve  # noqa: F401 - register the handlers into COMMANDS
+    from bestiary.core.cli.failures import check_text_args, exit_code_for, signals_as_interrupts
 
-    try:
-        return COMMANDS[args.command](args) or 0
-    except BestiaryError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    with signals_as_interrupts():
+        try:
+            check_text_args(args)
+            return COMMANDS[args.command](args) or 0
+        except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the one error path
+            return exit_code_for(err)

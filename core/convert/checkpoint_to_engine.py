@@ -15,13 +15,19 @@ from bestiary.core.format.build_config import (
 from bestiary.core.format.checkpoint import atomic_directory, rank_file, write_json
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.memory import check_build_memory
+from bestiary.core.format.output_dir import check_output_dir
 
 __all__ = ["FORMAT_VERSION", "BuildConfig", "build_engine", "finalize_build_config"]
 
 
-def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: BuildConfig) -> Path:
-    """Write an engine dir: config.json {format_version, pretrained_config, build_config}, rank files, tokenizer."""
+def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: BuildConfig,
+                 check_memory: bool = True) -> Path:
+    """Write an engine dir: config.json {format_version, pretrained_config, build_config}, rank files, tokenizer.
+
+    `check_memory`: refuse limits whose KV pool and weights exceed this host's RAM (core.format.memory)."""
     checkpoint_dir = Path(checkpoint_dir)
+    check_output_dir(output_dir, "engine", [checkpoint_dir])
     if not checkpoint_dir.is_dir():
         raise BestiaryError(f"{checkpoint_dir}: no such checkpoint directory")
     model_config = read_json(checkpoint_dir / "config.json")
@@ -29,14 +35,17 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
         raise BestiaryError(f"{checkpoint_dir}: is already an engine directory; pass a checkpoint from `bestiary convert`")
     from bestiary.core.runtime.engine import validate_model_config
 
-    validate_model_config(model_config, str(checkpoint_dir / "config.json"))
+    config = validate_model_config(model_config, str(checkpoint_dir / "config.json"))
     build = finalize_build_config(build, model_config)
     world = model_config.get("mapping", {}).get("world_size", 1)
     ranks = [rank_file(checkpoint_dir, r) for r in range(world)]
     for path in ranks:
         if not path.is_file():
             raise BestiaryError(f"{path}: rank file not found (mapping.world_size is {world})")
-    with atomic_directory(Path(output_dir)) as tmp:
+    if check_memory:
+        tokens = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
+        check_build_memory(config, tokens // world, max(p.stat().st_size for p in ranks))
+    with atomic_directory(Path(output_dir), "engine", [checkpoint_dir]) as tmp:
         for rank, path in enumerate(ranks):
             _link_or_copy(path, rank_file(tmp, rank))
         for name in TOKENIZER_FILES:

@@ -14,7 +14,8 @@
    A hook marked `@slices_itself` gets the whole source tensors and `tp_rank=` instead,
    for rank layouts a contiguous 1/tp slice cannot express (replicated MQA kv heads).
 4. strict: every target filled, every source tensor used (or matched by the spec's
-   ignored_source_keys), every shape checked.
+   ignored_source_keys), every shape checked, every float value finite (after the cast to
+   the target dtype; `allow_nonfinite` turns that check off).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.convert.postprocess import identity
+from bestiary.core.convert.postprocess import identity, slices_itself  # noqa: F401 - plugin API
+from bestiary.core.format.checkpoint import check_finite
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import WeightSource
 from bestiary.registry.spec import ArchitectureSpec, resolve
@@ -74,17 +76,6 @@ def model_targets(model: nn.Module) -> list[Target]:
     return targets
 
 
-def slices_itself(hook):
-    """Mark a postprocess hook that cuts the rank's part itself.
-
-    The loader then passes it the whole (unsliced) source tensors and `tp_rank=` as a
-    keyword: `hook(key, tensors, config, tp_rank=r)`. For layouts a contiguous 1/tp slice
-    of each source cannot express, e.g. a fused qkv whose single kv head every rank holds.
-    """
-    hook.slices_itself = True
-    return hook
-
-
 def nearest(name: str, candidates: list[str], n: int = 3) -> str:
     """' (nearest: a, b)' listing the candidates closest to `name`, or ''."""
     close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
@@ -102,8 +93,10 @@ class WeightsLoader:
         customized_key_dict: dict | None = None,
         label: str = "",
         source_model_type: str | None = None,
+        allow_nonfinite: bool = False,
     ) -> None:
         self.source = source
+        self.allow_nonfinite = allow_nonfinite
         self.spec = spec
         self.config = config
         self.customized = dict(customized_key_dict or {})
@@ -144,16 +137,27 @@ class WeightsLoader:
         return [".".join(p for p in parts if p) for parts in itertools.product(*options)]
 
     # --- plan: checks before any weight is read ----------------------------------------
+    def sources_of(self, target: Target, by_key: dict[str, Target], layer_offset: int,
+                   aliases: dict[str, str]) -> list[str]:
+        """Source keys of one target (an aliased key, e.g. a tied lm_head, reads its origin's sources)."""
+        origin_key, origin_path = target.key, target.module_path
+        if target.key in aliases:  # the aliased key may live on another pipeline stage
+            origin_key = aliases[target.key]
+            origin_path = by_key[origin_key].module_path if origin_key in by_key else origin_key.rpartition(".")[0]
+        return self.translate(origin_key, origin_path, layer_offset)
+
+    def unused_source_keys(self) -> list[str]:
+        """Source keys no planned target used and no ignored_source_keys glob matches, sorted."""
+        ignored = self.spec.ignored_source_keys
+        return sorted(k for k in self._source_keys - self.used
+                      if not any(fnmatch.fnmatchcase(k, pattern) for pattern in ignored))
+
     def plan(self, targets: list[Target], layer_offset: int, aliases: dict[str, str]) -> dict[str, list[str]]:
         """canonical key -> source keys for one rank; a missing source key is an error."""
         by_key = {t.key: t for t in targets}
         plan: dict[str, list[str]] = {}
         for target in targets:
-            origin_key, origin_path = target.key, target.module_path
-            if target.key in aliases:  # the aliased key may live on another pipeline stage
-                origin_key = aliases[target.key]
-                origin_path = by_key[origin_key].module_path if origin_key in by_key else origin_key.rpartition(".")[0]
-            sources = self.translate(origin_key, origin_path, layer_offset)
+            sources = self.sources_of(target, by_key, layer_offset, aliases)
             missing = [s for s in sources if s not in self._source_keys]
             if missing:
                 raise WeightsError(
@@ -166,9 +170,7 @@ class WeightsLoader:
 
     def check_all_used(self, target_keys: list[str]) -> None:
         """Every source tensor must be consumed by some target (after all ranks were planned)."""
-        ignored = self.spec.ignored_source_keys
-        unused = sorted(k for k in self._source_keys - self.used
-                        if not any(fnmatch.fnmatchcase(k, pattern) for pattern in ignored))
+        unused = self.unused_source_keys()
         if unused:
             raise WeightsError(
                 f"{self.label}: source tensor {unused[0]!r} is not used by any {self.spec.name} weight"
@@ -236,4 +238,6 @@ class WeightsLoader:
                     f"expected {target.shape}"
                 )
             result[key] = tensor.to(target.dtype).contiguous()
+            if not self.allow_nonfinite:
+                check_finite(result[key], f"{self.source.file_of(sources[0])}: tensor {sources[0]!r} (for {key!r})")
         return result

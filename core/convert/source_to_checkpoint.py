@@ -19,10 +19,12 @@ from bestiary.core.format.checkpoint import (
     write_json,
 )
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig
-from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.errors import BestiaryError, ConfigError
+from bestiary.core.format.output_dir import check_output_dir
 from bestiary.core.format.progress import progress
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry, resolve
+from bestiary.registry.capabilities import check_supported
 from bestiary.registry.spec import ArchitectureSpec
 from torch import nn
 
@@ -55,6 +57,25 @@ def build_config(spec: ArchitectureSpec, source: ModelSource, dtype: str, mappin
     return from_hf(source.hf_config, dtype, mapping, source=str(source.path))
 
 
+def check_tokenizer(source: ModelSource) -> None:
+    """The source's tokenizer must load and its chat template compile (a garbage tokenizer.json or a
+    template syntax error is refused before any weight is read; a template's own runtime errors
+    show only when it is used, with --chat)."""
+    if source.tokenizer is None:
+        return
+    from bestiary.core.runtime.chat_template import compile_template
+    from bestiary.core.runtime.tokenizer import Tokenizer
+
+    where = source.path / "tokenizer.json" if source.path.is_dir() else source.path
+    tokenizer = Tokenizer(source.tokenizer.tokenizer_json, source.tokenizer.tokenizer_config, str(where))
+    if tokenizer.chat_template:
+        try:
+            compile_template(tokenizer.chat_template)
+        except BestiaryError as err:
+            raise BestiaryError(f"{where.with_name('tokenizer_config.json') if source.path.is_dir() else where}: "
+                                f"{err}") from None
+
+
 def instantiate(spec: ArchitectureSpec, config: PretrainedConfig, rank: int, device="meta") -> nn.Module:
     """The architecture's model for `rank`; an impossible split is a one-line error."""
     model_class = resolve(spec.model_class)
@@ -63,6 +84,8 @@ def instantiate(spec: ArchitectureSpec, config: PretrainedConfig, rank: int, dev
     except ValueError as err:
         m = config.mapping
         raise BestiaryError(f"--tp_size {m.tp_size} --pp_size {m.pp_size}: {err}") from None
+    except TypeError as err:  # a field the model needs is missing (None) or of the wrong kind
+        raise ConfigError(f"{spec.name}: the model cannot be built from this config ({err})") from None
 
 
 def plan_ranks(
@@ -97,6 +120,7 @@ def convert(
     weight_quantizer: str | None = None,
     smoothquant_alpha: float | None = None,
     tune_steps: int | None = None,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path.
 
@@ -105,8 +129,11 @@ def convert(
     the section is written to config.json. `weight_quantizer`: "rtn" or "gptq" (default: gptq for
     int4 weights, calibrated on `calib_text` or the built-in texts; core.quant.calibrated).
     `tune_steps`: steps of end-to-end scale tuning after GPTQ (default core.quant.tune.DEFAULT_STEPS
-    for GPTQ int4, 0 = none). `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot)."""
+    for GPTQ int4, 0 = none). `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot).
+    A source tensor with NaN or inf values is refused unless `allow_nonfinite`. `output_dir` must
+    be new, empty or an earlier checkpoint (core.format.output_dir), never the source."""
     registry = registry or default_registry()
+    check_output_dir(output_dir, "checkpoint", [model_dir])  # before any weight is read
     source = open_source(model_dir)
     spec = registry.for_hf_config(source.hf_config, str(source.path), architecture)
     if dtype != "auto" and dtype not in DTYPE_ALIASES:
@@ -116,6 +143,7 @@ def convert(
         if value < 1:
             raise BestiaryError(f"{flag} {value}: expected a positive integer")
     config = build_config(spec, source, dtype, Mapping(tp_size=tp_size, pp_size=pp_size))
+    check_tokenizer(source)
     from bestiary.core.quant import import_hf  # AWQ / GPTQ sources: imported, not quantized
 
     hf_quant = import_hf.read_hf_quant(source)
@@ -126,6 +154,7 @@ def convert(
 
         config.quantization = quantization
         check_calibratable(config)
+    check_supported(spec, tp_size, pp_size, config.quantization.quant_algo, config.quantization.kv_cache_quant_algo)
     from bestiary.core.quant.calibrated import (
         check_single_rank,
         check_tune_steps,
@@ -141,9 +170,9 @@ def convert(
         check_single_rank(config, method)
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
-    weights = source.weights if hf_quant is None else import_hf.PrequantizedWeights(source.weights, hf_quant)
+    weights = source.weights if hf_quant is None else import_hf.prequantized_weights(source, hf_quant)
     loader = WeightsLoader(weights, spec, config, customized_key_dict, label=str(source.path),
-                           source_model_type=source.hf_config.get("model_type"))
+                           source_model_type=source.hf_config.get("model_type"), allow_nonfinite=allow_nonfinite)
     if hf_quant is not None:
         import_hf.prepare_loader(loader, resolve(spec.model_class), config)
     plans = plan_ranks(loader, spec, config, prequantized=hf_quant is not None)
@@ -153,7 +182,7 @@ def convert(
         set_smoothquant_alpha([s for p in plans for s in (p.quantizers or {}).values()], smoothquant_alpha)
     if hf_quant is not None:
         import_hf.check_plans(plans, loader, config)
-    with atomic_directory(Path(output_dir)) as tmp, progress(show_progress) as bar:
+    with atomic_directory(Path(output_dir), "checkpoint", [model_dir]) as tmp, progress(show_progress) as bar:
         task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
         if calibrated:
             from bestiary.core.quant.calibrated import weight_calibration_ids, write_calibrated_rank

@@ -1,8 +1,13 @@
-"""Compile kernels.c into a shared library on first use, and load it with ctypes.
+"""Compile kernels.c for this CPU's instruction set, and load it with ctypes.
 
-The library is built once per source text, compiler and CPU (it is compiled with
--march=native) into <cache>/cpu-kernels/<key>/ ($BESTIARY_CACHE or ~/.cache/bestiary), through
-a temporary file renamed into place, so concurrent processes never load half a library.
+kernels.c is one source for three builds: AVX-512 (F, BW, VL with FMA and F16C), AVX2 (+ FMA,
+F16C) and scalar C. At load the best ISA whose flags the CPU lists (/proc/cpuinfo; torch's CPU
+capability where there is no such file) is chosen; BESTIARY_CPU_ISA=avx512|avx2|scalar forces
+one (a BestiaryError, one line, for an ISA this CPU lacks or an unknown name). Each ISA's
+library is built once per source text, compiler and flags into <cache>/cpu-kernels/<key>/
+($BESTIARY_CACHE or ~/.cache/bestiary), through a temporary file renamed into place, so
+concurrent processes never load half a library. `describe()` says what was chosen and why
+(`bestiary inspect` prints it).
 
 BESTIARY_CPU_KERNELS=off (or 0) turns the kernels off: every op then runs its torch
 reference. Without a C compiler (`$CC`, else cc / gcc), or if the build fails, the same
@@ -15,18 +20,41 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
-import torch  # noqa: F401  (loads torch's libgomp first: the library then shares its thread pool)
+import torch  # (loaded first: the library then shares torch's libgomp, its thread pool)
 from bestiary.core.format.cache import cache_dir
+from bestiary.core.format.errors import BestiaryError
 
 SOURCE = Path(__file__).with_name("kernels.c")
 ENV_VAR = "BESTIARY_CPU_KERNELS"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+ISA_ENV_VAR = "BESTIARY_CPU_ISA"
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+class Isa(NamedTuple):
+    """One build of kernels.c: the /proc/cpuinfo flags it needs, its compiler flags, and the
+    number its library's bst_isa() returns."""
+
+    cpu_flags: tuple[str, ...]
+    cc_flags: tuple[str, ...]
+    code: int
+
+
+ISAS = {  # best first
+    "avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"),
+                  ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"), 2),
+    "avx2": Isa(("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 1),
+    "scalar": Isa((), (), 0),
+}
+TORCH_CAPABILITY_ISA = {"AVX512": "avx512", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
+EXTRA_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16")  # shown by describe(); no kernel needs them
 
 P, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # name -> argument types (all return void except bst_has_avx512)
@@ -39,6 +67,7 @@ SIGNATURES = {  # name -> argument types (all return void except bst_has_avx512)
     "bst_act_and_mul": [P, P, INT, I64, I64, INT, INT],
     "bst_run_plan": [P, I64, INT],
 }
+INT_FUNCTIONS = ("bst_isa", "bst_has_avx512")  # no arguments, return int
 
 
 @functools.cache
@@ -53,6 +82,66 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def torch_capability() -> str:
+    """torch's view of this CPU's vector ISA: "AVX512", "AVX2", "DEFAULT", ... ("" if unknown)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+def x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def supported_isas() -> list[str]:
+    """The ISAs this CPU runs, best first: by the flags of /proc/cpuinfo, else (no such file) by
+    torch's CPU capability. Always ends with "scalar"."""
+    if not x86():
+        return ["scalar"]
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo: torch's capability says which vector ISA the CPU has
+        best = TORCH_CAPABILITY_ISA.get(torch_capability().upper(), "scalar")
+        return list(ISAS)[list(ISAS).index(best):]
+    return [name for name, isa in ISAS.items() if all(f in flags for f in isa.cpu_flags)]
+
+
+def chosen_isa() -> str:
+    """The ISA the kernels are built for: $BESTIARY_CPU_ISA if set (and not "auto"), else the best
+    this CPU runs. BestiaryError for an unknown name or an ISA the CPU lacks."""
+    forced = os.environ.get(ISA_ENV_VAR, "auto").strip().lower()
+    supported = supported_isas()
+    if forced in ("", "auto"):
+        return supported[0]
+    if forced not in ISAS:
+        raise BestiaryError(f"{ISA_ENV_VAR}={forced}: expected one of auto, {', '.join(ISAS)}")
+    if forced not in supported:
+        lacking = [f for f in ISAS[forced].cpu_flags if f not in cpu_flags()] or ["an x86 CPU"]
+        raise BestiaryError(f"{ISA_ENV_VAR}={forced}: this CPU lacks {', '.join(lacking)} "
+                            f"(/proc/cpuinfo flags); it runs {', '.join(supported)}")
+    return forced
+
+
+def describe() -> dict[str, str]:
+    """What the CPU kernels run on, for `bestiary inspect`: the chosen ISA and why, the ISAs
+    this CPU runs, extra flags present, torch's capability, and whether the kernels are on."""
+    try:
+        isa = chosen_isa()
+        forced = os.environ.get(ISA_ENV_VAR, "auto").strip().lower() not in ("", "auto")
+        how = f"forced by {ISA_ENV_VAR}" if forced else "best the CPU runs"
+    except BestiaryError as err:
+        isa, how = "refused", str(err)
+    if not enabled():
+        state = f"off ({ENV_VAR}): torch references"
+    elif compiler() is None:
+        state = "off: no C compiler ($CC, cc, gcc): torch references"
+    else:
+        state = f"on ({compiler()})"
+    extras = [f for f in EXTRA_FLAGS if f in cpu_flags()]
+    return {"kernels": state, "isa": isa, "chosen": how, "cpu runs": ", ".join(supported_isas()),
+            "cpu extras": ", ".join(extras) or "-", "torch capability": torch_capability() or "unknown"}
+
+
 def enabled() -> bool:
     """False when BESTIARY_CPU_KERNELS says off."""
     return os.environ.get(ENV_VAR, "auto").strip().lower() not in ("off", "0", "false", "no")
@@ -64,24 +153,23 @@ def compiler() -> str | None:
     return cc if cc else (shutil.which("cc") or shutil.which("gcc"))
 
 
-def _key(cc: str) -> str:
-    """Hash of the source, the compiler's version and flags, and this CPU's feature flags."""
+def _key(cc: str, isa: str) -> str:
+    """Hash of the source, the compiler's version and the flags of this ISA's build."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-    text = "\n".join([SOURCE.read_text(), version, " ".join(FLAGS), " ".join(sorted(cpu_flags()))])
+    text = "\n".join([SOURCE.read_text(), version, " ".join(FLAGS), isa, " ".join(ISAS[isa].cc_flags)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def compile_library(cc: str, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    """cc kernels.c -> out (atomically: built beside it, then renamed); `extra_flags` after FLAGS
-    (the tests build the scalar fallback with -mno-avx512f)."""
+def compile_library(cc: str, out: Path, isa: str) -> None:
+    """cc kernels.c -> out for `isa` (atomically: built beside it, then renamed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, *extra_flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=False,
-                                timeout=300)
+        result = subprocess.run([cc, *FLAGS, *ISAS[isa].cc_flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                text=True, check=False, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE}: {result.stderr.strip().splitlines()[-1:]}")
+            raise RuntimeError(f"{cc} failed on {SOURCE} ({isa}): {result.stderr.strip().splitlines()[-1:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -93,26 +181,43 @@ def load(path: Path) -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.bst_has_avx512.restype = ctypes.c_int
+    for name in INT_FUNCTIONS:
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
+def library_for(isa: str) -> ctypes.CDLL | None:
+    """The kernel library built for `isa` (built if needed); None when off or unavailable (warned
+    once). BestiaryError for an ISA this CPU does not run."""
+    if isa not in supported_isas():
+        raise BestiaryError(f"CPU kernels for {isa}: this CPU runs {', '.join(supported_isas())}")
+    return built_library(isa) if enabled() else None
+
+
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built if needed; None when off or unavailable (warned once)."""
-    if not enabled():
-        return None
+def built_library(isa: str) -> ctypes.CDLL | None:
+    """library_for's build and load, once per process and ISA."""
     cc = compiler()
     if cc is None:
         warnings.warn("bestiary: no C compiler found ($CC, cc, gcc): the CPU kernels run their torch "
                       "references (slower)", stacklevel=2)
         return None
     try:
-        path = cache_dir() / "cpu-kernels" / _key(cc) / "libbestiary_cpu.so"
+        path = cache_dir() / "cpu-kernels" / _key(cc, isa) / f"libbestiary_cpu_{isa}.so"
         if not path.exists():
-            compile_library(cc, path)
-        return load(path)
+            compile_library(cc, path, isa)
+        lib = load(path)
+        if lib.bst_isa() != ISAS[isa].code:
+            raise RuntimeError(f"{path} was built for ISA code {lib.bst_isa()}, not {isa}")
+        return lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         warnings.warn(f"bestiary: the CPU kernels could not be built ({err}); running the torch references",
                       stacklevel=2)
         return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernel library for the chosen ISA (chosen_isa), built if needed; None when off or
+    unavailable (warned once). Cached: tests that change the environment call cache_clear()."""
+    return library_for(chosen_isa()) if enabled() else None

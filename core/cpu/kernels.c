@@ -1,8 +1,16 @@
-/* bestiary CPU kernels: the batch-1 / small-batch decode ops, AVX-512 with a scalar fallback.
+/* bestiary CPU kernels: the batch-1 / small-batch decode ops, one source for three builds.
  *
- * Built by bestiary.core.cpu.build (gcc -O3 -march=native -fopenmp) the first time they are
- * needed, loaded with ctypes. Each op has a torch reference in bestiary.core.cpu.ops, and the
- * tests compare the two. Tensors are passed as raw pointers, contiguous, in these dtypes:
+ * Built by bestiary.core.cpu.build (gcc -O3 -fopenmp and one ISA's flags) the first time they
+ * are needed, loaded with ctypes. The ISA follows from the compiler's predefined macros:
+ *
+ *   BST_ISA 2  AVX-512 (F, BW, VL; with FMA, F16C)   16-float vectors, masked tails
+ *   BST_ISA 1  AVX2 + FMA + F16C                     8-float vectors
+ *   BST_ISA 0  scalar C (what the compiler makes of it for the baseline target)
+ *
+ * The vector code is written once against the thin `vf` / `vi` layer below (intrinsics per
+ * ISA); where the two ISAs want different algorithms (the int4 GEMV), each has its own.
+ * Each op has a torch reference in bestiary.core.cpu.ops, and the tests compare every build
+ * with it. Tensors are passed as raw pointers, contiguous, in these dtypes:
  *
  *   DT_F32 = 0   float
  *   DT_BF16 = 1  bfloat16 (uint16 bit pattern; rounding to nearest even, as torch)
@@ -19,16 +27,24 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define BST_AVX512 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
+#define BST_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BST_ISA 1
 #else
-#define BST_AVX512 0
+#define BST_ISA 0
 #endif
+#if BST_ISA
+#include <immintrin.h>
+#endif
+#define BST_AVX512 (BST_ISA == 2)
+#define BST_SIMD (BST_ISA > 0)
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4 };
 #define INLINE static inline __attribute__((always_inline))
 
+/* the ISA this library was built for: 2 AVX-512, 1 AVX2 + FMA + F16C, 0 scalar */
+int bst_isa(void) { return BST_ISA; }
 int bst_has_avx512(void) { return BST_AVX512; }
 
 INLINE float bf16_to_f32(uint16_t v) {
@@ -57,13 +73,196 @@ INLINE void store_f(void *p, int dt, int64_t i, float v) {
         ((uint16_t *)p)[i] = f32_to_bf16(v);
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* the vector layer: VW floats per vector, the same names on AVX-512 and AVX2               */
+/* ---------------------------------------------------------------------------------------- */
+
+#if BST_ISA == 2
+#define VW 16
+typedef __m512 vf;
+typedef __m512i vi;
+INLINE vf vzero(void) { return _mm512_setzero_ps(); }
+INLINE vf vset1(float a) { return _mm512_set1_ps(a); }
+INLINE vf vloadu(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vstoreu(float *p, vf a) { _mm512_storeu_ps(p, a); }
+INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+INLINE vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+INLINE vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+INLINE vf vabs(vf a) { return _mm512_abs_ps(a); }
+INLINE vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    /* a b + c */
+INLINE vf vfmsub(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }    /* a b - c */
+INLINE vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  /* c - a b */
+INLINE vf vfmaddsub(vf a, vf b, vf c) { return _mm512_fmaddsub_ps(a, b, c); } /* a b -+ c (even -, odd +) */
+INLINE float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+INLINE vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INLINE vf vselect_lt(vf a, vf b, vf x, vf y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
+INLINE vi vcvt_i32(vf a) { return _mm512_cvtps_epi32(a); } /* a integral */
+INLINE vi vf_as_i(vf a) { return _mm512_castps_si512(a); }
+INLINE vf vi_as_f(vi a) { return _mm512_castsi512_ps(a); }
+INLINE vi vi_set1(int a) { return _mm512_set1_epi32(a); }
+INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+INLINE vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+INLINE vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+#define vi_srli(a, n) _mm512_srli_epi32(a, n)
+#define vi_slli(a, n) _mm512_slli_epi32(a, n)
+INLINE vi vi_select_lt(vf a, vf b, vi x, vi y) { return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
+INLINE vi vi_select_nan(vf a, vi x, vi y) { return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), y, x); }
+INLINE vf vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+INLINE vf vload_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+INLINE vf vload_lut8(const uint8_t *p, const float *table) { /* table[p[j]] */
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), table, 4);
+}
+INLINE void vstore_u16(uint16_t *p, vi a) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(a)); }
+INLINE void vstore_i8(int8_t *p, vi a) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(a)); }
+INLINE void vstore_u8(uint8_t *p, vi a) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(a)); }
+INLINE vf vdup_pairs(const float *p) { /* p[0] p[0] p[1] p[1] ... p[7] p[7] */
+    const __m512i idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
+}
+INLINE vf vswap_pairs(vf a) { return _mm512_permute_ps(a, 0xb1); }
+#elif BST_ISA == 1
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+INLINE vf vzero(void) { return _mm256_setzero_ps(); }
+INLINE vf vset1(float a) { return _mm256_set1_ps(a); }
+INLINE vf vloadu(const float *p) { return _mm256_loadu_ps(p); }
+INLINE void vstoreu(float *p, vf a) { _mm256_storeu_ps(p, a); }
+INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+INLINE vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+INLINE vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+INLINE vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+INLINE vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vfmsub(vf a, vf b, vf c) { return _mm256_fmsub_ps(a, b, c); }
+INLINE vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+INLINE vf vfmaddsub(vf a, vf b, vf c) { return _mm256_fmaddsub_ps(a, b, c); }
+INLINE float vsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+INLINE vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INLINE vf vselect_lt(vf a, vf b, vf x, vf y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+INLINE vi vcvt_i32(vf a) { return _mm256_cvtps_epi32(a); }
+INLINE vi vf_as_i(vf a) { return _mm256_castps_si256(a); }
+INLINE vf vi_as_f(vi a) { return _mm256_castsi256_ps(a); }
+INLINE vi vi_set1(int a) { return _mm256_set1_epi32(a); }
+INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+INLINE vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+INLINE vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
+INLINE vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+#define vi_srli(a, n) _mm256_srli_epi32(a, n)
+#define vi_slli(a, n) _mm256_slli_epi32(a, n)
+INLINE vi vi_select_lt(vf a, vf b, vi x, vi y) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(y), _mm256_castsi256_ps(x), _mm256_cmp_ps(a, b, _CMP_LT_OQ)));
+}
+INLINE vi vi_select_nan(vf a, vi x, vi y) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(y), _mm256_castsi256_ps(x), _mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+}
+INLINE vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+INLINE vf vload_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+INLINE vf vload_lut8(const uint8_t *p, const float *table) {
+    return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4);
+}
+INLINE __m128i vpack16(vi a) { /* 8 lanes in 0..65535 -> 8 uint16 */
+    return _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+}
+INLINE void vstore_u16(uint16_t *p, vi a) { _mm_storeu_si128((__m128i *)p, vpack16(a)); }
+INLINE void vstore_i8(int8_t *p, vi a) { /* lanes in -128..127 */
+    __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(h, h));
+}
+INLINE void vstore_u8(uint8_t *p, vi a) { /* lanes in 0..255 */
+    __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(h, h));
+}
+INLINE vf vdup_pairs(const float *p) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+INLINE vf vswap_pairs(vf a) { return _mm256_permute_ps(a, 0xb1); }
+#endif
+
+#if BST_SIMD
+/* VW elements of p (dtype dt: float, bfloat16 or int8) from element off, as floats */
+INLINE vf vload_any(const void *p, int dt, int64_t off) {
+    if (dt == DT_F32) return vloadu((const float *)p + off);
+    if (dt == DT_BF16) return vload_bf16((const uint16_t *)p + off);
+    return vload_i8((const int8_t *)p + off);
+}
+
+/* the first n < VW of them, zeros after */
+INLINE vf vload_any_part(const void *p, int dt, int64_t off, int64_t n) {
+#if BST_AVX512
+    __mmask16 mask = (__mmask16)((1u << n) - 1);
+    if (dt == DT_F32) return _mm512_maskz_loadu_ps(mask, (const float *)p + off);
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + off)), 16));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, (const int8_t *)p + off)));
+#else
+    float buf[VW] = {0.f};
+    for (int64_t j = 0; j < n; j++) buf[j] = dt == DT_I8 ? (float)((const int8_t *)p)[off + j] : load_f(p, dt, off + j);
+    return vloadu(buf);
+#endif
+}
+
+/* the bfloat16 bit patterns of a (round to nearest even, NaN stays NaN), in the low 16 bits */
+INLINE vi vbf16_bits(vf a) {
+    vi u = vf_as_i(a);
+    vi r = vi_srli(vi_add(u, vi_add(vi_set1(0x7fff), vi_and(vi_srli(u, 16), vi_set1(1)))), 16);
+    return vi_select_nan(a, vi_or(vi_srli(u, 16), vi_set1(0x40)), r);
+}
+
+/* a rounded to bfloat16 (and back to float) */
+INLINE vf vround_bf16(vf a) { return vi_as_f(vi_slli(vbf16_bits(a), 16)); }
+
+/* VW floats / bfloat16 of p (dtype dt) from element off */
+INLINE void vstore_any(void *p, int dt, int64_t off, vf a) {
+    if (dt == DT_F32)
+        vstoreu((float *)p + off, a);
+    else
+        vstore_u16((uint16_t *)p + off, vbf16_bits(a));
+}
+
+/* e^x, Cephes' single-precision polynomial (~1 ulp on [-87.3, 88.3]; clamped outside) */
+INLINE vf vexp(vf x) {
+    x = vmin(vmax(x, vset1(-87.33654f)), vset1(88.37626f));
+    vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vf r = vfnmadd(n, vset1(0.693359375f), x);
+    r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+    vf p = vset1(1.9875691500e-4f);
+    p = vfmadd(p, r, vset1(1.3981999507e-3f));
+    p = vfmadd(p, r, vset1(8.3334519073e-3f));
+    p = vfmadd(p, r, vset1(4.1665795894e-2f));
+    p = vfmadd(p, r, vset1(1.6666665459e-1f));
+    p = vfmadd(p, r, vset1(5.0000001201e-1f));
+    p = vfmadd(vmul(p, r), r, vadd(r, vset1(1.f)));
+    return vmul(p, vi_as_f(vi_slli(vi_add(vcvt_i32(n), vi_set1(127)), 23)));
+}
+#endif
+
 /* a [n] float32 copy of p (dtype dt) into dst */
 static void to_f32(const void *p, int dt, int64_t n, float *dst) {
     if (dt == DT_F32) {
         memcpy(dst, p, (size_t)n * sizeof(float));
         return;
     }
-    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *)p)[i]);
+    int64_t i = 0;
+#if BST_SIMD
+    for (; i + VW <= n; i += VW) vstoreu(dst + i, vload_bf16((const uint16_t *)p + i));
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
 static void from_f32(const float *src, int64_t n, void *p, int dt) {
@@ -71,7 +270,11 @@ static void from_f32(const float *src, int64_t n, void *p, int dt) {
         memcpy(p, src, (size_t)n * sizeof(float));
         return;
     }
-    for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[i] = f32_to_bf16(src[i]);
+    int64_t i = 0;
+#if BST_SIMD
+    for (; i + VW <= n; i += VW) vstore_u16((uint16_t *)p + i, vbf16_bits(vloadu(src + i)));
+#endif
+    for (; i < n; i++) ((uint16_t *)p)[i] = f32_to_bf16(src[i]);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -81,56 +284,36 @@ static void from_f32(const float *src, int64_t n, void *p, int dt) {
 #define ROWS 8  /* most weight rows per tile (a single input row: 8 independent FMA chains) */
 #define MT 4    /* most input rows per tile (each weight vector loaded once, used MT times) */
 
-#if BST_AVX512
-INLINE __m512 load_w16(const void *w, int dt, int64_t off) {
-    if (dt == DT_F32) return _mm512_loadu_ps((const float *)w + off);
-    if (dt == DT_BF16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + off))));
-}
-
-INLINE __m512 load_w16_masked(const void *w, int dt, int64_t off, __mmask16 mask) {
-    if (dt == DT_F32) return _mm512_maskz_loadu_ps(mask, (const float *)w + off);
-    if (dt == DT_BF16) {
-        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + off);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    __m128i b = _mm_maskz_loadu_epi8(mask, (const int8_t *)w + off);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-
+#if BST_SIMD
 /* out[r][i] = dot(W row row0 + r, x row i) for R rows, M inputs (compile-time after inlining).
  * The weight stream of the row 64 features ahead is prefetched. */
 INLINE void dense_block(const float *x, int64_t k, const void *w, int dt, int64_t row0, int R, int M,
                         float out[ROWS][MT]) {
-    __m512 acc[ROWS][MT];
+    vf acc[ROWS][MT];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
+        for (int i = 0; i < M; i++) acc[r][i] = vzero();
     int64_t kk = 0;
     const int64_t esize = dt == DT_F32 ? 4 : dt == DT_BF16 ? 2 : 1, line = 64 / esize;
-    for (; kk + 16 <= k; kk += 16) {
-        __m512 xv[MT];
-        for (int i = 0; i < M; i++) xv[i] = _mm512_loadu_ps(x + i * k + kk);
+    for (; kk + VW <= k; kk += VW) {
+        vf xv[MT];
+        for (int i = 0; i < M; i++) xv[i] = vloadu(x + i * k + kk);
         if (kk % line == 0) /* rows are short (a few cache lines): fetch the next tile's rows early */
             for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + ((row0 + R + r) * k + kk) * esize, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
-            __m512 wv = load_w16(w, dt, (row0 + r) * k + kk);
-            for (int i = 0; i < M; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+            vf wv = vload_any(w, dt, (row0 + r) * k + kk);
+            for (int i = 0; i < M; i++) acc[r][i] = vfmadd(wv, xv[i], acc[r][i]);
         }
     }
     if (kk < k) {
-        __mmask16 mask = (__mmask16)((1u << (k - kk)) - 1);
-        __m512 xv[MT];
-        for (int i = 0; i < M; i++) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * k + kk);
+        vf xv[MT];
+        for (int i = 0; i < M; i++) xv[i] = vload_any_part(x, DT_F32, i * k + kk, k - kk);
         for (int r = 0; r < R; r++) {
-            __m512 wv = load_w16_masked(w, dt, (row0 + r) * k + kk, mask);
-            for (int i = 0; i < M; i++) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+            vf wv = vload_any_part(w, dt, (row0 + r) * k + kk, k - kk);
+            for (int i = 0; i < M; i++) acc[r][i] = vfmadd(wv, xv[i], acc[r][i]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < M; i++) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
+        for (int i = 0; i < M; i++) out[r][i] = vsum(acc[r][i]);
 }
 #endif
 
@@ -150,7 +333,7 @@ INLINE void dense_block_scalar(const float *x, int64_t k, const void *w, int dt,
 
 INLINE void dense_tile(const float *x, int64_t k, const void *w, int dt, int64_t row0, int R, int M,
                        float out[ROWS][MT]) {
-#if BST_AVX512
+#if BST_SIMD
     dense_block(x, k, w, dt, row0, R, M, out);
 #else
     dense_block_scalar(x, k, w, dt, row0, R, M, out);
@@ -158,13 +341,17 @@ INLINE void dense_tile(const float *x, int64_t k, const void *w, int dt, int64_t
 }
 
 /* The tile shapes (rows R x inputs M), each its own register-blocked loop per weight dtype:
- * 8 x 1, 4 x 2..4 (8 to 16 accumulators), and 1 x M for the rows left at the end. */
+ * 8 x 1, 4 x 2..4 (8 to 16 accumulators; AVX2, 16 registers: 2 x 3..4), and 1 x M for the
+ * rows left at the end. */
 #define TILE_SHAPES(DT) \
     if (R == 8) dense_tile(xi, k, w, DT, row0, 8, 1, out); \
     else if (R == 4) { \
         if (M == 2) dense_tile(xi, k, w, DT, row0, 4, 2, out); \
         else if (M == 3) dense_tile(xi, k, w, DT, row0, 4, 3, out); \
         else dense_tile(xi, k, w, DT, row0, 4, 4, out); \
+    } else if (R == 2) { \
+        if (M == 3) dense_tile(xi, k, w, DT, row0, 2, 3, out); \
+        else dense_tile(xi, k, w, DT, row0, 2, 4, out); \
     } else { \
         if (M == 1) dense_tile(xi, k, w, DT, row0, 1, 1, out); \
         else if (M == 2) dense_tile(xi, k, w, DT, row0, 1, 2, out); \
@@ -188,7 +375,7 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
     float out[ROWS][MT];
     for (int64_t i0 = 0; i0 < m; i0 += MT) {
         int M = m - i0 >= MT ? MT : (int)(m - i0);
-        int full = M == 1 ? 8 : 4;
+        int full = M == 1 ? 8 : (BST_ISA == 1 && M > 2) ? 2 : 4;
         const float *xi = xf + i0 * k;
         for (int64_t row0 = r_begin; row0 < r_end;) {
             int R = r_end - row0 >= full ? full : 1;
@@ -206,9 +393,14 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
 }
 
 /* int4: W[row, k] = q * s - s * z for the nibble q of feature k (byte k / 2, low nibble = even
- * k) and the scales of its group (group % 32 == 0). Per 32 features, 16 bytes: the input is
- * permuted once per call so that a 32-block reads [even k..., odd k...] (xp), which matches
- * [low nibbles, high nibbles] of the 16 bytes. */
+ * k) and the scales of its group (group % 32 == 0). Per block of I4B = 2 VW features, VW bytes:
+ * the input is permuted once per call so that a block reads [VW even k..., VW odd k...] (xp),
+ * which matches [low nibbles, high nibbles] of its VW bytes. */
+#if BST_SIMD
+#define I4B (2 * VW)
+#else
+#define I4B 1
+#endif
 INLINE float int4_weight(const uint8_t *wr, const float *sr, const float *szr, int64_t kk, int64_t group) {
     uint8_t byte = wr[kk / 2];
     float q = (float)((kk & 1) ? byte >> 4 : byte & 15);
@@ -255,21 +447,66 @@ INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, 
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][i][0], acc[r][i][1]));
 }
+#elif BST_ISA == 1
+/* AVX2 (no 16-entry table permute): res[r][i] = sum over the groups g below kb of
+ * s_g sum_{k in g} q_k x_k, the codes converted to floats (one 8-byte load gives the 16 codes
+ * of a block: low nibbles even k, high nibbles odd k). The zero-point term
+ * - sum_g (s z)_g sum_{k in g} x_k is int4_rows' (xsum). 2 R M independent FMA chains. */
+INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, const uint8_t *w, const float *s,
+                      const float *sz, int64_t group, int64_t row0, int R, int M, float res[4][MT]) {
+    const int64_t groups = (k + group - 1) / group;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    vf tot[4][MT];
+    (void)sz;
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) tot[r][i] = vzero();
+    for (int64_t g0 = 0; g0 < kb; g0 += group) {
+        int64_t g1 = g0 + group < kb ? g0 + group : kb;
+        vf acc[4][MT][2];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < M; i++) acc[r][i][0] = acc[r][i][1] = vzero();
+        for (int64_t kk = g0; kk < g1; kk += I4B) {
+            vf xe[MT], xo[MT];
+            for (int i = 0; i < M; i++) {
+                xe[i] = vloadu(xp + i * m_stride + kk);
+                xo[i] = vloadu(xp + i * m_stride + kk + VW);
+            }
+            if (kk % 128 == 0) /* a row is a few cache lines: fetch the next tile's early */
+                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (row0 + R + r) * (k / 2) + kk / 2), _MM_HINT_T0);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *wr = w + (row0 + r) * (k / 2);
+                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr + kk / 2)));
+                vf lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                for (int i = 0; i < M; i++) {
+                    acc[r][i][0] = vfmadd(lo, xe[i], acc[r][i][0]);
+                    acc[r][i][1] = vfmadd(hi, xo[i], acc[r][i][1]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            vf sv = vset1(s[(row0 + r) * groups + g0 / group]);
+            for (int i = 0; i < M; i++) tot[r][i] = vfmadd(vadd(acc[r][i][0], acc[r][i][1]), sv, tot[r][i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) res[r][i] = vsum(tot[r][i]);
+}
 #endif
 
 /* int4 rows [r_begin, r_end) of y for all m inputs: tiles of 4 rows x 1 input or 1 row x up
- * to 4 inputs, then the features past the last 32-block one by one. */
-static void int4_rows(const float *xf, const float *xp, int64_t m, int64_t k, const uint8_t *w, const float *s,
-                      const float *sz, int64_t group, const float *bias, void *y, int ydt, int64_t n,
+ * to 4 inputs, then the features past the last I4B-block one by one. xsum [m, groups]: the
+ * sums of x over each group's features below kb (AVX2's zero-point term; NULL otherwise). */
+static void int4_rows(const float *xf, const float *xp, const float *xsum, int64_t m, int64_t k, const uint8_t *w,
+                      const float *s, const float *sz, int64_t group, const float *bias, void *y, int ydt, int64_t n,
                       int64_t r_begin, int64_t r_end) {
-    int64_t groups = (k + group - 1) / group, kb = BST_AVX512 ? k / 32 * 32 : 0;
+    int64_t groups = (k + group - 1) / group, kb = BST_SIMD ? k / I4B * I4B : 0;
     (void)xp;
     for (int64_t i0 = 0; i0 < m; i0 += MT) {
         int M = m - i0 >= MT ? MT : (int)(m - i0);
         for (int64_t row0 = r_begin; row0 < r_end;) {
             int R = M == 1 && r_end - row0 >= 4 ? 4 : 1;
             float res[4][MT] = {{0.f}};
-#if BST_AVX512
+#if BST_SIMD
             const float *xi = xp + i0 * k;
             if (R == 4) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 4, 1, res);
             else if (M == 1) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 1, res);
@@ -283,6 +520,8 @@ static void int4_rows(const float *xf, const float *xp, int64_t m, int64_t k, co
                 for (int i = 0; i < M; i++) {
                     const float *xr = xf + (i0 + i) * k;
                     float v = res[r][i];
+                    if (xsum)
+                        for (int64_t g = 0; g < groups; g++) v -= szr[g] * xsum[(i0 + i) * groups + g];
                     for (int64_t kk = kb; kk < k; kk++) v += int4_weight(wr, sr, szr, kk, group) * xr[kk];
                     store_f(y, ydt, (i0 + i) * n + row0 + r, v + (bias ? bias[row0 + r] : 0.f));
                 }
@@ -293,30 +532,64 @@ static void int4_rows(const float *xf, const float *xp, int64_t m, int64_t k, co
 }
 
 /* Float weights held transposed, Wt [k, n] (the layout the CPU GEMMs of torch read too):
- * y[i, c] = sum_k x[i, k] Wt[k, c]. A tile is M inputs x C vectors of 16 columns; each step
+ * y[i, c] = sum_k x[i, k] Wt[k, c]. A tile is M inputs x C vectors of VW columns; each step
  * over k loads C weight vectors and broadcasts M inputs. Column blocks of 64 stay in L2
  * while every 4-row tile of x passes over them. */
-#define TCOLS 8 /* most 16-column vectors per tile (a single input row) */
+#define TCOLS 8 /* most VW-column vectors per tile (a single input row) */
+#define CM (BST_AVX512 ? 4 : 2) /* vectors per tile for several input rows (M C accumulators) */
 
-#if BST_AVX512
-/* out[i, 16c + j] (+)= sum over k0 <= kk < k1 of x[i, kk] Wt[kk, col0 + 16c + j]: adds to out
+#if BST_SIMD
+/* out[i, VW c + j] (+)= sum over k0 <= kk < k1 of x[i, kk] Wt[kk, col0 + VW c + j]: adds to out
  * unless k0 == 0. */
 INLINE void cols_block(const float *x, int64_t k, int64_t k0, int64_t k1, const void *wt, int dt, int64_t n,
                        int64_t col0, int C, int M, float *out, int64_t out_stride) {
-    __m512 acc[MT][TCOLS];
+    vf acc[MT][TCOLS];
     for (int i = 0; i < M; i++)
-        for (int c = 0; c < C; c++)
-            acc[i][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * out_stride + 16 * c);
+        for (int c = 0; c < C; c++) acc[i][c] = k0 == 0 ? vzero() : vloadu(out + i * out_stride + VW * c);
     for (int64_t kk = k0; kk < k1; kk++) {
-        __m512 wv[TCOLS];
-        for (int c = 0; c < C; c++) wv[c] = load_w16(wt, dt, kk * n + col0 + 16 * c);
+        vf wv[TCOLS];
+        for (int c = 0; c < C; c++) wv[c] = vload_any(wt, dt, kk * n + col0 + VW * c);
         for (int i = 0; i < M; i++) {
-            __m512 xb = _mm512_set1_ps(x[i * k + kk]);
-            for (int c = 0; c < C; c++) acc[i][c] = _mm512_fmadd_ps(wv[c], xb, acc[i][c]);
+            vf xb = vset1(x[i * k + kk]);
+            for (int c = 0; c < C; c++) acc[i][c] = vfmadd(wv[c], xb, acc[i][c]);
         }
     }
     for (int i = 0; i < M; i++)
-        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + i * out_stride + 16 * c, acc[i][c]);
+        for (int c = 0; c < C; c++) vstoreu(out + i * out_stride + VW * c, acc[i][c]);
+}
+#endif
+
+#if BST_ISA == 1
+/* AVX2, bfloat16 weights: one 256-bit load holds 16 columns; the even ones are the low halves
+ * of its 32-bit lanes (shifted up: their floats), the odd ones the high halves (masked): no
+ * widening shuffles. As cols_block for C16 groups of 16 columns, with out holding each group
+ * as [8 even columns, 8 odd columns] (cols_range puts them back in order). */
+INLINE void cols_block_bf16_pairs(const float *x, int64_t k, int64_t k0, int64_t k1, const uint16_t *wt, int64_t n,
+                                  int64_t col0, int C16, int M, float *out, int64_t out_stride) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    vf acc[MT][TCOLS];
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < 2 * C16; c++) acc[i][c] = k0 == 0 ? vzero() : vloadu(out + i * out_stride + VW * c);
+    for (int64_t kk = k0; kk < k1; kk++) {
+        vf we[TCOLS / 2], wo[TCOLS / 2];
+        /* rows are n apart (a page or more): fetch this row's next block (the next tile's) now */
+        _mm_prefetch((const char *)(wt + kk * n + col0 + 16 * C16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wt + kk * n + col0 + 16 * C16 + 32), _MM_HINT_T0);
+        for (int c = 0; c < C16; c++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(wt + kk * n + col0 + 16 * c));
+            we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            wo[c] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        }
+        for (int i = 0; i < M; i++) {
+            vf xb = vset1(x[i * k + kk]);
+            for (int c = 0; c < C16; c++) {
+                acc[i][2 * c] = vfmadd(we[c], xb, acc[i][2 * c]);
+                acc[i][2 * c + 1] = vfmadd(wo[c], xb, acc[i][2 * c + 1]);
+            }
+        }
+    }
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < 2 * C16; c++) vstoreu(out + i * out_stride + VW * c, acc[i][c]);
 }
 #endif
 
@@ -326,36 +599,52 @@ static void cols_range(const float *xf, int64_t m, int64_t k, const void *wt, in
     int64_t width = c_end - c_begin;
     if (width <= 0) return;
     float *out = (float *)malloc(sizeof(float) * (size_t)(m * width));
-    int64_t col = c_begin, vec_end = c_begin + width / 16 * 16;
-#if BST_AVX512
+    int64_t col = c_begin;
+    const int pairs = BST_ISA == 1 && wdt == DT_BF16; /* cols_block_bf16_pairs' column order in out */
+    (void)pairs;
+#if BST_SIMD
+    int64_t vec_end = c_begin + width / (pairs ? 16 : VW) * (pairs ? 16 : VW);
     /* k in chunks of KCHUNK rows: each chunk streams KCHUNK rows of the thread's columns
      * (sequential within a row), partial sums kept in `out` (L1/L2) between chunks. */
-    const int64_t KCHUNK = 32, block = m == 1 ? 16 * TCOLS : 64;
+    const int64_t KCHUNK = 32, block = m == 1 ? VW * TCOLS : 64;
     for (int64_t k0 = 0; k0 < k; k0 += KCHUNK) {
         int64_t k1 = k0 + KCHUNK < k ? k0 + KCHUNK : k;
         for (col = c_begin; col < vec_end; col += block) {
-            int C = (int)((vec_end - col) / 16);
-            if (C > block / 16) C = (int)(block / 16);
+            int C = (int)((vec_end - col) / VW);
+            if (C > block / VW) C = (int)(block / VW);
             for (int64_t i0 = 0; i0 < m; i0 += MT) {
                 int M = m - i0 >= MT ? MT : (int)(m - i0);
                 const float *xi = xf + i0 * k;
                 float *o = out + i0 * width + (col - c_begin);
 #define COLS_M(CC)                                                                                     \
-    if (M == 1) cols_block(xi, k, k0, k1, wt, DTW, n, col + 16 * c, CC, 1, o + 16 * c, width);       \
-    else if (M == 2) cols_block(xi, k, k0, k1, wt, DTW, n, col + 16 * c, CC, 2, o + 16 * c, width);  \
-    else if (M == 3) cols_block(xi, k, k0, k1, wt, DTW, n, col + 16 * c, CC, 3, o + 16 * c, width);  \
-    else cols_block(xi, k, k0, k1, wt, DTW, n, col + 16 * c, CC, 4, o + 16 * c, width);
+    if (M == 1) cols_block(xi, k, k0, k1, wt, DTW, n, col + VW * c, CC, 1, o + VW * c, width);       \
+    else if (M == 2) cols_block(xi, k, k0, k1, wt, DTW, n, col + VW * c, CC, 2, o + VW * c, width);  \
+    else if (M == 3) cols_block(xi, k, k0, k1, wt, DTW, n, col + VW * c, CC, 3, o + VW * c, width);  \
+    else cols_block(xi, k, k0, k1, wt, DTW, n, col + VW * c, CC, 4, o + VW * c, width);
 #define COLS_ANY                                                                                       \
-    if (C == 8) {                                                                                      \
-        int c = 0;                                                                                     \
-        cols_block(xi, k, k0, k1, wt, DTW, n, col, 8, 1, o, width);                                   \
-        (void)c;                                                                                       \
-    } else if (C == 4) {                                                                               \
-        int c = 0;                                                                                     \
-        COLS_M(4)                                                                                      \
+    if (C == TCOLS && M == 1) {                                                                        \
+        cols_block(xi, k, k0, k1, wt, DTW, n, col, TCOLS, 1, o, width);                               \
     } else {                                                                                           \
-        for (int c = 0; c < C; c++) { COLS_M(1) }                                                      \
+        int c = 0;                                                                                     \
+        for (; c + CM <= C; c += CM) { COLS_M(CM) }                                                    \
+        for (; c < C; c++) { COLS_M(1) }                                                               \
     }
+#if BST_ISA == 1
+#define PAIRS_M(C16, c)                                                                                          \
+    if (M == 1) cols_block_bf16_pairs(xi, k, k0, k1, (const uint16_t *)wt, n, col + VW * c, C16, 1, o + VW * c, width); \
+    else if (M == 2) cols_block_bf16_pairs(xi, k, k0, k1, (const uint16_t *)wt, n, col + VW * c, C16, 2, o + VW * c, width); \
+    else if (M == 3) cols_block_bf16_pairs(xi, k, k0, k1, (const uint16_t *)wt, n, col + VW * c, C16, 3, o + VW * c, width); \
+    else cols_block_bf16_pairs(xi, k, k0, k1, (const uint16_t *)wt, n, col + VW * c, C16, 4, o + VW * c, width);
+                if (pairs) { /* C is even: whole groups of 16 columns */
+                    if (M == 1 && C == TCOLS) {
+                        PAIRS_M(TCOLS / 2, 0)
+                    } else {
+                        for (int c = 0; c < C; c += 2) { PAIRS_M(1, c) }
+                    }
+                    continue;
+                }
+#undef PAIRS_M
+#endif
                 if (wdt == DT_F32) {
 #define DTW DT_F32
                     COLS_ANY
@@ -372,15 +661,20 @@ static void cols_range(const float *xf, int64_t m, int64_t k, const void *wt, in
     }
     col = vec_end;
 #endif
-    for (; col < c_end; col++) /* columns past the last full vector of 16 */
+    for (; col < c_end; col++) /* columns past the last full vector */
         for (int64_t i = 0; i < m; i++) {
             float acc = 0.f;
             for (int64_t kk = 0; kk < k; kk++) acc += xf[i * k + kk] * load_f(wt, wdt, kk * n + col);
             out[i * width + col - c_begin] = acc;
         }
     for (int64_t i = 0; i < m; i++)
-        for (int64_t c = c_begin; c < c_end; c++)
-            store_f(y, ydt, i * n + c, out[i * width + c - c_begin] + (bias ? bias[c] : 0.f));
+        for (int64_t c = c_begin; c < c_end; c++) {
+            int64_t j = c - c_begin;
+#if BST_SIMD
+            if (pairs && c < vec_end) j = j / 16 * 16 + (j & 1) * 8 + (j % 16) / 2; /* [8 even, 8 odd] */
+#endif
+            store_f(y, ydt, i * n + c, out[i * width + j] + (bias ? bias[c] : 0.f));
+        }
     free(out);
 }
 
@@ -399,16 +693,22 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
                 const float *scale, const float *sz, int64_t group, const float *bias, void *y, int ydt,
                 int threads) {
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) * (wdt == DT_I4 ? 2 : 1) + 64);
-    float *xp = NULL;
+    float *xp = NULL, *xsum = NULL;
     to_f32(x, xdt, m * k, xf);
-    if (wdt == DT_I4) { /* x permuted per 32-block: [even features, odd features] (int4_rows) */
+    if (wdt == DT_I4) { /* x permuted per I4B-block: [even features, odd features] (int4_rows) */
         xp = xf + m * k;
         for (int64_t i = 0; i < m; i++)
-            for (int64_t kk = 0; kk + 32 <= k; kk += 32)
-                for (int j = 0; j < 16; j++) {
+            for (int64_t kk = 0; kk + I4B <= k && I4B > 1; kk += I4B)
+                for (int j = 0; j < I4B / 2; j++) {
                     xp[i * k + kk + j] = xf[i * k + kk + 2 * j];
-                    xp[i * k + kk + 16 + j] = xf[i * k + kk + 2 * j + 1];
+                    xp[i * k + kk + I4B / 2 + j] = xf[i * k + kk + 2 * j + 1];
                 }
+#if BST_ISA == 1
+        int64_t groups = (k + group - 1) / group, kb = k / I4B * I4B;
+        xsum = (float *)calloc((size_t)(m * groups), sizeof(float));
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t kk = 0; kk < kb; kk++) xsum[i * groups + kk / group] += xf[i * k + kk];
+#endif
     }
     int parts = threads < 1 ? 1 : threads;
     if (n < 64 * parts) parts = 1;
@@ -420,10 +720,11 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
             int64_t vecs = (n + 15) / 16, cb = vecs * part / parts * 16, ce = vecs * (part + 1) / parts * 16;
             cols_range(xf, m, k, w, wdt, bias, y, ydt, n, cb < n ? cb : n, ce < n ? ce : n);
         } else if (wdt == DT_I4)
-            int4_rows(xf, xp, m, k, (const uint8_t *)w, scale, sz, group, bias, y, ydt, n, b, e);
+            int4_rows(xf, xp, xsum, m, k, (const uint8_t *)w, scale, sz, group, bias, y, ydt, n, b, e);
         else
             dense_rows(xf, m, k, w, wdt, wdt == DT_I8 ? scale : NULL, bias, y, ydt, n, b, e);
     }
+    free(xsum);
     free(xf);
 }
 
@@ -490,49 +791,86 @@ INLINE void store_kv(void *pool, int dt, int64_t i, float x, float s) {
     }
 }
 
+#if BST_SIMD
+/* the e4m3fn codes of y (|y| <= 448, not NaN), round to nearest even: a normal |y| keeps 3
+ * mantissa bits (the carry may bump the exponent), code = bits >> 20 - (127 - 7) << 3; below
+ * 2^-6 the code is the subnormal count round(|y| 2^9) (8 there is the smallest normal: equal). */
+INLINE vi ve4m3_codes(vf y) {
+    vf a = vabs(y);
+    vi u = vf_as_i(a), sign = vi_and(vi_srli(vf_as_i(y), 24), vi_set1(0x80));
+    vi normal = vi_sub(vi_srli(vi_add(u, vi_add(vi_set1(0x7ffff), vi_and(vi_srli(u, 20), vi_set1(1)))), 20),
+                       vi_set1(120 << 3));
+    vi sub = vcvt_i32(vround(vmul(a, vset1(512.f))));
+    return vi_or(sign, vi_select_lt(a, vset1(0.015625f), sub, normal));
+}
+
+/* VW KV codes of x / s at pool element off: int8 clamp(round(x / s), -127, 127) or
+ * e4m3fn(clamp(x / s, -448, 448)) (store_kv's, lane by lane) */
+INLINE void vstore_kv(void *pool, int dt, int64_t off, vf x, float s) {
+    vf y = vdiv(x, vset1(s));
+    if (dt == DT_I8)
+        vstore_i8((int8_t *)pool + off, vcvt_i32(vmin(vmax(vround(y), vset1(-127.f)), vset1(127.f))));
+    else
+        vstore_u8((uint8_t *)pool + off, ve4m3_codes(vmin(vmax(y, vset1(-448.f)), vset1(448.f))));
+}
+#endif
+
 /* dst[d] = code(pool[off + d]) * s for a row of D codes */
 static void load_kv_row(const void *pool, int dt, int64_t off, int64_t D, float s, float *dst) {
-#if BST_AVX512
-    const __m512 sv = _mm512_set1_ps(s);
-    for (int64_t d = 0; d < D; d += 16) {
-        __mmask16 mask = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1);
-        __m128i c = _mm_maskz_loadu_epi8(mask, (const uint8_t *)pool + off + d);
-        __m512 v = dt == DT_I8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c))
-                               : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, _mm512_cvtepu8_epi32(c),
-                                                          e4m3_values, 4);
-        _mm512_mask_storeu_ps(dst + d, mask, _mm512_mul_ps(v, sv));
-    }
-#else
-    if (dt == DT_I8) {
-        const int8_t *c = (const int8_t *)pool + off;
-        for (int64_t d = 0; d < D; d++) dst[d] = (float)c[d] * s;
-    } else {
-        const uint8_t *c = (const uint8_t *)pool + off;
-        for (int64_t d = 0; d < D; d++) dst[d] = e4m3_values[c[d]] * s;
+    int64_t d = 0;
+#if BST_SIMD
+    const vf sv = vset1(s);
+    for (; d + VW <= D; d += VW) {
+        const void *c = (const uint8_t *)pool + off + d;
+        vf v = dt == DT_I8 ? vload_i8((const int8_t *)c) : vload_lut8((const uint8_t *)c, e4m3_values);
+        vstoreu(dst + d, vmul(v, sv));
     }
 #endif
+    if (dt == DT_I8) {
+        const int8_t *c = (const int8_t *)pool + off;
+        for (; d < D; d++) dst[d] = (float)c[d] * s;
+    } else {
+        const uint8_t *c = (const uint8_t *)pool + off;
+        for (; d < D; d++) dst[d] = e4m3_values[c[d]] * s;
+    }
 }
 
 /* k / v rows [T, W] (src_stride elements apart, dtype sdt) -> pool slot rows (W = KVH * D); pools
  * in pdt: float (scales NULL) or int8 / e4m3 codes with scales (s_k, s_v). */
 void bst_kv_write(const void *k, const void *v, int sdt, int64_t src_stride, void *k_pool, void *v_pool, int pdt,
                   const int64_t *slots, int64_t T, int64_t W, const float *scales) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < W; j++) {
-            float kx = load_f(k, sdt, t * src_stride + j), vx = load_f(v, sdt, t * src_stride + j);
+    for (int64_t t = 0; t < T; t++) {
+        int64_t j = 0, src = t * src_stride, dst = slots[t] * W;
+#if BST_SIMD
+        for (; j + VW <= W; j += VW) {
+            vf kx = vload_any(k, sdt, src + j), vx = vload_any(v, sdt, src + j);
             if (scales) {
-                store_kv(k_pool, pdt, slots[t] * W + j, kx, scales[0]);
-                store_kv(v_pool, pdt, slots[t] * W + j, vx, scales[1]);
+                vstore_kv(k_pool, pdt, dst + j, kx, scales[0]);
+                vstore_kv(v_pool, pdt, dst + j, vx, scales[1]);
             } else {
-                store_f(k_pool, pdt, slots[t] * W + j, kx);
-                store_f(v_pool, pdt, slots[t] * W + j, vx);
+                vstore_any(k_pool, pdt, dst + j, kx);
+                vstore_any(v_pool, pdt, dst + j, vx);
             }
         }
+#endif
+        for (; j < W; j++) {
+            float kx = load_f(k, sdt, src + j), vx = load_f(v, sdt, src + j);
+            if (scales) {
+                store_kv(k_pool, pdt, dst + j, kx, scales[0]);
+                store_kv(v_pool, pdt, dst + j, vx, scales[1]);
+            } else {
+                store_f(k_pool, pdt, dst + j, kx);
+                store_f(v_pool, pdt, dst + j, vx);
+            }
+        }
+    }
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* decode attention over the paged pool                                                     */
 /* ---------------------------------------------------------------------------------------- */
+
+#define PAD 16 /* floats past a head's D in the stack rows: a vector tail reads zeros there */
 
 /* out[b, h, :] = softmax_j(q[b, h] . K_j * scale + slope_h * (j - (L_b - 1))) V_j over the L_b =
  * kv_lens[b] cached keys of sequence b: K_j = k_pool[table[b, j / bs], j % bs, h / G], G = H / KVH.
@@ -548,12 +886,13 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
     for (int64_t task = 0; task < B * H; task++) {
         int64_t b = task / H, h = task % H, kvh = h / G, L = kv_lens[b];
         const int64_t *table = tables + b * max_blocks;
-        float qf[512], acc[512];
+        float qf[512 + PAD], acc[512 + PAD], row[512 + PAD];
         float stack_scores[4096];
         float *scores = L <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)L);
         to_f32((const char *)q + (b * q_stride + h * D) * (qdt == DT_F32 ? 4 : 2), qdt, D, qf);
+        memset(qf + D, 0, sizeof(float) * PAD);
+        memset(acc, 0, sizeof(float) * (size_t)(D + PAD));
         float mx = -INFINITY;
-        float row[512];
         for (int64_t j = 0; j < L; j++) {
             int64_t off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
             const void *kp = k_pool;
@@ -563,13 +902,12 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
                 kp = row, kdt = DT_F32, off = 0;
             }
             float s = 0.f;
-#if BST_AVX512
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) {
-                __mmask16 mask = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1);
-                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, qf + d), load_w16_masked(kp, kdt, off + d, mask), a);
-            }
-            s = _mm512_reduce_add_ps(a);
+#if BST_SIMD
+            vf a = vzero();
+            int64_t d = 0;
+            for (; d + VW <= D; d += VW) a = vfmadd(vloadu(qf + d), vload_any(kp, kdt, off + d), a);
+            if (d < D) a = vfmadd(vloadu(qf + d), vload_any_part(kp, kdt, off + d, D - d), a);
+            s = vsum(a);
 #else
             for (int64_t d = 0; d < D; d++) s += qf[d] * load_f(kp, kdt, off + d);
 #endif
@@ -579,12 +917,21 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
             if (s > mx) mx = s;
         }
         float total = 0.f;
-        for (int64_t j = 0; j < L; j++) {
+        int64_t j = 0;
+#if BST_SIMD
+        vf tv = vzero();
+        for (; j + VW <= L; j += VW) {
+            vf e = vexp(vsub(vloadu(scores + j), vset1(mx)));
+            vstoreu(scores + j, e);
+            tv = vadd(tv, e);
+        }
+        total = vsum(tv);
+#endif
+        for (; j < L; j++) {
             scores[j] = expf(scores[j] - mx);
             total += scores[j];
         }
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-        for (int64_t j = 0; j < L; j++) {
+        for (j = 0; j < L; j++) {
             int64_t off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
             float p = scores[j] / total;
             const void *vp = v_pool;
@@ -593,13 +940,11 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
                 load_kv_row(v_pool, kvdt, off, D, kv_scales[1], row);
                 vp = row, vdt = DT_F32, off = 0;
             }
-#if BST_AVX512
-            __m512 pv = _mm512_set1_ps(p);
-            for (int64_t d = 0; d < D; d += 16) {
-                __mmask16 mask = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1);
-                __m512 cur = _mm512_maskz_loadu_ps(mask, acc + d);
-                _mm512_mask_storeu_ps(acc + d, mask, _mm512_fmadd_ps(pv, load_w16_masked(vp, vdt, off + d, mask), cur));
-            }
+#if BST_SIMD
+            vf pv = vset1(p);
+            int64_t d = 0;
+            for (; d + VW <= D; d += VW) vstoreu(acc + d, vfmadd(pv, vload_any(vp, vdt, off + d), vloadu(acc + d)));
+            if (d < D) vstoreu(acc + d, vfmadd(pv, vload_any_part(vp, vdt, off + d, D - d), vloadu(acc + d)));
 #else
             for (int64_t d = 0; d < D; d++) acc[d] += p * load_f(vp, vdt, off + d);
 #endif
@@ -623,7 +968,22 @@ void bst_rms_norm(const void *x, const void *residual, void *h_out, void *y, int
         float hbuf[16384];
         float *h = H <= 16384 ? hbuf : (float *)malloc(sizeof(float) * (size_t)H);
         double ss = 0.0;
-        for (int64_t i = 0; i < H; i++) {
+        int64_t i = 0;
+#if BST_SIMD
+        vf sv[2] = {vzero(), vzero()};
+        for (; i + VW <= H; i += VW) {
+            vf v = vload_any(x, dt, t * H + i);
+            if (residual) {
+                v = vadd(v, vload_any(residual, dt, t * H + i));
+                if (dt == DT_BF16) v = vround_bf16(v);
+                vstore_any(h_out, dt, t * H + i, v);
+            }
+            vstoreu(h + i, v);
+            sv[(i / VW) & 1] = vfmadd(v, v, sv[(i / VW) & 1]);
+        }
+        ss = (double)vsum(vadd(sv[0], sv[1]));
+#endif
+        for (; i < H; i++) {
             float v = load_f(x, dt, t * H + i);
             if (residual) {
                 v += load_f(residual, dt, t * H + i);
@@ -634,18 +994,50 @@ void bst_rms_norm(const void *x, const void *residual, void *h_out, void *y, int
             ss += (double)v * v;
         }
         float inv = 1.0f / sqrtf((float)(ss / (double)H) + eps);
-        for (int64_t i = 0; i < H; i++) store_f(y, dt, t * H + i, h[i] * inv * load_f(w, wdt, i));
+        i = 0;
+#if BST_SIMD
+        for (; i + VW <= H; i += VW)
+            vstore_any(y, dt, t * H + i, vmul(vmul(vloadu(h + i), vset1(inv)), vload_any(w, wdt, i)));
+#endif
+        for (; i < H; i++) store_f(y, dt, t * H + i, h[i] * inv * load_f(w, wdt, i));
         if (h != hbuf) free(h);
     }
 }
 
 /* Rotate the n heads of one token (x: its first head, heads D apart) in place: pair (a, b) =
- * (i, i + rot/2) (neox) or (2i, 2i + 1) (gptj), i < rot/2, by the angle with cos[i], sin[i]. */
+ * (i, i + rot/2) (neox) or (2i, 2i + 1) (gptj), i < rot/2, by the angle with cos[i], sin[i]:
+ * a' = a cos - b sin, b' = b cos + a sin. Vectors: neox reads VW a's and VW b's; gptj reads
+ * VW / 2 interleaved pairs, the cos / sin of each pair duplicated, b a swapped within pairs. */
 static void rotary_token(void *x, int dt, int64_t base, int64_t n, int64_t D, const void *cos, const void *sin,
                          int64_t cs_off, int csdt, int64_t rot, int gptj) {
-    int64_t half = rot / 2;
+    int64_t half = rot / 2, i0 = 0;
+#if BST_SIMD
+    float cb[512], sb[512];
+    if (half <= 512) {
+        int64_t esize = csdt == DT_F32 ? 4 : 2;
+        to_f32((const char *)cos + cs_off * esize, csdt, half, cb);
+        to_f32((const char *)sin + cs_off * esize, csdt, half, sb);
+        i0 = gptj ? half / (VW / 2) * (VW / 2) : half / VW * VW; /* the pairs the vectors take */
+        for (int64_t hd = 0; hd < n; hd++) {
+            int64_t hb = base + hd * D;
+            if (gptj) {
+                for (int64_t i = 0; i < i0; i += VW / 2) {
+                    vf v = vload_any(x, dt, hb + 2 * i);
+                    vstore_any(x, dt, hb + 2 * i, vfmaddsub(v, vdup_pairs(cb + i), vmul(vswap_pairs(v), vdup_pairs(sb + i))));
+                }
+            } else {
+                for (int64_t i = 0; i < i0; i += VW) {
+                    vf a = vload_any(x, dt, hb + i), b = vload_any(x, dt, hb + half + i);
+                    vf c = vloadu(cb + i), sn = vloadu(sb + i);
+                    vstore_any(x, dt, hb + i, vfmsub(a, c, vmul(b, sn)));
+                    vstore_any(x, dt, hb + half + i, vfmadd(b, c, vmul(a, sn)));
+                }
+            }
+        }
+    }
+#endif
     for (int64_t hd = 0; hd < n; hd++)
-        for (int64_t i = 0; i < half; i++) {
+        for (int64_t i = i0; i < half; i++) {
             int64_t ia = base + hd * D + (gptj ? 2 * i : i), ib = base + hd * D + (gptj ? 2 * i + 1 : i + half);
             float a = load_f(x, dt, ia), b = load_f(x, dt, ib);
             float c = load_f(cos, csdt, cs_off + i), s = load_f(sin, csdt, cs_off + i);
@@ -677,15 +1069,49 @@ INLINE float act_of(float f, int act) {
     return f > 0.f ? f : 0.f;
 }
 
+#if BST_SIMD
+/* act_of on a vector. silu f / (1 + e^-f); gelu 0.5 f (1 + erf(z)), z = f / sqrt 2, with
+ * 1 + erf(z) = 2 - erfc(z) (z >= 0) or erfc(|z|) (z < 0) and erfc(|z|) = t P(t) e^(-z^2),
+ * t = 1 / (1 + 0.3275911 |z|) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7); gelu_new
+ * 0.5 f (1 + tanh u) = f / (1 + e^(-2u)) (no cancellation); relu max(f, 0). */
+INLINE vf vact(vf f, int act) {
+    if (act == 0) return vdiv(f, vadd(vset1(1.f), vexp(vsub(vzero(), f))));
+    if (act == 1) {
+        vf z = vmul(f, vset1(0.7071067811865476f)), za = vabs(z);
+        vf t = vdiv(vset1(1.f), vfmadd(za, vset1(0.3275911f), vset1(1.f)));
+        vf poly = vfmadd(t, vset1(1.061405429f), vset1(-1.453152027f));
+        poly = vfmadd(poly, t, vset1(1.421413741f));
+        poly = vfmadd(poly, t, vset1(-0.284496736f));
+        poly = vfmadd(poly, t, vset1(0.254829592f));
+        vf erfc = vmul(vmul(poly, t), vexp(vmul(vsub(vzero(), za), za)));
+        return vmul(vmul(vset1(0.5f), f), vselect_lt(z, vzero(), erfc, vsub(vset1(2.f), erfc)));
+    }
+    if (act == 2) {
+        vf u = vmul(vset1(0.7978845608028654f), vfmadd(vmul(vmul(f, f), f), vset1(0.044715f), f));
+        return vdiv(f, vadd(vset1(1.f), vexp(vmul(vset1(-2.f), u))));
+    }
+    return vmax(f, vzero());
+}
+#endif
+
 void bst_act_and_mul(const void *fg, void *y, int dt, int64_t T, int64_t I, int act, int threads) {
 #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static) if (T * I >= 65536)
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < I; i++) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t i = 0;
+#if BST_SIMD
+        for (; i + VW <= I; i += VW) {
+            vf a = vact(vload_any(fg, dt, t * 2 * I + i), act), g = vload_any(fg, dt, t * 2 * I + I + i);
+            if (dt == DT_BF16) a = vround_bf16(a); /* the reference rounds act(f) first */
+            vstore_any(y, dt, t * I + i, vmul(a, g));
+        }
+#endif
+        for (; i < I; i++) {
             float f = load_f(fg, dt, t * 2 * I + i), g = load_f(fg, dt, t * 2 * I + I + i);
             float a = act_of(f, act);
             if (dt == DT_BF16) a = bf16_to_f32(f32_to_bf16(a)); /* the reference rounds act(f) first */
             store_f(y, dt, t * I + i, a * g);
         }
+    }
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -13,9 +13,13 @@ point at, then `bst_run_plan` runs the list. The math is the eager path's, op fo
                 y = rms_norm(x += a);  fg = y [Wfc; Wgate]^T;  m = act(f) * g;  d = m Wproj^T
     logits = rms_norm(x += d) W_lm^T
 
+With LoRA adapters in the step (meta.lora, a core.lora.batch.StepLora), the list runs in
+pieces: up to each adapted linear (qkv, dense, fused fc + gate, proj), then the step's batched
+low-rank update is added to that linear's output buffer in torch, then on.
+
 KV pools may be float or INT8 / FP8 codes (core.quant.kv; written and read with the layer's
 (s_k, s_v)). `plan_for(model, batch, k_pools, v_pools)` returns None for anything else: other
-layer types, key-bias functions, LoRA, tensor/pipeline parallel, an overridden
+layer types, key-bias functions, tensor/pipeline parallel, an overridden
 embed / logits / position_ids, weights the kernels do not read, modules with forward hooks
 (a plan calls no module: hooks registered after a model's first decode step are not seen).
 The eager path runs those.
@@ -90,6 +94,7 @@ class DecodePlan:
         self.dtype = emb.dtype
         hidden = emb.shape[1]
         self._keep: list[torch.Tensor] = []  # tensors the records point at (biases as float32, ...)
+        self._lora_ops: list[tuple[Op, tuple, torch.Tensor, torch.Tensor]] = []  # (linear record, modules, x, out)
         as_i64 = {"dtype": torch.int64}
         self.ids = torch.zeros(batch, **as_i64)
         self.positions = torch.zeros(batch, **as_i64)
@@ -109,6 +114,9 @@ class DecodePlan:
             pending = True
         records.append(self._norm(model.transformer.ln_f, pending))
         records.append(self._lm_head())
+        at = {id(r): i for i, r in enumerate(records)}
+        # LoRA: after the linear record of a site, the step's StepLora adds its delta to the output buffer
+        self.lora_points = [(at[id(op)] + 1, modules, x, out) for op, modules, x, out in self._lora_ops]
         self.records = (Op * len(records))(*records)
 
     # --- building ------------------------------------------------------------------------
@@ -171,7 +179,8 @@ class DecodePlan:
         qkv = torch.zeros(b, width, dtype=self.dtype)
         o = torch.zeros(b, h * d, dtype=self.dtype)
         w, bias = self._module_weight(att.qkv)
-        recs = [self._norm(layer.input_layernorm, add_delta), self._linear(self.y, qkv, w, bias)]
+        recs = [self._norm(layer.input_layernorm, add_delta), self._lora_site(self._linear(self.y, qkv, w, bias),
+                                                                             (att.qkv,), self.y, qkv)]
         if att.rotary is not None:
             if type(att.rotary) is not Rotary:
                 raise Unsupported(f"rotary {type(att.rotary).__name__}")
@@ -195,7 +204,7 @@ class DecodePlan:
                          self.kv_lens.data_ptr(), _ptr(slopes), o.data_ptr(), _ptr(kv_scales)),
                         (self.tables.shape[1], b, h, kvh, d, k_pool.shape[1], 0, width), (att.attn.scale,)))
         w, bias = self._module_weight(att.dense)
-        recs.append(self._linear(o, self.delta, w, bias))
+        recs.append(self._lora_site(self._linear(o, self.delta, w, bias), (att.dense,), o, self.delta))
         recs.append(self._norm(layer.post_layernorm, True))
         recs += self._mlp(mlp)
         self._keep += [qkv, o]
@@ -214,9 +223,14 @@ class DecodePlan:
         m = torch.zeros(self.batch, inter, dtype=self.dtype)
         self._keep += [fg, m]
         pw, pbias = self._module_weight(mlp.proj)
-        return [self._linear(self.y, fg, w, bias),
+        return [self._lora_site(self._linear(self.y, fg, w, bias), (mlp.fc, mlp.gate), self.y, fg),
                 _op(OP_ACT_MUL, (_dt(fg),), (fg.data_ptr(), m.data_ptr()), (self.batch, inter, ACT_CODES[mlp.act_name])),
-                self._linear(m, self.delta, pw, pbias)]
+                self._lora_site(self._linear(m, self.delta, pw, pbias), (mlp.proj,), m, self.delta)]
+
+    def _lora_site(self, op: Op, modules: tuple, x: torch.Tensor, out: torch.Tensor) -> Op:
+        """Mark `op` (out = x W^T of `modules`' outputs side by side) as a LoRA site."""
+        self._lora_ops.append((op, modules, x, out))
+        return op
 
     def _lm_head(self) -> Op:
         model = self.model
@@ -235,7 +249,13 @@ class DecodePlan:
     def fits(self, meta) -> bool:
         """True when this plan can run the decode step `meta` (its batch, lengths and positions)."""
         return (len(meta.seq_lens) == self.batch and meta.block_tables.shape[1] <= self.tables.shape[1]
-                and max(meta.context_lens) <= self.max_position and meta.lora is None)
+                and max(meta.context_lens) <= self.max_position
+                and (meta.lora is None or hasattr(meta.lora, "add_")))
+
+    def _run(self, start: int, end: int, threads: int) -> None:
+        """Records start .. end - 1 in one compiled call."""
+        if end > start:
+            library().bst_run_plan(ctypes.addressof(self.records) + start * ctypes.sizeof(Op), end - start, threads)
 
     def run(self, ids: torch.Tensor, meta) -> torch.Tensor:
         """ids [B] (one new token per sequence) -> logits [B, V] (a fresh tensor)."""
@@ -244,27 +264,64 @@ class DecodePlan:
         self.kv_lens.copy_(torch.tensor(meta.kv_lens))
         self.slots.copy_(meta.slot_mapping)
         self.tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        library().bst_run_plan(ctypes.addressof(self.records), len(self.records), torch.get_num_threads())
+        start, threads = 0, torch.get_num_threads()
+        if meta.lora is not None:  # run up to each adapted linear, add its LoRA delta, go on
+            # The deltas are a few [B, K] x [K, R] matmuls: torch on one thread (measured here: 70 vs 450 us
+            # a site with two); the records keep `threads` (kernels.c sets its own thread count).
+            torch.set_num_threads(1)
+            try:
+                for end, modules, x, out in self.lora_points:
+                    if meta.lora.touches(modules):
+                        self._run(start, end, threads)
+                        meta.lora.add_(modules, x, out)
+                        start = end
+            finally:
+                torch.set_num_threads(threads)
+        self._run(start, len(self.records), threads)
         return self.logits.clone()
+
+
+PLAIN_TOP_LEVEL = {"vocab_embedding", "layers", "ln_f"}  # transformer.* modules a plan runs
+
+
+def refusal(model) -> str | None:
+    """Why no plan can run `model` at all (before looking at its layers), or None.
+
+    An architecture that overrides `embed`, `logits` or `position_ids`, or has top-level modules
+    besides the token embedding, the layers and ln_f (DecoderLM.make_top_level_modules) or an
+    embedding_scale, runs eagerly; `DecoderLM.decode_plan_status()` reports the reason.
+    """
+    from bestiary.core.runtime.model import DecoderLM
+
+    cls = type(model)
+    if model.tp_size != 1 or model.pp_size != 1:
+        return "tensor or pipeline parallel"
+    overridden = [n for n in ("embed", "logits", "position_ids") if getattr(cls, n) is not getattr(DecoderLM, n)]
+    if overridden:
+        return f"{cls.__name__} overrides {', '.join(overridden)}"
+    extra = sorted(set(dict(model.transformer.named_children())) - PLAIN_TOP_LEVEL)
+    if extra or model.embedding_scale is not None:
+        return f"top-level modules {', '.join(extra) or 'embedding_scale'}"
+    if model.transformer.vocab_embedding.weight.device.type != "cpu":
+        return "weights not on the CPU"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "forward hooks (a plan runs no module: hooks would be skipped)"
+    return None
 
 
 def plan_for(model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> DecodePlan | None:
     """A DecodePlan for `model`, or None when the compiled kernels are off or the model has
-    something a plan does not express (then the eager path runs every step)."""
+    something a plan does not express (then the eager path runs every step; the reason is
+    kept in `model.decode_plan_refusal`)."""
     from bestiary.core.kernels import dispatch
-    from bestiary.core.runtime.model import DecoderLM
 
-    cls = type(model)
     if not 1 <= batch <= MAX_BATCH or dispatch.mode() != "auto" or library() is None:
         return None
-    if model.tp_size != 1 or model.pp_size != 1 or any(
-            getattr(cls, name) is not getattr(DecoderLM, name) for name in ("embed", "logits", "position_ids")):
-        return None
-    if model.transformer.vocab_embedding.weight.device.type != "cpu":
-        return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
-        return None  # a plan runs no module: hooks would be skipped
-    try:
-        return DecodePlan(model, batch, k_pools, v_pools)
-    except Unsupported:
-        return None
+    reason = refusal(model)
+    if reason is None:
+        try:
+            return DecodePlan(model, batch, k_pools, v_pools)
+        except Unsupported as err:
+            reason = str(err)
+    model.__dict__["decode_plan_refusal"] = reason
+    return None

@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from bestiary.core.format.errors import BestiaryError, WeightsError
+from bestiary.core.format.errors import EnvironmentFault, WeightsError
+from bestiary.core.format.output_dir import TEMP_MARKER, check_output_dir, remove_stale_temp_dirs
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8",
@@ -81,29 +82,52 @@ class StreamingSafetensorsWriter:
 
 
 @contextlib.contextmanager
-def atomic_directory(output_dir: Path) -> Iterator[Path]:
+def atomic_directory(output_dir: Path, kind: str = "checkpoint", sources: Iterable[str | Path] = (),
+                     flag: str = "--output_dir") -> Iterator[Path]:
     """Yield a temporary sibling directory that becomes `output_dir` only if the block succeeds.
 
-    An existing `output_dir` is replaced at the end; on any error the temporary directory is
-    removed, so an interrupted convert never leaves a directory that looks valid.
+    `output_dir` must pass `check_output_dir` (missing, empty, or an earlier bestiary output of
+    the same `kind`; never the current directory, $HOME, a source or what contains one). An
+    existing output is replaced at the end; on any error the temporary directory is removed, so
+    an interrupted convert never leaves a directory that looks valid. Temporary directories of
+    dead processes in the same parent are removed first. OSError (read-only or full
+    filesystem) becomes an EnvironmentFault naming the output directory.
     """
-    output_dir = Path(output_dir).absolute()
-    if output_dir.exists() and not output_dir.is_dir():
-        raise BestiaryError(f"{output_dir}: exists and is not a directory")
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    output_dir = check_output_dir(output_dir, kind, sources, flag)
+    parent = output_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_dirs(parent)
+        tmp = parent / f".{output_dir.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        (tmp / TEMP_MARKER).write_text(str(os.getpid()))
+    except OSError as err:
+        raise EnvironmentFault(f"{flag} {output_dir}: cannot write there ({err.strerror or err})") from None
     try:
         yield tmp
-    except BaseException:
+        (tmp / TEMP_MARKER).unlink()
+        _replace(tmp, output_dir)
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise EnvironmentFault(f"{flag} {output_dir}: writing failed ({err.strerror or err}); "
+                                   "nothing was written") from None
         raise
+
+
+def _replace(tmp: Path, output_dir: Path) -> None:
+    """Rename `tmp` to `output_dir`, moving an existing output aside first and deleting it after."""
     old = None
     if output_dir.exists():
         old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
         output_dir.rename(old)
-    tmp.rename(output_dir)
+    try:
+        tmp.rename(output_dir)
+    except OSError:
+        if old is not None:
+            old.rename(output_dir)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -121,13 +145,29 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % TENSOR_ALIGNMENT == 0 else t.clone()
 
 
-def load_rank_weights(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+def check_finite(tensor: torch.Tensor, where: str) -> None:
+    """A float tensor with NaN or inf values is a WeightsError naming `where` (the tensor)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    if flat.dtype in (torch.float8_e4m3fn,):
+        flat = flat.float()
+    finite = torch.isfinite(flat)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        first = flat[int((~finite).nonzero()[0])].item()
+        raise WeightsError(f"{where}: {bad} of {flat.numel()} values are not finite (first: {first}); "
+                           "the weights are corrupt (--allow_nonfinite to use them anyway)")
+
+
+def load_rank_weights(directory: Path, rank: int, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of rank `rank`; a missing or truncated file is a one-line error.
 
     safetensors memory-maps the file: a tensor's data sits at its file offset, which the format
     aligns to 8 bytes only. Kernels used as-is on loaded tensors (int8 weights and bf16 scales
     feed aten._weight_int8pack_mm directly) crashed on such addresses, so every tensor that does
-    not start on a 64-byte boundary is copied (the others stay memory-mapped)."""
+    not start on a 64-byte boundary is copied (the others stay memory-mapped). A float tensor with
+    NaN or inf values is refused unless `allow_nonfinite`."""
     from safetensors.torch import load_file
 
     path = rank_file(directory, rank)
@@ -137,4 +177,7 @@ def load_rank_weights(directory: Path, rank: int) -> dict[str, torch.Tensor]:
         weights = load_file(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
         raise WeightsError(f"{path}: not a readable .safetensors file ({err})") from None
+    if not allow_nonfinite:
+        for key, t in weights.items():
+            check_finite(t, f"{path}: tensor {key!r}")
     return {key: aligned(t) for key, t in weights.items()}

@@ -75,7 +75,8 @@ class QuantConfig(StrictModel):
     quant_algo: QuantAlgo | None = Field(None, description="Weight quantization algorithm.")
     kv_cache_quant_algo: KVCacheQuantAlgo | None = Field(None, description="KV cache quantization.")
     group_size: int = Field(64, ge=1, description="Group size of group-wise weight quantization.")
-    has_zero_point: bool = Field(False, description="Group-wise quantization stores zero points.")
+    has_zero_point: bool = Field(False, description="Group-wise quantization stores zero points "
+                                 "(W8A16: per-row zero points, imported from FastLLM .flm).")
     pre_quant_scale: bool = Field(False, description="AWQ-style per-input-channel pre-scale.")
     exclude_modules: list[str] | None = Field(None, description="Module name patterns left unquantized.")
 
@@ -89,15 +90,17 @@ class PretrainedConfig(StrictModel):
     architecture: str = Field(description="Registered architecture name, e.g. LlamaForCausalLM.")
     dtype: DType = Field(description="Dtype of the weights.")
     logits_dtype: DType = Field("float32", description="Dtype of the returned logits.")
-    vocab_size: int = Field(ge=1)
-    max_position_embeddings: int | None = Field(None, ge=1)
-    hidden_size: int = Field(ge=1)
-    num_hidden_layers: int = Field(ge=1)
-    num_attention_heads: int = Field(ge=1)
-    num_key_value_heads: int | None = Field(None, ge=1, description="Defaults to num_attention_heads.")
-    head_size: int | None = Field(None, ge=1, description="Defaults to hidden_size // num_attention_heads.")
+    # Upper bounds: far above any real model, they stop a corrupt config from building a model
+    # of 10**12 layers (minutes of Python, then out of memory) before the weights are compared.
+    vocab_size: int = Field(ge=1, le=2**24)
+    max_position_embeddings: int | None = Field(None, ge=1, le=2**24)
+    hidden_size: int = Field(ge=1, le=2**17)
+    num_hidden_layers: int = Field(ge=1, le=1024)
+    num_attention_heads: int = Field(ge=1, le=2**12)
+    num_key_value_heads: int | None = Field(None, ge=1, le=2**12, description="Defaults to num_attention_heads.")
+    head_size: int | None = Field(None, ge=1, le=2**12, description="Defaults to hidden_size // num_attention_heads.")
     hidden_act: str
-    intermediate_size: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1, le=2**20)
     norm_epsilon: float = 1e-5
     position_embedding_type: Literal[
         "learned_absolute", "rope_gpt_neox", "rope_gptj", "alibi", "alibi_with_scale", "relative", "chatglm"
@@ -159,3 +162,15 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def read_text_file(path: str | Path, flag: str) -> str:
+    """A UTF-8 text file given by `flag`; a missing or non-UTF-8 file is a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such text file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{flag} {path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                          f"{err.start}); convert it to UTF-8") from None

@@ -13,6 +13,7 @@ argument of `forward`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,9 +35,14 @@ class Parallel(str, Enum):
 
 
 class LoraDelta(Protocol):
-    """Per-step batched LoRA: returns the delta y_lora [T, out] for input x [T, in] of `module`."""
+    """Per-step batched LoRA (core.lora.batch.StepLora): the delta y_lora [T, out] for input x [T, in]
+    of `module`, None when no adapter of the step touches it."""
 
     def __call__(self, module: Linear, x: torch.Tensor) -> torch.Tensor | None: ...
+
+    def concat(self, modules: Sequence[Linear], x: torch.Tensor) -> torch.Tensor | None:
+        """The deltas of linears reading the same x, side by side [T, sum out] (a fused fc + gate)."""
+        ...
 
 
 def tp_dim_of(parallel: Parallel, is_weight: bool) -> int:

@@ -71,19 +71,21 @@ class GatedMLP(nn.Module):
             self.fc.bias.data, self.gate.bias.data = self._fused_bias[:inter], self._fused_bias[inter:]
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+        """x [T, H] -> [T, H]. A LoRA delta on fc / gate is added to their fused output [T, 2I]."""
         fused_q = self.__dict__.get("_fused_q")
-        if fused_q is not None and lora is None:
-            h = dispatch.gated_act(fused_q(x), self.act_name)  # [T, 2I] -> [T, I]
-        elif self._fused is not None and lora is None:
-            if self._fused_t is not None and x.device.type == "cpu":
-                fg = cpu_matmul.matmul_t(x, self._fused_t, self._fused_bias)  # [T, 2I]
-            else:
-                fg = F.linear(x, self._fused, self._fused_bias)  # [T, 2I]
-            h = dispatch.gated_act(fg, self.act_name)
-        else:
+        if fused_q is None and self._fused is None:
             h = dispatch.act_and_mul(self.fc(x, lora), self.gate(x, lora), self.act_name)
-        return self.proj(h, lora)
+            return self.proj(h, lora)
+        if fused_q is not None:
+            fg = fused_q(x)  # [T, 2I]
+        elif self._fused_t is not None and x.device.type == "cpu":
+            fg = cpu_matmul.matmul_t(x, self._fused_t, self._fused_bias)  # [T, 2I]
+        else:
+            fg = F.linear(x, self._fused, self._fused_bias)  # [T, 2I]
+        delta = lora.concat((self.fc, self.gate), x) if lora is not None else None
+        if delta is not None:
+            fg = fg + delta
+        return self.proj(dispatch.gated_act(fg, self.act_name), lora)
 
 
 class MLP(nn.Module):

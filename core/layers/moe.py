@@ -59,6 +59,7 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_experts, out_local, in_local, dtype=dtype, device=device), requires_grad=False
         )
+        self.name = ""  # canonical module path, set by the model (LoRA selects experts by it)
 
     def tp_dim(self, param_name: str) -> int:
         """Slicing dim of `weight` [E, out, in]: 1 (column), 2 (row), -1 (replicated)."""
@@ -122,31 +123,45 @@ class MoE(nn.Module):
         self._fused = torch.cat([self.fc.weight, self.gate.weight], dim=1)
         self.fc.weight.data, self.gate.weight.data = self._fused[:, :inter], self._fused[:, inter:]
 
-    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """Expert e on its tokens: x [N, H] -> partial proj_e(act(fc_e x) * gate_e x) [N, H]."""
-        if self._fused is not None:
-            f, g = F.linear(x, self._fused[e]).chunk(2, dim=-1)  # [N, I_local] each
-        else:
-            f, g = self.fc(x, e), self.gate(x, e)
-        return self.proj(self.act(f) * g, e)
+    def expert(self, x: torch.Tensor, e: int, lora=None, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert e on its tokens: x [N, H] -> partial proj_e(act(fc_e x) * gate_e x) [N, H].
 
-    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        With `lora` (a core.lora.batch.StepLora), `tokens` [N] are x's rows in the packed batch and
+        each expert linear gets its adapters' delta (LoRA modules moe_h_to_4h, moe_gate, moe_4h_to_h)."""
+        if self._fused is not None:
+            fg = F.linear(x, self._fused[e])  # [N, 2 I_local]
+        else:
+            fg = torch.cat([self.fc(x, e), self.gate(x, e)], dim=-1)
+        if lora is not None:
+            delta = lora.expert((self.fc, self.gate), e, x, tokens)
+            if delta is not None:
+                fg = fg + delta
+        f, g = fg.chunk(2, dim=-1)  # [N, I_local] each
+        h = self.act(f) * g
+        y = self.proj(h, e)
+        if lora is not None:
+            delta = lora.expert((self.proj,), e, h, tokens)
+            if delta is not None:
+                y = y + delta
+        return y
+
+    def partial_forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """x [T, H] -> this rank's partial output [T, H] (its I/tp slice of every expert)."""
-        if dispatch.use_triton(x):  # routing + grouped expert GEMMs in kernels.moe
+        if dispatch.use_triton(x) and lora is None:  # routing + grouped expert GEMMs in kernels.moe
             weights, experts = dispatch.moe_route(self.router(x), self.top_k)
             return dispatch.fused_moe(x, self.fc.weight, self.gate.weight, self.proj.weight, weights, experts,
                                       self.act_name)
-        weights, experts = route(self.router(x), self.top_k)  # [T, K], [T, K]
+        weights, experts = route(self.router(x, lora), self.top_k)  # [T, K], [T, K]
         out = torch.zeros_like(x)  # [T, H]
         for e in experts.unique().tolist():
             tokens, slots = torch.where(experts == e)  # [N], [N]
-            y = self.expert(x.index_select(0, tokens), e)  # [N, H]
+            y = self.expert(x.index_select(0, tokens), e, lora, tokens)  # [N, H]
             out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
         return out
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H], all-reduced over tp ranks. LoRA does not apply to experts."""
-        out = self.partial_forward(x)
+        """x [T, H] -> [T, H], all-reduced over tp ranks; `lora` adapts the router and the experts."""
+        out = self.partial_forward(x, lora)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out

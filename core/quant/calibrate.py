@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from bestiary.core.format.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
-from bestiary.core.format.config import PretrainedConfig
+from bestiary.core.format.config import PretrainedConfig, read_text_file
 from bestiary.core.format.errors import BestiaryError, ConfigError
 from bestiary.core.quant.calib_text import builtin_text
 from bestiary.core.quant.kv import SCALE_NAME, calibrate_kv_amax, scales_from_amax
@@ -43,7 +43,7 @@ def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_po
             raise BestiaryError(f"--calib_text {path}: no such file")
         if tokenizer is None:
             raise BestiaryError(f"--calib_text {path}: the source has no tokenizer to read it with")
-        ids = tokenizer.encode(path.read_text())
+        ids = tokenizer.encode(read_text_file(path, "--calib_text"))
         if len(ids) < 16:
             raise BestiaryError(f"--calib_text {path}: {len(ids)} tokens, expected at least 16")
         return ids[:limit]

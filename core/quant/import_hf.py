@@ -18,6 +18,9 @@ core.quant.hf_formats):
    for every part (`same_permutation`).
 3. Layers the source holds in float (typically lm_head) become `exclude_modules`.
 
+FastLLM `.flm` sources (core.sources.flm_source) say quant_method "fastllm": their int8 / int4
+codes land as W8A16 / W4A16 with zero points through the same steps (`prequantized_weights`).
+
 Act-order (GPTQ desc_act): the canonical weight is permuted to group-contiguous features and
 the layer multiplies x[..., in_perm]. `in_perm` holds indices into the layer's full input
 features; a row-parallel layer on several ranks can take act-order only when every rank's
@@ -48,9 +51,12 @@ class HFQuant:
     group_size: int  # the source's; -1: one group over all in-features
     zero_offset: int  # added to stored zero points (GPTQ v1 checkpoints: 1)
     origin: str  # the file it was read from, for messages
+    bits: int = 4  # fastllm: 8 (W8A16) or 4 (W4A16)
 
     @property
     def algo(self) -> str:
+        if self.method == "fastllm":
+            return "W8A16" if self.bits == 8 else "W4A16"
         return ALGOS[self.method]
 
 
@@ -74,6 +80,8 @@ def read_hf_quant(source: ModelSource) -> HFQuant | None:
     if qc is None:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "fastllm" and source.format == "flm":  # core.sources.flm_source: codes read as they are
+        return HFQuant("fastllm", int(qc["group_size"]), 0, str(source.path), int(qc["bits"]))
     if method not in ALGOS:
         raise ConfigError(f"{origin}: quantization_config.quant_method {method!r}: expected awq or gptq "
                           f"(the pre-quantized formats bestiary imports)")
@@ -100,8 +108,16 @@ def import_quant_config(hq: HFQuant, requested: QuantConfig | None) -> QuantConf
         raise ConfigError(f"--use_weight_only: {hq.origin} is already quantized ({hq.method}); "
                           f"convert it without weight quantization flags")
     kv = requested.kv_cache_quant_algo if requested is not None else None
-    return QuantConfig(quant_algo=hq.algo, kv_cache_quant_algo=kv, group_size=hf_formats.canonical_group(hq.group_size),
-                       has_zero_point=True)
+    group = hq.group_size if hq.method == "fastllm" else hf_formats.canonical_group(hq.group_size)
+    return QuantConfig(quant_algo=hq.algo, kv_cache_quant_algo=kv, group_size=group, has_zero_point=True)
+
+
+def prequantized_weights(source: ModelSource, hq: HFQuant) -> WeightSource:
+    """The source's weights with its quantized layers under canonical names (`quantized_layers`: their
+    source names): AWQ / GPTQ unpacked here, FastLLM .flm codes by core.sources.flm_source."""
+    if hq.method == "fastllm":
+        return source.weights.prequantized(hq.bits, hq.group_size)
+    return PrequantizedWeights(source.weights, hq)
 
 
 # --- the source wrapper ----------------------------------------------------------------------
@@ -112,6 +128,7 @@ class PrequantizedWeights:
         self.inner, self.hq = inner, hq
         raw = self._raw = set(inner.keys())
         self.layers = sorted(k[: -len(".qweight")] for k in raw if k.endswith(".qweight"))
+        self.quantized_layers = set(self.layers)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._owner: dict[str, str] = {}
         for layer in self.layers:
@@ -244,12 +261,12 @@ def float_layers(loader, model_class, config: PretrainedConfig) -> list[str]:
     from bestiary.core.quant.apply import quantized_linears
 
     aliases = model.source_aliases()
-    raw = set(loader.source.inner.keys())
+    held = loader.source.quantized_layers
     names, floats = [], []
     for path in quantized_linears(model):
         key = aliases.get(f"{path}.weight", f"{path}.weight")
         sources = loader.translate(key, key.rpartition(".")[0])
-        quantized = [s.removesuffix(".weight") + ".qweight" in raw for s in sources]
+        quantized = [s.removesuffix(".weight") in held for s in sources]
         names.append(path)
         if not any(quantized):
             floats.append(path)

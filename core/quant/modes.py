@@ -1,7 +1,7 @@
 """Which quantization a linear layer gets, from the checkpoint's `quantization` section.
 
     quant_algo      weight layout held by every selected Linear
-    W8A16           int8 per output channel, 16-bit activations
+    W8A16           int8 per output channel (optional zero points), 16-bit activations
     W4A16           int4 group-wise (group_size, optional zero points), 16-bit activations
     W4A16_AWQ       W4A16 with zero points (imported from AWQ checkpoints)
     W4A16_GPTQ      W4A16 with zero points (imported from GPTQ checkpoints)
@@ -45,8 +45,8 @@ def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
     algo = quant.quant_algo
     if algo is None:
         return None
-    if algo in INT8_ALGOS:
-        return LinearQuant(algo, 8)
+    if algo in INT8_ALGOS:  # zero points: imported asymmetric int8 (FastLLM .flm)
+        return LinearQuant(algo, 8, has_zero_point=quant.has_zero_point)
     if algo in INT4_ALGOS:
         zero = quant.has_zero_point or algo != "W4A16"
         return LinearQuant(algo, 4, quant.group_size, zero)

@@ -3,7 +3,7 @@
 Checkpoint layouts (weights keep the checkpoint's (out_features N, in_features K) orientation):
 
 int8 per output channel (W8A16, and the weights of W8A8_SQ_PER_CHANNEL):
-    weight int8 [N, K];  weights_scaling_factor [N]
+    weight int8 [N, K];  weights_scaling_factor [N];  W8A16 imported asymmetric: zeros [N], w ~ (q - z) * s
     s[n] = max_k |w[n, k]| / 127,   q = clamp(round(w / s), -127, 127),   w ~ q[n, k] * s[n]
 
 int4 group-wise (W4A16 and the AWQ/GPTQ imports), group size G, groups = ceil(K / G) (a
@@ -46,9 +46,11 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, s
 
 
-def dequantize_int8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """q int8 [N, K], s [N] -> w float32 [N, K] = q * s."""
-    return q.float() * s.float()[:, None]
+def dequantize_int8(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    """q int8 [N, K], s [N], z [N] or None (0) -> w float32 [N, K] = (q - z) * s."""
+    if z is None:
+        return q.float() * s.float()[:, None]
+    return (q.float() - z.float()[:, None]) * s.float()[:, None]
 
 
 # --- int4 group-wise ---------------------------------------------------------------------

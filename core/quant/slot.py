@@ -85,7 +85,7 @@ class WeightOnlySlot:
         check_linear(linear.name, k, n, lq, split_in=linear.parallel == "row" and linear.tp_size > 1)
         device = linear.weight.device
         install_int_weight(linear, lq.bits, lq.group_size)
-        if lq.bits == 4 and lq.has_zero_point:
+        if lq.has_zero_point:  # int4: [N, groups]; int8: [N] (imported asymmetric int8, FastLLM .flm)
             linear.zeros = _param(torch.empty_like(linear.weights_scaling_factor))
         slot = cls(lq, (n, k))
         if lq.algo in PERMUTED_ALGOS:
@@ -116,7 +116,10 @@ class WeightOnlySlot:
             if stats is not None:
                 raise ValueError("int8 weights are rounded to nearest: no calibration statistics expected")
             q, s = packing.quantize_int8_per_channel(w)
-            return {"weight": q, "weights_scaling_factor": s.to(scale_dtype)}
+            out = {"weight": q, "weights_scaling_factor": s.to(scale_dtype)}
+            if self.lq.has_zero_point:  # symmetric rounding: zero points 0
+                out["zeros"] = torch.zeros_like(out["weights_scaling_factor"])
+            return out
         return self.pack_int4(self.int4_codes(w, scale_dtype, stats), scale_dtype)
 
     def int4_codes(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None) -> Int4Codes:
@@ -149,12 +152,12 @@ class WeightOnlySlot:
         return packing.unpack_int4(w)
 
     def dequantize(self, linear: nn.Module) -> torch.Tensor:
-        """The float32 weight [N, K] the packed tensors stand for: q * s, or (q - z) * s per group
-        (with an in_perm, over the permuted in-features: y = x[..., in_perm] W^T)."""
+        """The float32 weight [N, K] the packed tensors stand for: (q - z) * s per row (int8) or per group
+        (z absent: 0 for int8, 8 for int4) (with an in_perm, over the permuted in-features: y = x[..., in_perm] W^T)."""
         s = linear.weights_scaling_factor
-        if self.lq.bits == 8:
-            return packing.dequantize_int8(linear.weight, s)
         z = getattr(linear, "zeros", None)
+        if self.lq.bits == 8:
+            return packing.dequantize_int8(linear.weight, s, z)
         return packing.dequantize_int4(self.codes(linear), s, z, self.lq.group_size)
 
     # --- running -----------------------------------------------------------------------------
@@ -199,6 +202,7 @@ class WeightOnlySlot:
     def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+        zero_term = getattr(linear, "zeros", None) if self.lq.bits == 8 else None  # int8 kernels have no z
         perm = self.input_perm(linear, x.device)
         if perm is not None:
             x2 = x2.index_select(1, perm)  # [T, K] in the weight's (group-contiguous) feature order
@@ -212,7 +216,10 @@ class WeightOnlySlot:
                 y = self._cpu_kernel(linear, xc)
             else:
                 y = cpu_matmul.dense_weight_matmul(xc, self.dequantize(linear))  # fp32 GEMM without native bf16
+                zero_term = None  # the dequantized weight holds the zero points
             y = y.to(x.dtype)
+        if zero_term is not None:  # x (q - z)^T s = x q^T s - (sum_k x) (s z)
+            y = y - (x2.float().sum(-1, keepdim=True) * (linear.weights_scaling_factor.float() * zero_term.float())).to(y.dtype)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from bestiary.core.runtime.kv_cache import fork_table
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState, ends_with_any
 
 NEG = -1.0e9  # HF's "impossible" score
@@ -234,14 +235,6 @@ def fork_block_tables(allocator, kv, old: list, parents: list[int], children: li
             taken.add(p)
             child.blocks = src.blocks
             continue
-        full = src.num_cached // block_size
-        shared = src.blocks[:full]
-        allocator.share(shared)
-        child.blocks = list(shared)
-        if src.num_cached % block_size:
-            (block,) = allocator.allocate(1)
-            allocated += 1
-            kv.k[:, block].copy_(kv.k[:, src.blocks[full]])
-            kv.v[:, block].copy_(kv.v[:, src.blocks[full]])
-            child.blocks.append(block)
+        child.blocks, copied = fork_table(allocator, kv, src.blocks, src.num_cached, block_size)
+        allocated += copied
     return allocated, released

@@ -36,9 +36,11 @@ class Engine:
 
     @classmethod
     def load(
-        cls, directory: str | Path, rank: int = 0, device: str = "cpu", registry: Registry | None = None
+        cls, directory: str | Path, rank: int = 0, device: str = "cpu", registry: Registry | None = None,
+        allow_nonfinite: bool = False,
     ) -> "Engine":
-        """Read config.json, build the model on the meta device and assign the rank's tensors."""
+        """Read config.json, build the model on the meta device and assign the rank's tensors
+        (NaN or inf weights are refused unless `allow_nonfinite`)."""
         registry = registry or default_registry()
         directory = Path(directory)
         if not directory.is_dir():
@@ -60,9 +62,12 @@ class Engine:
                 f"pp {config.mapping.pp_size}); multi-rank execution is not available yet: convert with --tp_size 1"
             )
         spec = registry.get(config.architecture)
-        with torch.device("meta"):
-            model = resolve(spec.model_class)(config, rank, device="meta")
-        weights = load_rank_weights(directory, rank)
+        try:
+            with torch.device("meta"):
+                model = resolve(spec.model_class)(config, rank, device="meta")
+        except (TypeError, ValueError) as err:  # a field the model needs is missing or inconsistent
+            raise ConfigError(f"{directory / 'config.json'}: the model cannot be built from this config ({err})") from None
+        weights = load_rank_weights(directory, rank, allow_nonfinite)
         expected = set(model.state_dict().keys())
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or unexpected:

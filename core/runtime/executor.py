@@ -10,6 +10,10 @@ Each `step()`:
   3. runs the model once over the packed tokens and samples a token for every request
      whose prompt is fully in the cache;
   4. retires finished requests and frees their blocks (full blocks stay cached for reuse).
+
+n > 1 samples of one prompt: the request computes the prompt once; its n - 1 siblings wait,
+parked, until the prompt is in the cache, then fork its block table (full blocks shared,
+the partial last block copied) and sample their first tokens from the same logits row.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.lora.adapter import LoraAdapter
+from bestiary.core.lora.batch import AdapterStack, StepLora
 from bestiary.core.runtime.beam import Beam, BeamSearch, fork_block_tables
 from bestiary.core.runtime.kv_cache import (
     BlockAllocator,
@@ -28,6 +34,8 @@ from bestiary.core.runtime.kv_cache import (
     KVCache,
     KvCacheConfig,
     blocks_for,
+    check_pool_fits,
+    fork_table,
     pool_tokens,
 )
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ends_with_any
@@ -35,6 +43,7 @@ from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, sample
 
 _ids = itertools.count()
+LORA_STACKS = 8  # stacked adapter sets kept (a step's set is usually the previous step's)
 
 
 def supports_block_reuse(model: DecoderLM) -> bool:
@@ -63,6 +72,15 @@ class Request:
     chooser: TokenChooser | None = None  # None: the batched fast path (plain sampling / greedy)
     search: BeamSearch | None = None  # beam_width > 1
     context_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] float32 per prefill chunk
+    lora: LoraAdapter | None = None  # the request's adapter (core.lora), None: the base model
+    index: int = 0  # which of the prompt's n samples this is
+    siblings: list[Request] = field(default_factory=list)  # samples 1..n-1 (on sample 0 only)
+    forked: bool = False  # the siblings have taken the prompt's blocks
+
+    @property
+    def group(self) -> list[Request]:
+        """Every sample of this prompt: this request and its siblings."""
+        return [self, *self.siblings]
 
     @property
     def tokens(self) -> list[int]:
@@ -83,6 +101,7 @@ class Executor:
         kv_config = kv_cache_config or KvCacheConfig()
         default = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
         tokens = pool_tokens(default, kv_config, KVCache.bytes_per_token_for(model), device)
+        check_pool_fits(tokens, KVCache.bytes_per_token_for(model), device)
         num_blocks = blocks_for(tokens, build.tokens_per_block)
         self.kv = KVCache.for_model(model, num_blocks, build.tokens_per_block)
         # Reuse needs K/V that depend on the prefix only: causal masks and positions 0, 1, ...
@@ -90,13 +109,19 @@ class Executor:
         self.allocator = BlockAllocator(num_blocks, build.tokens_per_block, enable_reuse=self.reuse)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._lora_stacks: dict[tuple[str, ...], AdapterStack] = {}  # adapter names -> stacked weights
+        self._lora_roots: dict[str, BlockKey] = {}
 
     # --- requests ----------------------------------------------------------------------
-    def add(self, prompt: list[int], sampling: SamplingConfig, stop_ids: set[int] | None = None) -> Request:
-        """Queue a request; prompt and length limits are checked here."""
+    def add(self, prompt: list[int], sampling: SamplingConfig, stop_ids: set[int] | None = None,
+            lora: LoraAdapter | None = None) -> Request:
+        """Queue a request (with a LoRA adapter, or None: the base model); prompt and length limits are checked here."""
         b = self.build
         if not prompt:
             raise BestiaryError("empty prompt: at least one input token is needed")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        if bad or not isinstance(prompt, list):
+            raise BestiaryError(f"input id {bad[0] if bad else prompt!r}: expected a list of integer token ids")
         if len(prompt) > b.max_input_len:
             raise BestiaryError(f"prompt of {len(prompt)} tokens exceeds the engine's max_input_len {b.max_input_len}")
         vocab = self.model.config.vocab_size
@@ -107,11 +132,20 @@ class Executor:
             stops = {sampling.end_id}
         if sampling.beam_width > b.max_num_tokens:
             raise BestiaryError(f"beam_width {sampling.beam_width} exceeds the engine's max_num_tokens {b.max_num_tokens}")
-        req = Request(list(prompt), sampling, set() if sampling.ignore_eos else stops)
-        req.generator = make_generator(sampling.random_seed)
-        self._prepare_sampling(req, vocab)
+        if sampling.n > b.max_batch_size:
+            raise BestiaryError(f"n {sampling.n} exceeds the engine's max_batch_size {b.max_batch_size}")
+        seed = sampling.random_seed
+        group = [Request(list(prompt), sampling, set() if sampling.ignore_eos else stops, index=i)
+                 for i in range(sampling.n)]
+        for i, member in enumerate(group):
+            member.generator = make_generator(None if seed is None else seed + i)
+            self._prepare_sampling(member, vocab)
+        req = group[0]
+        req.siblings = group[1:]
+        for member in group:
+            member.lora = lora
         if self._need_blocks(req) > self.allocator.num_blocks:
-            raise BestiaryError(f"request of {self._max_len(req)} tokens x {sampling.beam_width} beams "
+            raise BestiaryError(f"request of {self._max_len(req)} tokens x {self._width(req)} sequences "
                                 "does not fit the KV cache")
         self.waiting.append(req)
         return req
@@ -142,23 +176,39 @@ class Executor:
     def _max_len(self, req: Request) -> int:
         return min(len(req.prompt) + req.sampling.max_new_tokens, self.build.max_seq_len)
 
+    @staticmethod
+    def _width(req: Request) -> int:
+        """Sequences the request may run at once: its beams or its n samples."""
+        return max(req.sampling.beam_width, req.sampling.n)
+
+    def _own_blocks(self, req: Request) -> int:
+        """Blocks one sequence of `req` holds at most beyond the prompt's full (shared) blocks."""
+        bs = self.build.tokens_per_block
+        return blocks_for(self._max_len(req), bs) - len(req.prompt) // bs
+
     def _need_blocks(self, req: Request) -> int:
-        """Most blocks `req` can hold at once: beams share the prompt's full blocks and
-        hold at most the rest of the length each."""
-        bs, w = self.build.tokens_per_block, req.sampling.beam_width
-        need = blocks_for(self._max_len(req), bs)
-        shared = len(req.prompt) // bs
-        return shared + w * (need - shared)
+        """Most blocks `req` can hold at once: beams (or samples) share the prompt's full
+        blocks and hold at most the rest of the length each."""
+        return len(req.prompt) // self.build.tokens_per_block + self._width(req) * self._own_blocks(req)
 
     def cancel(self, req: Request) -> None:
-        """Stop a request now; its blocks go back to the pool."""
+        """Stop a request (every sample of it) now; its blocks go back to the pool."""
         if req in self.waiting:
             self.waiting.remove(req)
-        self._finish(req, "cancelled")
+        for member in req.group:
+            self._finish(member, "cancelled")
+
+    def stop(self, req: Request) -> None:
+        """End one sequence now as "stop" (its caller found a stop string in its text); blocks go back."""
+        self._finish(req, "stop")
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.finish_reason is None:
             req.finish_reason = reason
+        if not req.forked:  # parked siblings end with the request that would have forked them
+            req.forked = True
+            for sibling in req.siblings:
+                self._finish(sibling, reason)
         if req in self.running:
             self.running.remove(req)
         self.allocator.free(req.blocks)
@@ -202,9 +252,11 @@ class Executor:
         bs = self.build.tokens_per_block
         while self.waiting and len(self.running) < self.build.max_batch_size:
             req = self.waiting[0]
+            if self.running and len(self.running) + len(req.group) > self.build.max_batch_size:
+                break  # its n samples need room in the batch
             need = self._need_blocks(req)
             queried = (len(req.prompt) - 1) // bs if self.reuse and req.reuse_prefix else 0
-            keys, hits = self.allocator.lookup(req.prompt, queried)
+            keys, hits = self.allocator.lookup(req.prompt, queried, self._lora_root(req))
             if not self.allocator.can_reserve(need - self.allocator.shared(hits)):
                 break
             self.waiting.popleft()
@@ -215,11 +267,30 @@ class Executor:
             self.allocator.reserved += req.reserved
             self.running.append(req)
 
+    def _lora_root(self, req: Request) -> BlockKey | None:
+        """The parent of a request's first block: None for the base model, the adapter's own key
+        otherwise (K/V computed with an adapter are reused only by requests with the same one)."""
+        return None if req.lora is None else self._lora_roots.setdefault(req.lora.name, BlockKey(None, ("lora", req.lora.name)))
+
+    def _step_lora(self, work: list[tuple[Request, Request | Beam, int]]) -> StepLora | None:
+        """The step's LoRA (meta.lora): its adapters stacked (cached per set of names), a slot per sequence."""
+        adapters = {r.lora.name: r.lora for r, _, _ in work if r.lora is not None}
+        if not adapters:
+            return None
+        names = tuple(sorted(adapters))
+        stack = self._lora_stacks.pop(names, None) or AdapterStack([adapters[n] for n in names], self.model.dtype,
+                                                                    self.device)
+        self._lora_stacks[names] = stack  # most recent last
+        while len(self._lora_stacks) > LORA_STACKS:
+            self._lora_stacks.pop(next(iter(self._lora_stacks)))
+        slots = [names.index(r.lora.name) if r.lora is not None else -1 for r, _, _ in work]
+        return StepLora(stack, [n for *_, n in work], slots)
+
     def _cache_full_blocks(self, req: Request) -> None:
         """Register the blocks of `req` that have just filled (their K/V are all computed)."""
         bs, tokens = self.build.tokens_per_block, req.tokens
         for b in range(len(req.block_keys), req.num_cached // bs):
-            parent = req.block_keys[-1] if req.block_keys else None
+            parent = req.block_keys[-1] if req.block_keys else self._lora_root(req)
             key = BlockKey(parent, tuple(tokens[b * bs : (b + 1) * bs]))
             req.block_keys.append(self.allocator.register(req.blocks[b], key))
 
@@ -230,6 +301,20 @@ class Executor:
             seq.blocks += self.allocator.allocate(extra)
             req.reserved -= extra
             self.allocator.reserved -= extra
+
+    def _fork_samples(self, req: Request) -> None:
+        """Start req's parked siblings from its computed prompt: each shares the full blocks,
+        copies the partial last one and takes its own part of req's reservation."""
+        own = self._own_blocks(req)
+        for sib in req.siblings:
+            sib.blocks, copied = fork_table(self.allocator, self.kv, req.blocks, req.num_cached,
+                                            self.build.tokens_per_block)
+            req.reserved -= own
+            sib.reserved = own - copied
+            self.allocator.reserved -= copied
+            sib.num_cached, sib.block_keys = req.num_cached, list(req.block_keys)
+            self.running.append(sib)
+        req.forked = True
 
     def _schedule(self) -> list[tuple[Request, Request | Beam, int]]:
         """(request, sequence, number of new tokens) for this step, within max_num_tokens.
@@ -268,6 +353,7 @@ class Executor:
             mask=self.model.mask_kind,
             prefix_lens=[self.model.prefix_len(s.prompt) for _, s, _ in work] if self.model.mask_kind != "causal" else None,
         )
+        meta.lora = self._step_lora(work)
         context = [r.sampling.output_context_logits and s is r and r.num_cached < len(r.prompt) for r, s, _ in work]
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=any(context))
         if any(context):  # logits [T, V]: keep the prompt rows of the requests that asked
@@ -283,6 +369,14 @@ class Executor:
                 self._cache_full_blocks(req)
             if seq.num_cached == len(seq.tokens):
                 ready.append(i)
+        forks = [i for i in ready if work[i][0].siblings and not work[i][0].forked]
+        for i in forks:  # the siblings sample their first tokens from their request's row
+            self._fork_samples(work[i][0])
+            ready += range(len(work), len(work) + len(work[i][0].siblings))
+            work += [(sib, sib, 0) for sib in work[i][0].siblings]
+        if forks:
+            rows = [i for i in forks for _ in work[i][0].siblings]
+            logits = torch.cat([logits, logits[rows]])  # [B + forked siblings, V]
         return self._choose(work, ready, logits) if ready else []
 
     def _choose(self, work, ready: list[int], logits: torch.Tensor) -> list[tuple[Request, int]]:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from bestiary.core.format.errors import EnvironmentFault
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -62,6 +63,22 @@ def pool_tokens(default_tokens: int, config: KvCacheConfig, bytes_per_token: int
     if config.free_memory_fraction is not None:
         tokens = min(tokens, int(config.free_memory_fraction * free_memory_bytes(device)) // bytes_per_token)
     return tokens
+
+
+def check_pool_fits(tokens: int, bytes_per_token: int, device: torch.device | str) -> None:
+    """Refuse a pool that does not fit the memory `device` has free now, with the numbers and the fix.
+
+    Authoritative (the build-time check only compares with the host's RAM): the pools are
+    allocated lazily, so a pool larger than the free memory would fail mid-run, or not at all
+    until the machine swaps."""
+    need, free = tokens * bytes_per_token, free_memory_bytes(device)
+    if need > free:
+        gib = 2**30
+        raise EnvironmentFault(
+            f"the engine's KV cache of {tokens:,} tokens needs {need / gib:,.1f} GiB, but {free / gib:.1f} GiB is "
+            f"available on {device}: rebuild with a smaller --max_tokens_in_paged_kv_cache (or --max_batch_size / "
+            "--max_seq_len), or pass KvCacheConfig(max_tokens=...) or free_memory_fraction"
+        )
 
 
 class KVCache:
@@ -108,6 +125,28 @@ class KVCache:
     def bytes_per_block(self) -> int:
         """Bytes of K + V one block takes over all layers."""
         return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def commit(self) -> None:
+        """Touch every page of the pools now (zeros), so their memory is resident from the start
+        instead of growing as blocks are first used (a server's footprint then stays flat)."""
+        self.k.zero_()
+        self.v.zero_()
+
+
+def fork_table(allocator: BlockAllocator, kv: KVCache, blocks: list[int], num_cached: int,
+               tokens_per_block: int) -> tuple[list[int], int]:
+    """A block table for a copy of a sequence holding `num_cached` tokens in `blocks`: its full
+    blocks shared (one more reference each) and a fresh copy of its partial last block (K and V
+    of every layer). Returns (the new table, blocks allocated: 0 or 1)."""
+    full = num_cached // tokens_per_block
+    table = list(blocks[:full])
+    allocator.share(table)
+    if num_cached % tokens_per_block == 0:
+        return table, 0
+    (block,) = allocator.allocate(1)
+    kv.k[:, block].copy_(kv.k[:, blocks[full]])
+    kv.v[:, block].copy_(kv.v[:, blocks[full]])
+    return table + [block], 1
 
 
 class BlockKey:
@@ -232,16 +271,18 @@ class BlockAllocator:
                     self._free.append(block)
 
     # --- reuse -------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], max_blocks: int) -> tuple[list[BlockKey], list[int]]:
+    def lookup(self, tokens: list[int], max_blocks: int,
+               root: BlockKey | None = None) -> tuple[list[BlockKey], list[int]]:
         """Keys and blocks of the longest cached run of full blocks at the start of `tokens`.
 
-        At most `max_blocks` blocks; takes no references (see `acquire`).
+        At most `max_blocks` blocks; takes no references (see `acquire`). `root` is the parent
+        of the first block (a LoRA adapter's own chain: its K/V differ from the base model's).
         """
         keys: list[BlockKey] = []
         blocks: list[int] = []
         if not self.enable_reuse:
             return keys, blocks
-        bs, parent = self.tokens_per_block, None
+        bs, parent = self.tokens_per_block, root
         for b in range(max_blocks):
             block = self._block_of.get(BlockKey(parent, tuple(tokens[b * bs : (b + 1) * bs])))
             if block is None:

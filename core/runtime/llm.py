@@ -5,14 +5,14 @@ asyncio `generate_async`.
 ...), which is converted and built into a cache dir on first use.
 
 The asyncio API runs every executor call (add, step, cancel) on one worker thread, so the
-event loop stays free while the model runs; one stepping task per event loop serves all
-concurrent requests and hands each its tokens through its own asyncio.Queue.
+event loop stays free while the model runs; while any request runs, the worker steps the
+executor continuously (adds and cancels queue between steps) and hands each request its
+tokens through its own asyncio.Queue on its event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,31 +20,50 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from bestiary.core.format.cache import cache_dir
+from bestiary.core.format.cache import cache_dir, record_entry, source_key
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.output_dir import config_kind
+from bestiary.core.lora.adapter import LoraAdapter
+from bestiary.core.lora.store import LoraRequest, LoraStore
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.executor import Executor, Request
 from bestiary.core.runtime.kv_cache import KvCacheConfig
 from bestiary.core.runtime.sampling import SamplingConfig
-from bestiary.core.runtime.tokenizer import StreamDecoder
+from bestiary.core.runtime.text_deltas import TextDeltas
 
 
 def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = False) -> Path:
-    """An engine/checkpoint dir for `path`, converting and building a source into the cache."""
+    """An engine/checkpoint dir for `path`, converting and building a source into the cache.
+
+    A directory whose config.json is bestiary's is used as it is (Engine.load names what it
+    lacks). Any other source is cached under a key of every file it is read from (path, size,
+    mtime_ns: core.format.cache), so a changed weights, config or tokenizer file converts again."""
     path = Path(path)
-    if path.is_dir() and (path / "config.json").is_file() and (path / "rank0.safetensors").is_file():
+    if path.is_dir() and config_kind(path / "config.json") is not None:
         return path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.sources import source_files
 
-    stat = path.stat() if path.exists() else None
-    key = hashlib.sha1(f"{path.absolute()}|{stat and stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    key = source_key(path, source_files(path), dtype)
     engine_dir = cache_dir() / "engines" / key
     if not (engine_dir / "config.json").is_file():
         ckpt = cache_dir() / "checkpoints" / key
         convert(path, ckpt, dtype=dtype, show_progress=show_progress)
         build_engine(ckpt, engine_dir, BuildConfig())
+        record_entry(key, path, dtype)
     return engine_dir
+
+
+def prompt_list(prompts: str | list[int] | list[str | list[int]]) -> list[str | list[int]]:
+    """`generate`'s prompts as a list: one text, or one list of token ids, is one prompt (as vLLM's
+    LLM.generate takes it; the result is then a list of one Completion)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    return prompts
 
 
 @dataclass
@@ -88,6 +107,7 @@ class Completion:
     log_probs / cum_log_prob: with output_log_probs (always for beam search);
     context_logits [len(prompt), V] and generation_logits [len(output), V]: when asked;
     beams: every finished beam, best first (beam search only).
+    A finish_reason of "stop" with text cut short means a stop string was found.
     """
 
     prompt_ids: list[int]
@@ -100,6 +120,8 @@ class Completion:
     context_logits: torch.Tensor | None = None
     generation_logits: torch.Tensor | None = None
     beams: list[BeamCompletion] = field(default_factory=list)
+    top_log_probs: list[list[tuple[int, float]]] | None = None  # per token: (id, log p) x top_log_probs
+    samples: list[Completion] = field(default_factory=list)  # n > 1: all n samples (this one's fields: sample 0)
 
 
 @dataclass
@@ -109,12 +131,17 @@ class Delta:
     token_ids: the new ids (the stop token included when it stopped on one).
     text: the new text (stop tokens left out, '' while a UTF-8 character is incomplete),
     or None for an engine without a tokenizer.
-    finish_reason: None until the request's last delta: "stop", "length" or "cancelled".
+    finish_reason: None until the sample's last delta: "stop", "length" or "cancelled".
+    index: which of the request's n samples the delta belongs to.
+    log_probs / top_log_probs: of the new tokens, with output_log_probs / top_log_probs.
     """
 
     token_ids: list[int]
     text: str | None
     finish_reason: str | None = None
+    index: int = 0
+    log_probs: list[float] | None = None
+    top_log_probs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -131,36 +158,65 @@ class LLM:
 
     def __init__(
         self, path: str | Path, dtype: str = "auto", num_threads: int | None = None, registry=None,
-        kv_cache_config: KvCacheConfig | None = None,
+        kv_cache_config: KvCacheConfig | None = None, allow_nonfinite: bool = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.engine = Engine.load(ensure_engine(path, dtype), registry=registry)
+        self.engine = Engine.load(ensure_engine(path, dtype), registry=registry, allow_nonfinite=allow_nonfinite)
         self.tokenizer = self.engine.tokenizer
         self.executor = Executor(self.engine.model, self.engine.build, kv_cache_config=kv_cache_config)
+        self.lora_store = LoraStore(self.engine.model, registry)  # adapters by name, each loaded once
         self.last_stats = GenerationStats()
         self._worker: ThreadPoolExecutor | None = None  # the one thread that calls the executor (async API)
         self._streams: dict[int, _Stream] = {}  # request id -> stream; changed on the worker thread only
-        self._stepper: asyncio.Task | None = None
+        self._stepping = False  # the worker's chain of steps runs (changed on the worker, and by _ensure_stepper)
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
+        if isinstance(prompt, list | tuple):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise BestiaryError(f"prompt {prompt!r}: expected text or a list of token ids")
         if self.tokenizer is None:
             raise BestiaryError(f"{self.engine.directory}: engine has no tokenizer; pass token ids")
         if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.chat_ids([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (no special tokens added again)."""
+        if self.tokenizer is None:
+            raise BestiaryError(f"{self.engine.directory}: engine has no tokenizer; chat needs one")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _resolve(self, sampling: SamplingConfig | None) -> SamplingConfig:
         """The request's config with text stop/bad words encoded by the tokenizer (no special tokens)."""
         sampling = sampling or SamplingConfig()
+        if sampling.stop_strings and self.tokenizer is None:
+            raise BestiaryError(f"{self.engine.directory}: engine has no tokenizer; stop_strings need one")
         if any(isinstance(w, str) for w in sampling.stop_words + sampling.bad_words):
             if self.tokenizer is None:
                 raise BestiaryError(f"{self.engine.directory}: engine has no tokenizer; give stop/bad words as ids")
             sampling = sampling.with_text_encoded(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         return sampling
+
+    def _per_prompt(self, sampling: SamplingConfig | list[SamplingConfig] | None, count: int) -> list[SamplingConfig]:
+        """One resolved config per prompt: `sampling` repeated, or its list (one per prompt)."""
+        if not isinstance(sampling, list):
+            return [self._resolve(sampling)] * count
+        if len(sampling) != count:
+            raise BestiaryError(f"sampling: {len(sampling)} SamplingConfigs for {count} prompts; "
+                                "give one config, or a list with one per prompt")
+        return [self._resolve(s) for s in sampling]
+
+    def _adapters(self, lora: LoraRequest | list[LoraRequest | None] | None, count: int) -> list[LoraAdapter | None]:
+        """One adapter per prompt (None: the base model): `lora` repeated, or its list (one per prompt)."""
+        if not isinstance(lora, list):
+            return [self.lora_store.get(lora)] * count
+        if len(lora) != count:
+            raise BestiaryError(f"lora: {len(lora)} LoraRequests for {count} prompts; "
+                                "give one, or a list with one per prompt (None: the base model)")
+        return [self.lora_store.get(r) for r in lora]
 
     def _stop_ids(self) -> set[int]:
         return self.tokenizer.stop_ids if self.tokenizer else set()
@@ -183,31 +239,69 @@ class LLM:
                                 "wait for them before calling generate / generate_stream")
 
     def generate(
-        self, prompts: list[str | list[int]], sampling: SamplingConfig | None = None, chat: bool = False
+        self, prompts: str | list[int] | list[str | list[int]],
+        sampling: SamplingConfig | list[SamplingConfig] | None = None, chat: bool = False, *, lora: LoraRequest | list[LoraRequest | None] | None = None,
     ) -> list[Completion]:
-        """Generate for every prompt in one in-flight batch; completions in prompt order."""
+        """Generate for every prompt in one in-flight batch; completions in prompt order.
+
+        prompts: a list of texts and/or token id lists; a single text (or id list) is one prompt
+        and gives a list of one Completion (vLLM's convention).
+
+        sampling: one config for every prompt, or a list with one per prompt.
+        lora: one LoraRequest for every prompt, or a list with one per prompt (None: the base model).
+        """
         self._check_sync_allowed()
-        sampling = self._resolve(sampling)
+        prompts = prompt_list(prompts)
+        configs = self._per_prompt(sampling, len(prompts))
+        adapters = self._adapters(lora, len(prompts))
         start = time.perf_counter()
-        requests = [self.executor.add(self._prompt_ids(p, chat), sampling, self._stop_ids()) for p in prompts]
+        requests = [self.executor.add(self._prompt_ids(p, chat), s, self._stop_ids(), lora=a)
+                    for p, s, a in zip(prompts, configs, adapters)]
+        samples = [s for r in requests for s in r.group]
+        texts = {s.id: TextDeltas(self.tokenizer, s.stop_ids, s.sampling.stop_strings)
+                 for s in samples if s.sampling.stop_strings}
         stats = GenerationStats(prompt_tokens=sum(len(r.prompt) for r in requests))
-        while any(not r.finished for r in requests):
+        while any(not s.finished for s in samples):
             produced = self.executor.step()
             if produced and stats.first_token_seconds is None:
                 stats.first_token_seconds = time.perf_counter() - start
+            self._match_stop_strings(produced, texts)
         stats.seconds = time.perf_counter() - start
-        stats.generated_tokens = sum(len(r.output) for r in requests)
+        stats.generated_tokens = sum(len(s.output) for s in samples)
         self.last_stats = stats
-        return [self._completion(r, stats) for r in requests]
+        return [self._completion(r, stats, texts) for r in requests]
 
-    def _completion(self, req: Request, stats: GenerationStats) -> Completion:
+    def _match_stop_strings(self, produced: list[tuple[Request, int]], texts: dict[int, TextDeltas]) -> None:
+        """Feed the new tokens of the requests with stop strings; stop those whose text hit one."""
+        if not texts:
+            return
+        news: dict[int, tuple[Request, list[int]]] = {}
+        for req, token in produced:
+            if req.id in texts:
+                news.setdefault(req.id, (req, []))[1].append(token)
+        for rid, (req, tokens) in news.items():
+            texts[rid].push(tokens, final=req.finished)
+            if texts[rid].stopped and not req.finished:
+                self.executor.stop(req)
+
+    def _completion(self, req: Request, stats: GenerationStats, texts: dict[int, TextDeltas] | None = None) -> Completion:
+        texts = texts or {}
         done = Completion(req.prompt, req.output, self._decode(req.output), req.finish_reason, stats)
+        if req.id in texts:
+            text = texts[req.id]
+            text.push([], final=not text.stopped)  # flush what was held back for a possible stop string
+            done.text = text.output
+            done.finish_reason = "stop" if text.stopped else req.finish_reason
+        if req.siblings:
+            done.samples = [done] + [self._completion(s, stats, texts) for s in req.siblings]
         if req.context_logits:
             done.context_logits = torch.cat(req.context_logits)
         if req.chooser is not None:
-            if req.sampling.output_log_probs:
+            if req.sampling.output_log_probs or req.sampling.top_log_probs:
                 done.log_probs = list(req.chooser.log_probs)
                 done.cum_log_prob = float(sum(done.log_probs))
+            if req.sampling.top_log_probs:
+                done.top_log_probs = list(req.chooser.top_log_probs)
             if req.chooser.logits:
                 done.generation_logits = torch.stack(req.chooser.logits)
         if req.search is not None:
@@ -220,29 +314,46 @@ class LLM:
                 done.log_probs, done.cum_log_prob, done.generation_logits = best.log_probs, best.cum_log_prob, best.generation_logits
         return done
 
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling: SamplingConfig | list[SamplingConfig] | None = None,
+        *, add_generation_prompt: bool = True, lora: LoraRequest | list[LoraRequest | None] | None = None,
+    ) -> list[Completion]:
+        """Reply to one conversation ([{"role": ..., "content": ...}, ...]) or to each of a list of them.
+
+        Each conversation is rendered with the chat template (as transformers' apply_chat_template
+        does) and generated in one batch; one Completion per conversation (a list of one for one).
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_ids(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling, lora=lora)
+
     def generate_stream(
-        self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False
+        self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False, *,
+        lora: LoraRequest | None = None,
     ) -> Iterator[str | int]:
-        """Yield text deltas (or ids, without a tokenizer) as tokens are generated."""
+        """Yield text deltas (or ids, without a tokenizer) as tokens are generated (one sample: n = 1)."""
         self._check_sync_allowed()
         sampling = self._resolve(sampling)
+        if sampling.n > 1:
+            raise BestiaryError(f"generate_stream streams one sample; n = {sampling.n}: use generate or generate_async")
         start = time.perf_counter()
-        req = self.executor.add(self._prompt_ids(prompt, chat), sampling, self._stop_ids())
+        req = self.executor.add(self._prompt_ids(prompt, chat), sampling, self._stop_ids(),
+                                lora=self.lora_store.get(lora))
         stats = GenerationStats(prompt_tokens=len(req.prompt))
-        decoder = StreamDecoder(self.tokenizer) if self.tokenizer else None
+        text = TextDeltas(self.tokenizer, req.stop_ids, sampling.stop_strings) if self.tokenizer else None
         try:
             while not req.finished:
-                for r, token in self.executor.step():
-                    if r is not req:
-                        continue
-                    if stats.first_token_seconds is None:
-                        stats.first_token_seconds = time.perf_counter() - start
-                    if decoder is None:
-                        yield token
-                    elif token not in req.stop_ids:
-                        delta = decoder.push(token)
-                        if delta:
-                            yield delta
+                tokens = [t for r, t in self.executor.step() if r is req]
+                if tokens and stats.first_token_seconds is None:
+                    stats.first_token_seconds = time.perf_counter() - start
+                if text is None:
+                    yield from tokens
+                    continue
+                delta = text.push(tokens, final=req.finished) if tokens or req.finished else ""
+                if text.stopped and not req.finished:
+                    self.executor.stop(req)
+                if delta:
+                    yield delta
         finally:
             if not req.finished:
                 self.executor.cancel(req)
@@ -252,7 +363,8 @@ class LLM:
 
     # --- asyncio -------------------------------------------------------------------------
     async def generate_async(
-        self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False
+        self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False, *,
+        lora: LoraRequest | None = None,
     ) -> AsyncIterator[Delta]:
         """Yield a `Delta` per step that gives this request tokens; the last one has a finish_reason.
 
@@ -262,54 +374,83 @@ class LLM:
         """
         sampling = self._resolve(sampling)
         ids = self._prompt_ids(prompt, chat)
+        adapter = self.lora_store.get(lora)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bestiary-executor")
-        req = await loop.run_in_executor(self._worker, self._add_stream, ids, sampling, queue, loop)
+        req = await loop.run_in_executor(self._worker, self._add_stream, ids, sampling, queue, loop, adapter)
         self._ensure_stepper(loop)
-        text = _TextDeltas(self.tokenizer, req.stop_ids) if self.tokenizer else None
+        texts = [TextDeltas(self.tokenizer, s.stop_ids, sampling.stop_strings) if self.tokenizer else None
+                 for s in req.group]
+        running = set(range(len(req.group)))
         try:
-            while True:
+            while running:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                tokens, reason = item
-                yield Delta(tokens, text.push(tokens, final=reason is not None) if text else None, reason)
+                index, tokens, reason, log_probs, top = item
+                if index not in running:  # a sample stopped by its stop string still had tokens on the way
+                    continue
+                text = texts[index]
+                piece = text.push(tokens, final=reason is not None) if text else None
+                if text is not None and text.stopped and reason is None:
+                    reason = "stop"
+                    self._worker.submit(self._stop_sample, req.group[index])
                 if reason is not None:
-                    return
+                    running.discard(index)
+                yield Delta(tokens, piece, reason, index, log_probs, top)
         finally:
-            if not req.finished or req.id in self._streams:
+            if any(not s.finished or s.id in self._streams for s in req.group):
                 self._worker.submit(self._drop_stream, req)
 
     def _add_stream(self, ids: list[int], sampling: SamplingConfig, queue: asyncio.Queue,
-                    loop: asyncio.AbstractEventLoop) -> Request:
-        """(worker thread) Queue a request and start delivering its tokens."""
-        req = self.executor.add(ids, sampling, self._stop_ids())
-        self._streams[req.id] = _Stream(req, queue, loop)
+                    loop: asyncio.AbstractEventLoop, adapter: LoraAdapter | None = None) -> Request:
+        """(worker thread) Queue a request and start delivering the tokens of each of its samples."""
+        req = self.executor.add(ids, sampling, self._stop_ids(), lora=adapter)
+        for sample in req.group:
+            self._streams[sample.id] = _Stream(sample, queue, loop)
         return req
 
+    def _stop_sample(self, sample: Request) -> None:
+        """(worker thread) End a sample whose text reached a stop string."""
+        self._streams.pop(sample.id, None)
+        if not sample.finished:
+            self.executor.stop(sample)
+
     def _drop_stream(self, req: Request) -> None:
-        """(worker thread) Cancel a request whose consumer went away."""
-        self._streams.pop(req.id, None)
-        if not req.finished:
+        """(worker thread) Cancel a request (all its samples) whose consumer went away."""
+        for sample in req.group:
+            self._streams.pop(sample.id, None)
+        if any(not s.finished for s in req.group):
             self.executor.cancel(req)
 
     def _ensure_stepper(self, loop: asyncio.AbstractEventLoop) -> None:
-        task = self._stepper
-        if task is None or task.done() or task.get_loop() is not loop:
-            self._stepper = loop.create_task(self._step_loop(), name="bestiary-step-loop")
-
-    async def _step_loop(self) -> None:
-        """Step the executor on the worker thread while any async request is unfinished."""
-        loop = asyncio.get_running_loop()
-        while self._streams:
-            await loop.run_in_executor(self._worker, self._step_and_deliver)
-        if self._stepper is asyncio.current_task():
-            self._stepper = None
+        """Start the worker's chain of steps unless it runs (called after a stream was added)."""
+        if not self._stepping:
+            self._stepping = True
+            self._worker.submit(self._step_and_deliver)
 
     def _step_and_deliver(self) -> None:
-        """(worker thread) One executor step; each stream with news gets (tokens, finish_reason)."""
+        """(worker thread) One executor step; each sample with news puts
+        (index, tokens, finish_reason, log probs, top log probs) on its stream's queue.
+
+        While any stream is unfinished the step queues the next one behind whatever was
+        submitted meanwhile (adds, cancels), so the worker steps without waiting for an event
+        loop, and the loops write their responses while the model runs.
+        """
+        try:
+            self._deliver_one_step()
+        finally:
+            self._stepping = bool(self._streams)
+            if self._stepping:
+                try:
+                    self._worker.submit(self._step_and_deliver)
+                except RuntimeError:  # close() shut the worker down
+                    self._stepping = False
+
+    def _deliver_one_step(self) -> None:
+        """(worker thread) The body of `_step_and_deliver`."""
         try:
             produced = self.executor.step() if self.executor.has_work else []
         except Exception as err:  # every waiting consumer sees the failure; its request is dropped
@@ -318,6 +459,8 @@ class LLM:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
             self._streams.clear()
             return
+        if not produced and not self.executor.has_work:
+            time.sleep(0.001)  # only finished streams left to report: no busy loop
         news: dict[int, list[int]] = {}
         for req, token in produced:
             if req.id in self._streams:
@@ -325,7 +468,9 @@ class LLM:
         for rid, stream in list(self._streams.items()):
             req = stream.request
             if rid in news or req.finished:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (news.get(rid, []), req.finish_reason))
+                tokens = news.get(rid, [])
+                item = (req.index, tokens, req.finish_reason, *_new_log_probs(req, len(tokens)))
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
             if req.finished:
                 del self._streams[rid]
 
@@ -336,19 +481,10 @@ class LLM:
             self._worker = None
 
 
-class _TextDeltas:
-    """Text deltas of one request's tokens: stop tokens left out, UTF-8 characters kept whole."""
-
-    def __init__(self, tokenizer, stop_ids: set[int]) -> None:
-        self.decoder = StreamDecoder(tokenizer)
-        self.stop_ids = stop_ids
-
-    def push(self, tokens: list[int], final: bool) -> str:
-        """New text of `tokens`; at the end, whatever an incomplete character held back too."""
-        out = "".join(self.decoder.push(t) for t in tokens if t not in self.stop_ids)
-        if final and self.decoder.ids:
-            text = self.decoder.tokenizer.decode(self.decoder.ids)
-            if len(text) > len(self.decoder.emitted) and text.startswith(self.decoder.emitted):
-                out += text[len(self.decoder.emitted):]
-                self.decoder.emitted = text
-        return out
+def _new_log_probs(req: Request, count: int) -> tuple[list[float] | None, list | None]:
+    """Log probs and top log probs of req's last `count` tokens (None when not asked for)."""
+    chooser = req.chooser
+    if chooser is None or not chooser.log_probs:
+        return None, None
+    cut = len(chooser.log_probs) - count
+    return chooser.log_probs[cut:], chooser.top_log_probs[cut:] if req.sampling.top_log_probs else None

@@ -3,10 +3,16 @@
     ids [T] -> transformer.vocab_embedding -> transformer.layers[*] -> transformer.ln_f
             -> lm_head (last token of each sequence, or every token) -> logits [B or T, V]
 
-An architecture subclasses `DecoderLM` and provides `make_layer` (and, if it differs,
-`make_final_norm` / `embed`). Module paths equal checkpoint names, so a rank file loads
-with `load_state_dict`. Under pipeline parallelism a rank holds only its stage's layers
-(local indices 0..n-1, global index = `layer_offset` + local).
+An architecture subclasses `DecoderLM` and provides `make_layer` and `make_final_norm`;
+extra top-level modules (learned positions, input/output projections) come from
+`make_top_level_modules`, which the default `embed` / `logits` already run:
+
+    x = vocab_embedding(ids) -> project_in (if any) -> * embedding_scale -> + position_embedding(positions)
+    logits = lm_head(project_out(ln_f(x)))                       (project_out if any)
+
+Module paths equal checkpoint names, so a rank file loads with `load_state_dict`. Under
+pipeline parallelism a rank holds only its stage's layers (local indices 0..n-1, global
+index = `layer_offset` + local).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.layers.cpu_matmul import hold_transposed, matmul_t
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel
+from bestiary.core.layers.moe import ExpertLinear
 from torch import nn
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -67,6 +74,8 @@ class DecoderLM(nn.Module):
         if self.is_first_stage:
             self.transformer.vocab_embedding = Embedding(config.vocab_size, self.embedding_dim, self.dtype, device)
         self.transformer.layers = nn.ModuleList(self.make_layer(i, device) for i in layers)
+        for name, module in self.make_top_level_modules(device).items():
+            setattr(self.transformer, name, module)  # named and quantized below like every other module
         if self.is_last_stage:
             self.transformer.ln_f = self.make_final_norm(device)
             if not self.shares_embedding:
@@ -75,7 +84,7 @@ class DecoderLM(nn.Module):
                 self.lm_head = Linear(self.embedding_dim, config.vocab_size, bias=False, parallel=Parallel.COLUMN,
                                       tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=self.dtype, device=device)
         for name, module in self.named_modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, ExpertLinear)):
                 module.name = name
         from bestiary.core.quant.apply import install_quantization
 
@@ -89,6 +98,35 @@ class DecoderLM(nn.Module):
     def make_final_norm(self, device) -> nn.Module:
         """The final norm (transformer.ln_f)."""
         raise NotImplementedError
+
+    def make_top_level_modules(self, device) -> dict[str, nn.Module]:
+        """Extra `transformer.<name>` modules of this rank's stage, e.g. {"position_embedding": ...}.
+
+        Called once in the constructor after the layers, before Linear names are set and
+        quantization is installed, so these modules are named, quantized and TP-sliced like any
+        other. Build input-side modules only when `self.is_first_stage`, output-side ones only
+        when `self.is_last_stage`. The default `embed` / `logits` run the standard names:
+        `project_in` (after the token embedding), `position_embedding` (added, called with
+        meta.positions), `project_out` (before lm_head).
+        """
+        return {}
+
+    def placement(self, device) -> dict:
+        """The keyword arguments every core layer takes: tp_rank, tp_size, dtype, device."""
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype, "device": device}
+
+    def make_rotary(self, style: str | None = None):
+        """The Rotary of the config's `rotary_base`, `rotary_scaling`, `rotary_pct` (defaults 10000, None, 1)
+        over `head_size`; style "gptj" for position_embedding_type rope_gptj, else "neox"."""
+        from bestiary.core.layers.rotary import Rotary
+
+        c = self.config
+        pct = getattr(c, "rotary_pct", 1.0)
+        style = style or ("gptj" if c.position_embedding_type == "rope_gptj" else "neox")
+        return Rotary(c.head_size, int(c.head_size * pct) // 2 * 2, getattr(c, "rotary_base", 10000.0),
+                      getattr(c, "rotary_scaling", None), c.max_position_embeddings or 2048, style=style)
+
+    embedding_scale: float | None = None  # x = embedding * this (e.g. sqrt(hidden_size)), when set
 
     @property
     def embedding_dim(self) -> int:
@@ -134,8 +172,18 @@ class DecoderLM(nn.Module):
         return torch.arange(start, start + count, dtype=torch.int64)
 
     def embed(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """ids [T] -> hidden [T, H]."""
-        return self.transformer.vocab_embedding(ids)
+        """ids [T] -> hidden [T, H]: the token embedding [T, E], then the standard top-level
+        modules this model has (project_in E -> H, embedding_scale, + position_embedding)."""
+        x = self.transformer.vocab_embedding(ids)  # [T, E]
+        project_in = getattr(self.transformer, "project_in", None)
+        if project_in is not None:
+            x = project_in(x)  # [T, H]
+        if self.embedding_scale is not None:
+            x = x * self.embedding_scale
+        positions = getattr(self.transformer, "position_embedding", None)
+        if positions is not None:
+            x = x + positions(meta.positions)  # [T, H]
+        return x
 
     # --- inference ---------------------------------------------------------------------
     def prepare_for_inference(self) -> None:
@@ -164,7 +212,10 @@ class DecoderLM(nn.Module):
         self._lm_head_t = hold_transposed(owner.weight)  # a float lm_head Linear's is already: no copy
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in logits_dtype (gathered over tp ranks)."""
+        """hidden [N, H] -> (project_out, if any: [N, E]) -> logits [N, V] in logits_dtype (gathered over tp ranks)."""
+        project_out = getattr(self.transformer, "project_out", None)
+        if project_out is not None:
+            hidden = project_out(hidden)  # [N, E]
         if self._lm_head_t is not None:
             out = matmul_t(hidden, self._lm_head_t)  # [N, H] @ [H, V]
         elif self.shares_embedding:
@@ -196,11 +247,20 @@ class DecoderLM(nn.Module):
         x = self.transformer.ln_f(x)
         return self.logits(x)
 
+    def decode_plan_status(self) -> str | None:
+        """None when CPU decode steps of this model can run as one compiled plan (core.cpu.plan),
+        else why they run eagerly (an override, a top-level module, a layer the plan lacks, ...)."""
+        from bestiary.core.cpu.plan import refusal
+
+        return refusal(self) or self.__dict__.get("decode_plan_refusal")
+
     def _decode_plan(self, ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLike):
         """The compiled CPU plan for this decode step (core.cpu.plan), built once per batch size
         and KV cache; None when the step or the model is not one a plan runs, or the kernel
         dispatch mode is not "auto" (checked every step: kernels_mode("torch") runs eagerly)."""
-        if not meta.is_decode or ids.device.type != "cpu" or meta.lora is not None or dispatch.mode() != "auto":
+        if not meta.is_decode or ids.device.type != "cpu" or dispatch.mode() != "auto":
+            return None
+        if meta.lora is not None and not hasattr(meta.lora, "add_"):  # the plan adds a StepLora's deltas
             return None
         plans = self.__dict__.setdefault("_decode_plans", {})  # batch -> DecodePlan | None
         b = len(meta.seq_lens)

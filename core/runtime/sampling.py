@@ -13,6 +13,7 @@ every other request gets a `TokenChooser` holding its per-step state.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -35,6 +36,9 @@ class SamplingConfig(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past the end ids.")
     stop_words: WordList = Field(default_factory=list, description="Sequences that end generation (ids or text).")
     bad_words: WordList = Field(default_factory=list, description="Sequences never generated (ids or text).")
+    stop_strings: list[str] = Field(
+        default_factory=list, description="Text that ends generation, matched on the decoded output (however it "
+                                          "is tokenized) and cut from the returned text; needs a tokenizer.")
     # --- penalties
     repetition_penalty: float = Field(1.0, gt=0.0, description="Prompt + output tokens: x / r if x > 0 else x * r; 1.0 = off.")
     presence_penalty: float = Field(0.0, description="Subtracted once from every token already in the output.")
@@ -49,6 +53,8 @@ class SamplingConfig(BaseModel):
     top_p_min: float = Field(1e-6, gt=0.0, le=1.0, description="Lower bound of the decayed top_p.")
     top_p_reset_ids: int | None = Field(None, ge=0, description="Generating this id resets top_p to its start value.")
     random_seed: int | None = Field(None, description="Seed of this request's generator.")
+    n: int = Field(1, ge=1, description="Independent samples of the prompt (sharing its KV blocks); sample i is "
+                                        "seeded with random_seed + i.")
     # --- beam search
     beam_width: int = Field(1, ge=1, description="Beams; 1 = no beam search.")
     beam_search_diversity_rate: float = Field(0.0, ge=0.0, description="Rank penalty within a beam's candidates.")
@@ -57,11 +63,18 @@ class SamplingConfig(BaseModel):
         False, description="Beam search end: True = at beam_width finished; False = heuristic; 'never' = exact.")
     # --- outputs
     output_log_probs: bool = Field(False, description="Return per-token and cumulative log probs.")
+    top_log_probs: int = Field(0, ge=0, le=20, description="Also return the k most likely tokens and their log "
+                                                           "probs at each step (0 = off).")
     output_context_logits: bool = Field(False, description="Return the logits of every prompt position.")
     output_generation_logits: bool = Field(False, description="Return the raw logits of every generated step.")
 
     @model_validator(mode="after")
     def _check(self) -> SamplingConfig:
+        for name, value in self:  # temperature=inf or top_p=nan is a mistake, not a setting
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} {value}: expected a finite number")
+        if any(not text for text in self.stop_strings):
+            raise ValueError("stop_strings: empty string")
         for name in ("stop_words", "bad_words"):
             for word in getattr(self, name):
                 if isinstance(word, list) and (not word or min(word) < 0):
@@ -70,6 +83,8 @@ class SamplingConfig(BaseModel):
                     raise ValueError(f"{name}: empty string")
         if self.top_p_min > self.top_p:
             raise ValueError(f"top_p_min {self.top_p_min} is larger than top_p {self.top_p}")
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError(f"n {self.n} with beam_width {self.beam_width}: use one or the other")
         return self
 
     @property
@@ -88,7 +103,7 @@ class SamplingConfig(BaseModel):
     @property
     def needs_chooser(self) -> bool:
         """False for plain requests: the batched fast path `sample` serves them."""
-        return (self.is_beam_search or self.output_log_probs or self.output_generation_logits
+        return (self.is_beam_search or self.output_log_probs or self.top_log_probs or self.output_generation_logits
                 or self.top_p_decay != 1.0 or self.top_p_reset_ids is not None or LogitsPipeline.wanted(self))
 
     def token_words(self, name: str) -> list[list[int]]:
@@ -165,6 +180,7 @@ class TokenChooser:
 
     choose(l): x = pipeline(l) (float32); greedy: argmax x, log p = log_softmax(x)[token];
     otherwise y = filter(x / T, top_k, top_p_t), token ~ softmax(y), log p = log_softmax(y)[token].
+    top_log_probs = k: the k largest entries of that same log_softmax, with their token ids.
     """
 
     def __init__(self, config: SamplingConfig, generator: torch.Generator, pipeline: LogitsPipeline | None,
@@ -175,6 +191,7 @@ class TokenChooser:
         self.state = pipeline.new_state(prompt) if pipeline else None
         self.top_p = config.top_p
         self.log_probs: list[float] = []
+        self.top_log_probs: list[list[tuple[int, float]]] = []  # per step: (token, log p), most likely first
         self.logits: list[torch.Tensor] = []  # raw generation logits, [V] each
 
     def choose(self, row: torch.Tensor) -> int:
@@ -191,8 +208,12 @@ class TokenChooser:
         else:
             dist = filter_logits(x / cfg.temperature, cfg.top_k, self.top_p)
             token = int(torch.multinomial(torch.softmax(dist, dim=-1), 1, generator=self.generator))
-        if cfg.output_log_probs:
-            self.log_probs.append(float(torch.log_softmax(dist, dim=-1)[token]))
+        if cfg.output_log_probs or cfg.top_log_probs:
+            log_p = torch.log_softmax(dist, dim=-1)  # [V]
+            self.log_probs.append(float(log_p[token]))
+            if cfg.top_log_probs:
+                top = torch.topk(log_p, cfg.top_log_probs)
+                self.top_log_probs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         if self.state is not None:
             self.state.push(token)
         self.top_p = decayed_top_p(self.top_p, token, cfg)

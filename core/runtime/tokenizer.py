@@ -5,9 +5,9 @@ Chat templates are rendered with jinja2 in a sandbox, as HF does.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
 
 
@@ -18,14 +18,40 @@ def _token_text(value) -> str | None:
     return value
 
 
+def _check_config(config: dict, source: str) -> None:
+    """The tokenizer_config.json fields bestiary reads must have their HF types (one-line error)."""
+    where = Path(source).with_name("tokenizer_config.json")
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = _token_text(config.get(name))
+        if value is not None and not isinstance(value, str):
+            raise BestiaryError(f"{where}: {name} {value!r}: expected a token string")
+    template = config.get("chat_template")
+    named_ok = isinstance(template, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys()
+                                                  for t in template)
+    if template is not None and not isinstance(template, str) and not named_ok:
+        raise BestiaryError(f"{where}: chat_template: expected a template string or [{{name, template}}, ...]")
+    extra = config.get("generation_eos_token_id")
+    ids = extra if isinstance(extra, list) else [extra]
+    if extra is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise BestiaryError(f"{where}: generation eos_token_id {extra!r}: expected token ids")
+
+
 class Tokenizer:
     """encode / decode / chat template, with the special ids generation needs."""
 
-    def __init__(self, tokenizer_json: str, config: dict) -> None:
+    def __init__(self, tokenizer_json: str, config: dict, source: str = "tokenizer.json") -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        self._tok = HFTokenizer.from_str(tokenizer_json)
+        try:
+            self._tok = HFTokenizer.from_str(tokenizer_json)
+        except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception type
+            raise BestiaryError(f"{source}: not a valid tokenizer.json ({str(err).splitlines()[0][:200]}); "
+                                "replace it with the model's original") from None
+        if not isinstance(config, dict):
+            raise BestiaryError(f"{source}: tokenizer_config.json must hold a JSON object")
+        self.source = source  # where the tokenizer was read from, for error messages
         self.config = config
+        _check_config(config, source)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
@@ -44,8 +70,12 @@ class Tokenizer:
         if not tok.is_file():
             return None
         cfg_path = Path(directory) / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        return cls(tok.read_text(), config)
+        config = read_json(cfg_path) if cfg_path.is_file() else {}
+        try:
+            text = tok.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise BestiaryError(f"{tok}: not a valid tokenizer.json (not UTF-8 text)") from None
+        return cls(text, config, str(tok))
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -72,21 +102,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the chat template over [{"role": ..., "content": ...}, ...]."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render the chat template over [{"role": ..., "content": ...}, ...] as transformers does."""
+        from bestiary.core.runtime.chat_template import render_chat
+
         if not self.chat_template:
             raise BestiaryError("this model has no chat template (tokenizer_config.json: chat_template)")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        try:
+            return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, tools)
+        except BestiaryError as err:  # name the file the template came from
+            raise BestiaryError(f"{Path(self.source).with_name('tokenizer_config.json')}: {err}") from None
 
-        def raise_exception(message: str):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, unk_token, pad_token: the ones the tokenizer config names."""
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        return {n: _token_text(self.config[n]) for n in names if self.config.get(n) is not None}
 
 
 class StreamDecoder:

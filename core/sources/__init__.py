@@ -1,6 +1,9 @@
-"""Opening a model source: HF directory, single .safetensors/.bin/.pth file, or GGUF.
+"""Opening a model source: HF directory, single .safetensors/.bin/.pth file, GGUF, or FastLLM .flm.
 
 `open_source(path)` detects the format and returns a `ModelSource`.
+
+Imports: format, sources, and quant.packing (packed int8/int4 codes are a data format); never
+convert, runtime, cli, layers or models.
 """
 
 from __future__ import annotations
@@ -11,9 +14,25 @@ from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.sources.base import ModelSource, TokenizerFiles, WeightSource, slice_dim
 
-__all__ = ["ModelSource", "TokenizerFiles", "WeightSource", "open_source", "slice_dim"]
+__all__ = ["ModelSource", "TokenizerFiles", "WeightSource", "open_source", "slice_dim", "source_files"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+# What open_source reads beside the weights of an HF directory or a single weights file.
+SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "generation_config.json")
+
+
+def source_files(path: str | Path) -> list[Path]:
+    """Every file `open_source(path)` may read: a .gguf itself; a weights file and the side files
+    beside it; every file of an HF directory (weights, configs, tokenizer files)."""
+    path = Path(path)
+    if not path.exists():
+        raise BestiaryError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file())
+    if path.suffix == ".gguf":
+        return [path]
+    return [path, *(path.parent / n for n in SIDE_FILES if (path.parent / n).is_file())]
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -46,11 +65,19 @@ def hf_tokenizer_files(directory: Path) -> TokenizerFiles | None:
             config.update(read_json(directory / name))
     template = directory / "chat_template.jinja"
     if "chat_template" not in config and template.is_file():
-        config["chat_template"] = template.read_text()
+        config["chat_template"] = _utf8(template)
     gen = directory / "generation_config.json"
     if gen.is_file():
         config.setdefault("generation_eos_token_id", read_json(gen).get("eos_token_id"))
-    return TokenizerFiles(tok.read_text(), config)
+    return TokenizerFiles(_utf8(tok), config)
+
+
+def _utf8(path: Path) -> str:
+    """A text file the tokenizer needs; not UTF-8 is a one-line error naming it."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BestiaryError(f"{path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})") from None
 
 
 def open_source(path: str | Path) -> ModelSource:
@@ -62,10 +89,14 @@ def open_source(path: str | Path) -> ModelSource:
         from bestiary.core.sources.gguf_source import open_gguf
 
         return open_gguf(path)
+    if path.is_file() and path.suffix == ".flm":
+        from bestiary.core.sources.flm_source import open_flm
+
+        return open_flm(path)
     if path.is_file():
         if path.suffix not in WEIGHT_SUFFIXES:
             raise BestiaryError(
-                f"{path}: unknown model file type {path.suffix!r}; expected an HF directory, .gguf, "
+                f"{path}: unknown model file type {path.suffix!r}; expected an HF directory, .gguf, .flm, "
                 ".safetensors, .bin or .pth"
             )
         directory, files = path.parent, [path]
@@ -78,5 +109,15 @@ def open_source(path: str | Path) -> ModelSource:
     files = files or _weight_files(directory)
     fmt, weights = _open_weights(files)
     return ModelSource(path=path, format=fmt if path.is_file() else "hf_dir", weights=weights,
-                       hf_config=hf_config, tokenizer=hf_tokenizer_files(directory))
+                       hf_config=hf_config, tokenizer=_tokenizer_files(directory, hf_config))
+
+
+def _tokenizer_files(directory: Path, hf_config: dict) -> TokenizerFiles | None:
+    """tokenizer.json, else a sentencepiece model (tokenizer.model, THUDM's ice_text.model) converted."""
+    found = hf_tokenizer_files(directory)
+    if found is not None:
+        return found
+    from bestiary.core.sources.sp_model import sentencepiece_tokenizer_files
+
+    return sentencepiece_tokenizer_files(directory, hf_config)
 

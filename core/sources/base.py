@@ -65,7 +65,7 @@ class ModelSource:
     """A source opened by `open_source`: weights + HF-style config (+ tokenizer)."""
 
     path: Path
-    format: str  # "hf_dir" | "safetensors" | "torch" | "gguf"
+    format: str  # "hf_dir" | "safetensors" | "torch" | "gguf" | "flm"
     weights: WeightSource
     hf_config: dict
     tokenizer: TokenizerFiles | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,10 +110,26 @@ def _read_gguf(path: Path) -> Any:
     if not path.is_file():
         raise BestiaryError(f"{path}: no such GGUF file")
     try:
-        return gguf.GGUFReader(path, "r")
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")  # numpy overflow warnings of corrupt offsets: checked below
+            reader = gguf.GGUFReader(path, "r")
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct errors, etc.
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise BestiaryError(f"{path}: not a readable GGUF file (truncated or corrupt?): {reason}") from None
+    _check_tensor_extents(path, reader)
+    return reader
+
+
+def _check_tensor_extents(path: Path, reader: Any) -> None:
+    """Every tensor's data must lie inside the file: the reader adds offsets in uint64, so a
+    corrupt offset near 2**64 wrapped around to an earlier part of the file and read as weights."""
+    size = path.stat().st_size
+    for t in reader.tensors:
+        relative = int(t.field.parts[-1][0])
+        start = int(reader.data_offset) + relative
+        if relative >= size or start + int(t.n_bytes) > size:
+            raise BestiaryError(f"{path}: tensor {t.name!r} lies outside the file (offset {relative}, "
+                                f"{int(t.n_bytes)} bytes, file {size} bytes): truncated or corrupt")
 
 
 def hf_name(gguf_name: str, arch: str) -> str | None:

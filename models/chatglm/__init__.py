@@ -10,7 +10,7 @@ from __future__ import annotations
 from bestiary.core.format.errors import ConfigError
 from bestiary.models.chatglm.config import V1_NAME, V2_NAME
 from bestiary.plugins import hookimpl
-from bestiary.registry import ArchitectureSpec, Supports
+from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
 _HOOKS = "bestiary.models.chatglm.postprocess"
 
@@ -63,6 +63,20 @@ GLM_HF_KEY_MAP = {
     "post_layernorm": "post_attention_layernorm",
 }
 
+# HF PEFT module -> LoRA module. v1: THUDM chatglm-6b names.
+V1_LORA = LoraTargets({
+    "query_key_value": "attn_qkv", "dense": "attn_dense", "dense_h_to_4h": "mlp_h_to_4h",
+    "dense_4h_to_h": "mlp_4h_to_h",
+}, hf_layers=("transformer.layers",))
+
+# v2/3: THUDM names (dense_h_to_4h holds gate and up: its lora_B rows split in halves) and HF glm names.
+V2_LORA = LoraTargets({
+    "query_key_value": "attn_qkv", "dense": "attn_dense", "dense_h_to_4h": ("mlp_h_to_4h", "mlp_gate"),
+    "dense_4h_to_h": "mlp_4h_to_h",
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_dense",
+    "gate_up_proj": ("mlp_h_to_4h", "mlp_gate"), "down_proj": "mlp_4h_to_h",
+}, hf_layers=("transformer.encoder.layers", "model.layers"))
+
 V1_SPEC = ArchitectureSpec(
     name=V1_NAME,
     hf_architectures=("ChatGLMModel", "ChatGLMForConditionalGeneration"),
@@ -74,7 +88,8 @@ V1_SPEC = ArchitectureSpec(
     postprocess={"*.attention.qkv.*": f"{_HOOKS}:qkv_per_head"},
     ignored_source_keys=("transformer.layers.*.attention.rotary_emb.inv_freq",),
     description="ChatGLM-6B (v1): 2D rotary with the gMASK token, prefix-LM mask, alpha-scaled post-LN residuals, GELU",
-    supports=Supports(),
+    supports=Supports(lora_modules=V1_LORA.modules),
+    lora=V1_LORA,
 )
 
 V2_SPEC = ArchitectureSpec(
@@ -93,7 +108,8 @@ V2_SPEC = ArchitectureSpec(
     },
     ignored_source_keys=("transformer.rotary_pos_emb.inv_freq",),
     description="ChatGLM2/3-6B, GLM-4 (HF glm): RMSNorm, SwiGLU, GQA, interleaved rotary on half of each head",
-    supports=Supports(),
+    supports=Supports(lora_modules=V2_LORA.modules),
+    lora=V2_LORA,
 )
 
 

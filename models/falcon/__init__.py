@@ -11,7 +11,7 @@ parallel norms), input_layernorm + post_attention_layernorm (sequential attentio
 from __future__ import annotations
 
 from bestiary.plugins import hookimpl
-from bestiary.registry import ArchitectureSpec, Supports
+from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
 
 def attention_norm_name(config) -> str:
@@ -38,6 +38,12 @@ KEY_MAP = {
     "proj": "dense_4h_to_h",
 }
 
+# HF PEFT module -> LoRA module (query_key_value's lora_B rows are reordered like the weight's).
+LORA = LoraTargets({
+    "query_key_value": "attn_qkv", "dense": "attn_dense", "dense_h_to_4h": "mlp_h_to_4h",
+    "dense_4h_to_h": "mlp_4h_to_h",
+}, hf_layers=("transformer.h",))
+
 SPEC = ArchitectureSpec(
     name="FalconForCausalLM",
     hf_architectures=("FalconForCausalLM", "RWForCausalLM"),
@@ -51,7 +57,8 @@ SPEC = ArchitectureSpec(
         "Falcon 7B/40B/180B, RW: parallel attention with one or two LayerNorms (new decoder), MQA/GQA "
         "(kv heads replicated when fewer than tp), RoPE or ALiBi, with or without biases"
     ),
-    supports=Supports(tensor_parallel=True, pipeline_parallel=True),
+    supports=Supports(tensor_parallel=True, pipeline_parallel=True, lora_modules=LORA.modules),
+    lora=LORA,
 )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bestiary.plugins import hookimpl
-from bestiary.registry import ArchitectureSpec, Supports
+from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
 # Canonical section -> HF LLaMA section (the loader's default map is this one too).
 KEY_MAP = {
@@ -21,6 +21,12 @@ KEY_MAP = {
     "post_layernorm": "post_attention_layernorm",
 }
 
+# HF PEFT module -> LoRA module (TensorRT-LLM names; mlp_h_to_4h is gate_proj = mlp.fc, mlp_gate up_proj = mlp.gate).
+LORA = LoraTargets({
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_dense",
+    "gate_proj": "mlp_h_to_4h", "up_proj": "mlp_gate", "down_proj": "mlp_4h_to_h",
+})
+
 SPEC = ArchitectureSpec(
     name="LlamaForCausalLM",
     hf_architectures=("LlamaForCausalLM",),
@@ -32,7 +38,8 @@ SPEC = ArchitectureSpec(
     key_map=KEY_MAP,
     postprocess={"*.attention.qkv.*": "bestiary.core.convert.postprocess:concat_dim0"},
     description="LLaMA 1/2/3, SmolLM: RMSNorm, RoPE (linear/llama3 scaling), GQA, SwiGLU",
-    supports=Supports(),
+    supports=Supports(lora_modules=LORA.modules),
+    lora=LORA,
 )
 
 

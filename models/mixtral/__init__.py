@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bestiary.plugins import hookimpl
-from bestiary.registry import ArchitectureSpec, Supports
+from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,12 @@ KEY_MAP = {
     "proj": PerExpert("w2"),  # down_proj
 }
 
+# HF PEFT module -> LoRA module (experts.{e}.w1 etc.: one adapter per expert; gate is the router).
+LORA = LoraTargets({
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_dense",
+    "gate": "moe_router", "w1": "moe_h_to_4h", "w3": "moe_gate", "w2": "moe_4h_to_h",
+})
+
 STACK = "bestiary.core.layers.moe:stack_experts"
 
 SPEC = ArchitectureSpec(
@@ -59,7 +65,8 @@ SPEC = ArchitectureSpec(
         "*.mlp.proj.weight": STACK,
     },
     description="Mixtral MoE: top-k routed SwiGLU experts (TP along the expert FFN dim), RoPE, GQA, RMSNorm",
-    supports=Supports(tensor_parallel=True, pipeline_parallel=True),
+    supports=Supports(tensor_parallel=True, pipeline_parallel=True, lora_modules=LORA.modules),
+    lora=LORA,
 )
 
 

@@ -8,7 +8,7 @@ directly in the layer (no `mlp` section), and the tied lm_head is not stored.
 from __future__ import annotations
 
 from bestiary.plugins import hookimpl
-from bestiary.registry import ArchitectureSpec, Supports
+from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
 # Canonical section -> HF OPT section.
 KEY_MAP = {
@@ -29,6 +29,12 @@ KEY_MAP = {
     "proj": "fc2",
 }
 
+# HF PEFT module -> LoRA module.
+LORA = LoraTargets({
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "out_proj": "attn_dense",
+    "fc1": "mlp_h_to_4h", "fc2": "mlp_4h_to_h",
+}, hf_layers=("model.decoder.layers",))
+
 SPEC = ArchitectureSpec(
     name="OPTForCausalLM",
     hf_architectures=("OPTForCausalLM",),
@@ -42,7 +48,8 @@ SPEC = ArchitectureSpec(
         "OPT 125m-66b: learned positions (offset 2), LayerNorm pre- or post-norm (do_layer_norm_before), "
         "ReLU MLP, project_in/out when word_embed_proj_dim != hidden_size (350m)"
     ),
-    supports=Supports(tensor_parallel=True, pipeline_parallel=True),
+    supports=Supports(tensor_parallel=True, pipeline_parallel=True, lora_modules=LORA.modules),
+    lora=LORA,
 )
 
 

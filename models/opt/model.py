@@ -10,8 +10,6 @@ projections exist only when P != H (OPT-350m).
 
 from __future__ import annotations
 
-import torch
-from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
 from bestiary.core.layers.linear import Linear
 from bestiary.core.layers.mlp import MLP
@@ -29,20 +27,18 @@ class OPTForCausalLM(DecoderLM):
 
     config: OPTConfig
 
-    def __init__(self, config: OPTConfig, rank: int = 0, device: torch.device | str | None = "meta") -> None:
-        super().__init__(config, rank, device)
-        c, dtype = config, self.dtype
+    def make_top_level_modules(self, device) -> dict[str, nn.Module]:
+        """position_embedding and project_in on the first stage, project_out on the last (P != H only)."""
+        c, place = self.config, {"dtype": self.dtype, "device": device}
+        extra: dict[str, nn.Module] = {}
         if self.is_first_stage:
-            self.transformer.position_embedding = LearnedPositionEmbedding(
-                c.max_position_embeddings or 2048, c.hidden_size, c.position_offset, dtype, device)
+            extra["position_embedding"] = LearnedPositionEmbedding(
+                c.max_position_embeddings or 2048, c.hidden_size, c.position_offset, **place)
             if self.projected:
-                self.transformer.project_in = Linear(c.word_embed_proj_dim, c.hidden_size, dtype=dtype,
-                                                     device=device)
-                self.transformer.project_in.name = "transformer.project_in"
+                extra["project_in"] = Linear(c.word_embed_proj_dim, c.hidden_size, **place)
         if self.is_last_stage and self.projected:
-            self.transformer.project_out = Linear(c.hidden_size, c.word_embed_proj_dim, dtype=dtype,
-                                                  device=device)
-            self.transformer.project_out.name = "transformer.project_out"
+            extra["project_out"] = Linear(c.hidden_size, c.word_embed_proj_dim, **place)
+        return extra
 
     @property
     def projected(self) -> bool:
@@ -70,16 +66,3 @@ class OPTForCausalLM(DecoderLM):
     def _layer_norm(self, device) -> LayerNorm:
         c = self.config
         return LayerNorm(c.hidden_size, c.norm_epsilon, bias=True, dtype=self.dtype, device=device)
-
-    def embed(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """ids [T] -> project_in(W_tok[ids]) + W_pos[positions + offset]: [T, H]."""
-        x = self.transformer.vocab_embedding(ids)  # [T, P]
-        if self.projected:
-            x = self.transformer.project_in(x)  # [T, H]
-        return x + self.transformer.position_embedding(meta.positions)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> project_out -> [N, P] -> lm_head -> logits [N, V]."""
-        if self.projected:
-            hidden = self.transformer.project_out(hidden)
-        return super().logits(hidden)

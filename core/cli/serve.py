@@ -1,0 +1,40 @@
+"""`bestiary serve`: the OpenAI-compatible server (core.serve) on one engine, with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bestiary.core.cli.main import command
+from bestiary.core.format.errors import BestiaryError
+
+
+@command("serve")
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+        from bestiary.core.serve.app import ServeSettings, create_app, load_chat_template
+    except ImportError as err:
+        raise BestiaryError(f"bestiary serve needs the serve extra ({err.name} is missing): "
+                            "pip install 'bestiary[serve]'") from None
+    from bestiary.core.runtime.llm import LLM
+
+    if not 0 <= args.port <= 65535:
+        raise BestiaryError(f"--port {args.port}: expected 0..65535")
+    template = load_chat_template(args.chat_template) if args.chat_template else None
+    llm = LLM(args.engine_dir, num_threads=args.num_threads)
+    llm.executor.kv.commit()  # the KV pool resident from the start: memory does not creep up under load
+    if template is not None:
+        if llm.tokenizer is None:
+            raise BestiaryError(f"--chat_template: {args.engine_dir} has no tokenizer to render it with")
+        llm.tokenizer.chat_template = template
+    name = args.served_model_name or Path(args.engine_dir).resolve().name
+    app = create_app(llm, ServeSettings(served_model_name=name, api_key=args.api_key,
+                                        max_queue_len=args.max_queue_len))
+    print(f"bestiary serve: {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        llm.close()
+    return 0

@@ -1,0 +1,145 @@
+"""Reading the fields every HF decoder config.json shares, so a family's config is a few lines.
+
+    read_common(hf, defaults)  sizes, heads, kv heads, head_dim, eps, act, max positions, tie
+    read_rope(hf, theta)       rope theta, scaling (transformers 4's rope_theta / rope_scaling or
+                               transformers 5's rope_parameters), partial rotary factor
+    DecoderConfig              PretrainedConfig + rotary, biases, tie: the fields those fill
+    hf_config_reader(cls)      a spec's `from_hf_config` for a `DecoderConfig` subclass
+
+A field is looked up under each of its HF names in turn (`COMMON_NAMES`: GPT-2's n_embd,
+Falcon's n_head_kv, ...); an absent or null field takes the family's default (`defaults`,
+keyed by bestiary field name), and a required one with neither is a `ConfigError` naming
+every HF name tried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
+from bestiary.core.format.errors import ConfigError
+from pydantic import Field
+
+# bestiary field -> the HF config.json names it is read from, first present wins.
+COMMON_NAMES: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "hidden_size": ("hidden_size", "n_embd", "n_embed", "d_model", "dim"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "head_size": ("head_dim", "kv_channels"),
+    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "ffn_hidden_dim"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                                "max_sequence_length"),
+    "norm_epsilon": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "layernorm_epsilon", "norm_eps"),
+    "hidden_act": ("hidden_act", "activation_function", "hidden_activation"),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+}
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# Defaults of transformers' LlamaConfig, used where neither the source nor the family has a value.
+LLAMA_DEFAULTS: dict[str, Any] = {"max_position_embeddings": 2048, "norm_epsilon": 1e-6, "hidden_act": "silu",
+                                  "tie_word_embeddings": False, "rotary_base": 10000.0}
+
+
+def first_present(hf: dict, names: tuple[str, ...]) -> Any:
+    """The value of the first of `names` that `hf` has and is not null, else None."""
+    return next((hf[n] for n in names if hf.get(n) is not None), None)
+
+
+def read_common(hf: dict, defaults: dict[str, Any] | None = None, source: str = "config.json") -> dict[str, Any]:
+    """The common `PretrainedConfig` fields of an HF config dict (+ tie_word_embeddings).
+
+    intermediate_size defaults to 4 * hidden_size, num_key_value_heads to the query heads,
+    head_size to hidden_size / heads; `defaults` (bestiary field names) fill the rest.
+    """
+    defaults = {**LLAMA_DEFAULTS, **(defaults or {})}
+    out: dict[str, Any] = {}
+    for field, names in COMMON_NAMES.items():
+        value = first_present(hf, names)
+        out[field] = defaults.get(field) if value is None else value
+    missing = [f for f in REQUIRED if out[f] is None]
+    if missing:
+        names = " / ".join(COMMON_NAMES[missing[0]])
+        raise ConfigError(f"{source}: field '{names}' is missing (needed for {missing[0]})")
+    heads = out["num_attention_heads"]
+    out["num_key_value_heads"] = out["num_key_value_heads"] or heads
+    out["intermediate_size"] = out["intermediate_size"] or 4 * out["hidden_size"]
+    if out["head_size"] is None and out["hidden_size"] % heads == 0:
+        out["head_size"] = out["hidden_size"] // heads
+    return out
+
+
+def read_rope(hf: dict, default_theta: float = 10000.0) -> dict[str, Any]:
+    """rotary_base, rotary_scaling (None for the default rope) and rotary_pct of an HF config.
+
+    transformers 5 keeps theta, the scaling kind and partial_rotary_factor in `rope_parameters`;
+    earlier versions in `rope_theta`, `rope_scaling` ("type" or "rope_type") and
+    `partial_rotary_factor` / `rotary_pct`. Either layout, or a mix, is read.
+    """
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or params)
+    theta = first_present(hf, ("rope_theta", "rotary_emb_base")) or params.get("rope_theta", default_theta)
+    pct = first_present(hf, ("partial_rotary_factor", "rotary_pct")) or params.get("partial_rotary_factor", 1.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    drop = ("rope_theta", "partial_rotary_factor")
+    rope = None if kind == "default" else {k: v for k, v in scaling.items() if k not in drop}
+    return {"rotary_base": float(theta), "rotary_scaling": rope, "rotary_pct": float(pct)}
+
+
+class DecoderConfig(PretrainedConfig):
+    """PretrainedConfig + the fields most decoder families add: rotary, biases, tied lm_head.
+
+    Subclass it, narrow `architecture` with a Literal, and set the family's defaults.
+    """
+
+    hidden_act: str = "silu"
+    position_embedding_type: str = "rope_gpt_neox"
+    rotary_base: float = Field(10000.0, description="RoPE theta (HF rope_theta).")
+    rotary_scaling: dict | None = Field(None, description="HF rope scaling: linear or llama3 (None: default).")
+    rotary_pct: float = Field(1.0, gt=0.0, le=1.0, description="Fraction of each head's dims rotated.")
+    qkv_bias: bool = Field(False, description="Bias on the fused qkv projection.")
+    dense_bias: bool = Field(False, description="Bias on the attention output projection.")
+    mlp_bias: bool = Field(False, description="Bias on the MLP's linears.")
+    tie_word_embeddings: bool = Field(False, description="lm_head shares the input embedding.")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims per head: head_size * rotary_pct (even)."""
+        return int(self.head_size * self.rotary_pct) // 2 * 2
+
+
+def refuse_unsupported(hf: dict, supported: dict[str, Any], source: str) -> None:
+    """ConfigError naming the first HF field set to something other than its one supported value
+    (an absent or null field counts as supported)."""
+    for name, value in supported.items():
+        if hf.get(name) is not None and hf[name] != value:
+            raise ConfigError(f"{source}: field {name!r} = {hf[name]!r} is not supported (expected {value!r})")
+
+
+def hf_config_reader(
+    cls: type[PretrainedConfig], defaults: dict[str, Any] | None = None,
+    unsupported: dict[str, Any] | None = None, **fields: Any,
+) -> Callable[..., PretrainedConfig]:
+    """A `from_hf_config(hf, dtype, mapping, source=...)` for `cls`.
+
+    It refuses HF fields set otherwise than `unsupported` says (HF name -> the only value
+    bestiary runs, e.g. {"use_sliding_window": False}), reads the common fields and the rope
+    fields (those `cls` has), HF `attention_bias` into qkv_bias and dense_bias and `mlp_bias`
+    into mlp_bias, then applies `fields`: a value, or a callable `(hf) -> value`, per
+    bestiary field (`qkv_bias=True`, `rotary_base=lambda hf: ...`). Validation errors are
+    one-line `ConfigError`s naming `source`.
+    """
+    theta = (defaults or {}).get("rotary_base", 10000.0)
+
+    def from_hf_config(hf: dict, dtype: str, mapping: Mapping, source: str = "config.json") -> PretrainedConfig:
+        refuse_unsupported(hf, unsupported or {}, source)
+        data = read_common(hf, defaults, source) | read_rope(hf, theta)
+        bias = bool(hf.get("attention_bias", False))
+        data |= {"qkv_bias": bias, "dense_bias": bias, "mlp_bias": bool(hf.get("mlp_bias", False))}
+        data |= {k: v(hf) if callable(v) else v for k, v in fields.items()}
+        data = {k: v for k, v in data.items() if k in cls.model_fields}
+        return validate_config(cls, data | {"dtype": dtype, "mapping": mapping.model_dump()}, source)
+
+    from_hf_config.__doc__ = f"{cls.__name__} from an HF config dict (bestiary.core.format.hf_config)."
+    return from_hf_config

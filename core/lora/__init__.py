@@ -1,0 +1,14 @@
+"""bestiary.core.lora: HF PEFT LoRA adapters, per request, many in one batch.
+
+- `modules`: the TensorRT-LLM LoRA module names and ids (attn_qkv 0 ... mlp_router 17) and
+  the canonical layer each one adapts.
+- `peft_config`: adapter_config.json as a pydantic model; unsupported PEFT features refused.
+- `adapter`: an adapter dir -> `LoraAdapter` (per canonical linear: A, B, scaling), checked
+  against the model (targets, architecture, shapes) before / while reading its weights.
+- `batch`: one step's adapters stacked per linear (`AdapterStack`) and the step's
+  `StepLora`, the `LoraDelta` the linear layers call (meta.lora).
+- `store`: `LoraRequest(name, path)` and the by-name store that loads each adapter once.
+
+Imports: format, layers, kernels, registry; never convert, runtime or cli. `modules` and
+`peft_config` import no torch.
+"""

@@ -1,0 +1,9 @@
+"""bestiary.core.serve: the OpenAI-compatible HTTP server (`bestiary serve`) on the runtime's asyncio API.
+
+`protocol` (request / response schemas, requests -> SamplingConfig), `chat` (messages -> prompt
+ids through the chat template), `metrics` (Prometheus), `generation` (running one HTTP request's
+prompts and samples), `app` (the FastAPI app: routes, auth, errors).
+
+Needs the `serve` extra (fastapi, uvicorn, prometheus_client).
+Imports: format, runtime; never convert or cli. Nothing but cli imports serve.
+"""
