@@ -12,9 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from bestiary.core.cli.demo import demo_model_path  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
-from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora.store import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
@@ -35,11 +33,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    try:
-        gguf = demo_model_path()
-    except BestiaryError as err:
-        pytest.skip(str(err))
+def models(tmp_path_factory, smollm2_gguf):
+    gguf = smollm2_gguf
     root = tmp_path_factory.mktemp("smollm2_lora")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                            dtype=torch.float32).eval()

@@ -177,20 +177,10 @@ def _wait_for(pattern: str, parent: Path, proc: subprocess.Popen, timeout: float
     raise AssertionError(f"no {pattern} in {parent}")
 
 
-@pytest.fixture(scope="module")
-def smol_gguf():
-    from bestiary.core.cli.demo import demo_model_path
-
-    try:
-        return demo_model_path()
-    except BestiaryError as err:
-        pytest.skip(str(err))
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_mid_convert_leave_nothing_and_say_interrupted(smol_gguf, tmp_path, sig):
+def test_sigterm_and_sigint_mid_convert_leave_nothing_and_say_interrupted(smollm2_gguf, tmp_path, sig):
     """SIGTERM used to leave .NAME.tmp-PID/ (hundreds of MB); SIGINT sometimes said 'cannot read tensor'."""
-    proc = subprocess.Popen([sys.executable, "-m", "bestiary", *convert(smol_gguf, tmp_path / "out")],
+    proc = subprocess.Popen([sys.executable, "-m", "bestiary", *convert(smollm2_gguf, tmp_path / "out")],
                             stderr=subprocess.PIPE, text=True)
     _wait_for(".out.tmp-*", tmp_path, proc)
     proc.send_signal(sig)
@@ -200,8 +190,8 @@ def test_sigterm_and_sigint_mid_convert_leave_nothing_and_say_interrupted(smol_g
     assert list(tmp_path.iterdir()) == []
 
 
-def test_sigkill_leftover_is_removed_by_the_next_convert(smol_gguf, tiny, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "bestiary", *convert(smol_gguf, tmp_path / "out")],
+def test_sigkill_leftover_is_removed_by_the_next_convert(smollm2_gguf, tiny, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "bestiary", *convert(smollm2_gguf, tmp_path / "out")],
                             stderr=subprocess.DEVNULL)
     left = _wait_for(".out.tmp-*", tmp_path, proc)
     proc.kill()

@@ -12,10 +12,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 transformers = pytest.importorskip("transformers")
 
-from bestiary.core.cli.demo import demo_model_path  # noqa: E402
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
-from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.runtime.tokenizer import Tokenizer  # noqa: E402
 from bestiary.core.serve.process import ServerProcess  # noqa: E402
 
@@ -24,11 +22,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    try:
-        gguf = demo_model_path()
-    except BestiaryError as err:
-        pytest.skip(str(err))
+def engine(tmp_path_factory, smollm2_gguf):
+    gguf = smollm2_gguf
     base = tmp_path_factory.mktemp("smollm2-serve")
     convert(gguf, base / "ckpt", dtype="float32", show_progress=False)
     return build_engine(base / "ckpt", base / "engine", BuildConfig(max_batch_size=8, max_seq_len=512))
@@ -63,8 +58,8 @@ def test_greedy_text_equals_bestiary_run(engine, client):
     assert chat.choices[0].finish_reason == ("stop" if chat_ids[-1] in tok.stop_ids else "length")
 
 
-def test_chat_template_of_the_gguf_renders_as_transformers(engine):
-    path = demo_model_path()
+def test_chat_template_of_the_gguf_renders_as_transformers(engine, smollm2_gguf):
+    path = smollm2_gguf
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ours = Tokenizer.from_dir(engine)
     conversations = [
