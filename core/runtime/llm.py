@@ -66,6 +66,16 @@ def prompt_list(prompts: str | list[int] | list[str | list[int]]) -> list[str | 
     return prompts
 
 
+def per_prompt(value, count: int, make, name: str, what: str, hint: str) -> list:
+    """`make(value)` for each of `count` prompts (made once), or `make` of each item of a list of
+    exactly `count` (one per prompt); a list of another length is a one-line error naming `name`."""
+    if not isinstance(value, list):
+        return [make(value)] * count
+    if len(value) != count:
+        raise BestiaryError(f"{name}: {len(value)} {what} for {count} prompts; {hint}")
+    return [make(v) for v in value]
+
+
 @dataclass
 class GenerationStats:
     """Timing of one generate call."""
@@ -202,21 +212,13 @@ class LLM:
 
     def _per_prompt(self, sampling: SamplingConfig | list[SamplingConfig] | None, count: int) -> list[SamplingConfig]:
         """One resolved config per prompt: `sampling` repeated, or its list (one per prompt)."""
-        if not isinstance(sampling, list):
-            return [self._resolve(sampling)] * count
-        if len(sampling) != count:
-            raise BestiaryError(f"sampling: {len(sampling)} SamplingConfigs for {count} prompts; "
-                                "give one config, or a list with one per prompt")
-        return [self._resolve(s) for s in sampling]
+        return per_prompt(sampling, count, self._resolve, "sampling", "SamplingConfigs",
+                          "give one config, or a list with one per prompt")
 
     def _adapters(self, lora: LoraRequest | list[LoraRequest | None] | None, count: int) -> list[LoraAdapter | None]:
         """One adapter per prompt (None: the base model): `lora` repeated, or its list (one per prompt)."""
-        if not isinstance(lora, list):
-            return [self.lora_store.get(lora)] * count
-        if len(lora) != count:
-            raise BestiaryError(f"lora: {len(lora)} LoraRequests for {count} prompts; "
-                                "give one, or a list with one per prompt (None: the base model)")
-        return [self.lora_store.get(r) for r in lora]
+        return per_prompt(lora, count, self.lora_store.get, "lora", "LoraRequests",
+                          "give one, or a list with one per prompt (None: the base model)")
 
     def _stop_ids(self) -> set[int]:
         return self.tokenizer.stop_ids if self.tokenizer else set()
