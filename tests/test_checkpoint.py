@@ -170,13 +170,8 @@ def test_single_safetensors_file_and_customized_key_dict(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_reassembles(tmp_path):
-    from bestiary.core.cli.demo import demo_model_path
-
-    try:
-        gguf = demo_model_path()
-    except BestiaryError as err:
-        pytest.skip(str(err))
+def test_smollm2_tp3_reassembles(tmp_path, smollm2_gguf):
+    gguf = smollm2_gguf
     assert_tp_reassembles(gguf, tmp_path, 3, heads=9, kv_heads=3)
     with pytest.raises(BestiaryError, match="--tp_size 2 .*must divide num_attention_heads 9"):
         convert(gguf, tmp_path / "tp2", tp_size=2, show_progress=False)

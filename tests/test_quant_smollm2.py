@@ -14,12 +14,10 @@ import inspect
 
 import pytest
 import torch
-from bestiary.core.cli.demo import demo_model_path
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig
-from bestiary.core.format.errors import BestiaryError
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.runtime.engine import Engine
@@ -76,12 +74,8 @@ def eval_text() -> str:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    try:
-        gguf = demo_model_path()
-    except BestiaryError as err:
-        pytest.skip(str(err))
-    return tmp_path_factory.mktemp("quant_smollm2"), gguf
+def workdir(tmp_path_factory, smollm2_gguf):
+    return tmp_path_factory.mktemp("quant_smollm2"), smollm2_gguf
 
 
 def _ppl(workdir, name: str, quant: QuantConfig | None) -> tuple[float, Engine]:

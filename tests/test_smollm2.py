@@ -14,10 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bestiary.core.cli.demo import demo_model_path  # noqa: E402
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
-from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
@@ -33,23 +31,16 @@ NEW_TOKENS = 40
 pytestmark = pytest.mark.slow
 
 
-def _gguf():
-    try:
-        return demo_model_path()
-    except BestiaryError as err:
-        pytest.skip(str(err))
-
-
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory):
+def engine_dir(tmp_path_factory, smollm2_gguf):
     base = tmp_path_factory.mktemp("smollm2")
-    convert(_gguf(), base / "ckpt", dtype="float32", show_progress=False)
+    convert(smollm2_gguf, base / "ckpt", dtype="float32", show_progress=False)
     return build_engine(base / "ckpt", base / "engine", BuildConfig(max_batch_size=4, max_seq_len=512))
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    path = _gguf()
+def hf_model(smollm2_gguf):
+    path = smollm2_gguf
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
     )
@@ -57,8 +48,8 @@ def hf_model():
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    path = _gguf()
+def hf_tokenizer(smollm2_gguf):
+    path = smollm2_gguf
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
