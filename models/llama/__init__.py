@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
+from bestiary.core.convert.loader import DEFAULT_KEY_MAP
 from bestiary.plugins import hookimpl
 from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
-# Canonical section -> HF LLaMA section (the loader's default map is this one too).
-KEY_MAP = {
-    "transformer": "model",
-    "vocab_embedding": "embed_tokens",
-    "lm_head": "lm_head",
-    "ln_f": "norm",
-    "attention": "self_attn",
-    "qkv": ["q_proj", "k_proj", "v_proj"],
-    "dense": "o_proj",
-    "fc": "gate_proj",
-    "gate": "up_proj",
-    "proj": "down_proj",
-    "input_layernorm": "input_layernorm",
-    "post_layernorm": "post_attention_layernorm",
-}
+# Canonical section -> HF LLaMA section: the loader's default map (TensorRT-LLM's) is LLaMA's.
+KEY_MAP = dict(DEFAULT_KEY_MAP)
 
 # HF PEFT module -> LoRA module (TensorRT-LLM names; mlp_h_to_4h is gate_proj = mlp.fc, mlp_gate up_proj = mlp.gate).
 LORA = LoraTargets({

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bestiary.core.convert.loader import DEFAULT_KEY_MAP
 from bestiary.plugins import hookimpl
 from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
@@ -26,15 +27,7 @@ class PerExpert:
 
 # Canonical section -> HF Mixtral section.
 KEY_MAP = {
-    "transformer": "model",
-    "vocab_embedding": "embed_tokens",
-    "lm_head": "lm_head",
-    "ln_f": "norm",
-    "attention": "self_attn",
-    "qkv": ["q_proj", "k_proj", "v_proj"],
-    "dense": "o_proj",
-    "input_layernorm": "input_layernorm",
-    "post_layernorm": "post_attention_layernorm",
+    **DEFAULT_KEY_MAP,
     "mlp": "block_sparse_moe",
     "router": "gate",
     "fc": PerExpert("w1"),  # gate_proj of each expert
