@@ -12,6 +12,7 @@ survivors of the last full run with the reason each one stays.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -34,6 +35,16 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                     "tests/kernels/test_kernels_activations.py", "tests/kernels/test_kernels_attention.py",
                                     "tests/kernels/test_kernels_moe.py", "tests/kernels/test_kernels_woq_gemm.py"]),
 }
+
+
+def single_threaded_env() -> dict[str, str]:
+    """The environment for `mutmut run`: one OpenMP/MKL thread.
+
+    mutmut forks each mutant's test run from a process that has already run torch; a fork of a
+    process whose OpenMP thread pool is up deadlocks in the child's first parallel region, so
+    every mutant would end as a CPU-time "timeout" (what the first full run showed). With one
+    thread no pool is started and the forks run."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def stage(name: str) -> Path:
@@ -71,7 +82,8 @@ def main(names: list[str]) -> int:
     STAGE.mkdir(exist_ok=True)
     for name in names or list(MODULES):
         work = stage(name)
-        subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"], cwd=work, check=False)
+        subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"], cwd=work, check=False,
+                       env=single_threaded_env())
         line = f"{name}: {score(work)}"
         print(line)
         with open(STAGE / "scores.txt", "a") as f:
