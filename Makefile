@@ -11,7 +11,7 @@ PIP = $(PYTHON) -m pip
 INSTALLED = $(VENV)/.bestiary-installed
 SAY_VENV = @echo "bestiary: using the virtualenv $(VENV)"
 
-.PHONY: install demo test test-slow test-all bench docs mutation
+.PHONY: install demo test test-slow test-gpu test-all bench docs mutation browser
 
 $(PYTHON):
 	@$(BASE_PYTHON) -m venv $(VENV) || { echo "error: $(BASE_PYTHON) -m venv $(VENV) failed (Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
@@ -43,6 +43,11 @@ test-slow: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -m slow tests
 
+# The CUDA suite (tests marked gpu: device choice, tp over nccl); skips without a GPU.
+test-gpu: $(INSTALLED)
+	$(SAY_VENV)
+	$(PYTHON) -m pytest -q -m gpu tests
+
 test-all: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q tests
@@ -56,6 +61,14 @@ bench: $(INSTALLED)
 mutation: $(INSTALLED)
 	$(PIP) install --quiet mutmut
 	$(PYTHON) tests/mutation_run.py $(MODULES)
+
+# Debian's chromium for the web chat's browser test (tests/test_web_chat.py, Playwright with
+# executable_path): the system package, never a browser build that Playwright downloads. Without
+# it that test skips (under CI=true it fails; .ci/run installs it). Needs root or sudo.
+browser:
+	@command -v chromium >/dev/null && echo "bestiary: chromium is installed: $$(command -v chromium)" || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
 docs: | $(PYTHON)
 	$(PIP) install --quiet mkdocs && $(VENV)/bin/mkdocs build --strict

@@ -1,6 +1,8 @@
 """Batch-1 decode tokens/s of bestiary vs HF transformers on SmolLM2-135M-Instruct, same run.
 
-Both sides load the same GGUF (transformers dequantises it itself). Decode speed is
+HF runs the dense model made once from the same GGUF (core.bench.dense_hf: transformers 5
+keeps a GGUF packed and dequantizes per matmul, which is not what a transformers user runs).
+`bestiary bench --compare hf,llama.cpp,fastllm` is the CLI form, with every peer. Decode speed is
 measured the same way for both: (time to generate 1 + N tokens - time to generate 1) / N,
 greedy, EOS ignored, median of --repeats alternating runs. Prints a table with the ratio.
 
@@ -44,6 +46,7 @@ def decode_rate(run, n: int) -> float:
 
 def main() -> None:
     import transformers
+    from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
@@ -68,7 +71,7 @@ def main() -> None:
             build_engine(ckpt, engine, BuildConfig(max_batch_size=1, max_seq_len=512))
             llm = LLM(engine)
             hf = transformers.AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)).eval()
+                str(dense_hf_dir(gguf)), dtype=getattr(torch, dtype)).eval()
             ours_rate = lambda n: ours_generate_seconds(llm, ids, n)  # noqa: E731
             hf_rate = lambda n: hf_generate_seconds(hf, torch.tensor([ids]), n)  # noqa: E731
             ours_rate(4), hf_rate(4)  # warm-up

@@ -33,13 +33,23 @@ PROMPTS = [[1, 504, 3458, 314, 5549, 30], [1, 2683, 314, 253, 1692], [1, 1978, 5
 QUANT = {"float16": None, "int8": ("W8A16", 0, False), "int4": ("W4A16", 128, True)}
 
 
-def bestiary_checkpoint(hf_dir: Path, out: Path, dtype: str) -> Path:
-    from bestiary.core.convert.source_to_checkpoint import convert
+def quant_config(dtype: str, activation_quant: bool):
+    """The QuantConfig of `dtype` (None for float16); activation_quant: FastLLM's input quantization."""
     from bestiary.core.format.config import QuantConfig
 
-    if not (out / "config.json").is_file():
-        q = QUANT[dtype]
-        quant = None if q is None else QuantConfig(quant_algo=q[0], group_size=q[1] or 64, has_zero_point=q[2])
+    q = QUANT[dtype]
+    if q is None:
+        return None
+    return QuantConfig(quant_algo=q[0], group_size=q[1] or 64, has_zero_point=q[2],
+                       activation_quant="fastllm_uint8" if activation_quant else None,
+                       activation_group_size=q[1] or None if activation_quant else None)
+
+
+def bestiary_checkpoint(hf_dir: Path, out: Path, dtype: str) -> Path:
+    from bestiary.core.convert.source_to_checkpoint import convert
+
+    if not (out / "config.json").is_file():  # computes as FastLLM does (activation_quant), as ftllm will run it
+        quant = quant_config(dtype, activation_quant=True)
         convert(hf_dir, out, dtype="float16", quantization=quant, weight_quantizer="rtn" if quant else None,
                 show_progress=False)
     return out
@@ -73,7 +83,9 @@ def agreement_rows(hf_dir: Path, work: Path, dtype: str, threads: int, prompts: 
     return rows
 
 
-def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: int) -> tuple[float, float, str]:
+def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: int,
+          from_flm: bool = False) -> tuple[float, float, str]:
+    """ftllm's and bestiary's decode tok/s; from_flm: bestiary runs ftllm's own file (activation_quant)."""
     import torch
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
@@ -83,16 +95,17 @@ def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: i
 
     torch.set_num_threads(threads)
     flm = ftllm_export(hf_dir, work / f"ft_{dtype}.flm", dtype)
-    ours_ck = work / f"speed_{dtype}"
+    tag = f"{dtype}_flm" if from_flm else dtype
+    ours_ck = work / f"speed_{tag}"
     if not (ours_ck / "config.json").is_file():
-        q = QUANT[dtype]
-        from bestiary.core.format.config import QuantConfig
-
-        quant = None if q is None else QuantConfig(quant_algo=q[0], group_size=q[1] or 64, has_zero_point=q[2])
-        convert(hf_dir, ours_ck, dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None,
-                show_progress=False)
-        build_engine(ours_ck, work / f"engine_{dtype}", BuildConfig(max_batch_size=1, max_seq_len=256))
-    llm = LLM(str(work / f"engine_{dtype}"))
+        if from_flm:
+            convert(flm, ours_ck, show_progress=False)
+        else:
+            quant = quant_config(dtype, activation_quant=False)
+            convert(hf_dir, ours_ck, dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None,
+                    show_progress=False)
+        build_engine(ours_ck, work / f"engine_{tag}", BuildConfig(max_batch_size=1, max_seq_len=256))
+    llm = LLM(str(work / f"engine_{tag}"))
     ft = ftllm_model(flm, threads)
     prompt = PROMPTS[0]
 
@@ -113,6 +126,8 @@ def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: i
             one, full = run(1), run(1 + n)
             rates[name].append(n / max(full - one, 1e-9))
     label = {"float16": "bf16", "int8": "W8A16", "int4": "W4A16 g128"}[dtype]
+    if from_flm:
+        label = f"ftllm's .flm, {'W8A16' if dtype == 'int8' else 'W4A16'} + activation_quant fastllm_uint8"
     return statistics.median(rates["theirs"]), statistics.median(rates["ours"]), label
 
 
@@ -144,8 +159,10 @@ def main() -> None:
             for col in ("dtype", "ftllm", "bestiary", "bestiary / ftllm"):
                 table.add_column(col)
             for dtype in args.dtypes:
-                ft, ours, label = speed(hf_dir, work, dtype, args.new_tokens, args.repeats, args.threads)
-                table.add_row(f"{dtype} (bestiary {label})", f"{ft:.1f}", f"{ours:.1f}", f"{ours / ft:.2f}x")
+                for from_flm in (False, True) if dtype != "float16" else (False,):
+                    ft, ours, label = speed(hf_dir, work, dtype, args.new_tokens, args.repeats, args.threads,
+                                            from_flm)
+                    table.add_row(f"{dtype} (bestiary {label})", f"{ft:.1f}", f"{ours:.1f}", f"{ours / ft:.2f}x")
             console.print(table)
         if not args.skip_agreement:
             table = Table(title="greedy from raw ids: bestiary vs ftllm (SmolLM2-135M, untied lm_head)")

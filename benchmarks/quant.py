@@ -1,5 +1,9 @@
 """Batch-1 decode per quantization mode on SmolLM2-135M-Instruct vs HF transformers fp32, same run.
 
+HF runs the dense model (the GGUF dequantized once into an HF dir, core.bench.dense_hf), not
+the GGUF itself (transformers 5 keeps that packed and dequantizes per matmul).
+`bestiary bench --compare hf,llama.cpp,fastllm` measures the same decode beside every peer.
+
 For each mode: convert the demo GGUF (fp32; quantized modes with bf16 activations, the "A16",
 and round-to-nearest weights: speed is measured here, quality in tests/test_quant_smollm2.py),
 build, then measure decode tokens/s as (time for 1 + N tokens - time for 1) / N, greedy, EOS
@@ -139,6 +143,7 @@ def llama_cpp_rate(gguf: Path, ids: list[int], n: int, repeats: int) -> float | 
 
 def main() -> None:
     import transformers
+    from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
@@ -157,8 +162,8 @@ def main() -> None:
     gguf = demo_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     ids = tokenizer(PROMPT).input_ids
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                           dtype=torch.float32).eval()
+    # the dense model a transformers user runs (transformers keeps a GGUF packed: core.bench.dense_hf)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(dense_hf_dir(gguf)), dtype=torch.float32).eval()
     hf_run = lambda n: hf_seconds(hf, torch.tensor([ids]), n)
     hf_run(4)
     rows, hf_rates, reference = [], [], None

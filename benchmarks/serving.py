@@ -1,6 +1,8 @@
 """Serving benchmark on SmolLM2-135M-Instruct: bestiary's in-flight batching vs HF transformers.
 
-Same run, same precision, same requests (token ids drawn with a fixed seed):
+Same run, same precision, same requests (token ids drawn with a fixed seed); HF runs the dense
+model made once from the GGUF (core.bench.dense_hf). `bestiary bench --workloads mixed` is the
+CLI form (prompts 16..384, outputs 16..128 by default).
 
   (b) 64 requests, prompts of 16..512 tokens, max_new_tokens 32..256, all arriving at t=0.
       bestiary: every request goes to the executor at once (in-flight batching, chunked
@@ -22,33 +24,18 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bestiary.core.bench.workload import Workload, percentile
 
 HF_BATCH = 16
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    max_new: list[int]
-
-    @property
-    def asked(self) -> int:
-        return sum(self.max_new)
 
 
 def make_workload(n: int, vocab: int, seed: int = 0) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 512))] for _ in range(n)]
     return Workload(prompts, [rng.randint(32, 256) for _ in range(n)])
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def ours_serving(llm, work: Workload) -> tuple[float, list[float], int]:
@@ -107,6 +94,7 @@ def hf_ttft(model, prompt: list[int]) -> float:
 
 def main() -> None:
     import transformers
+    from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
@@ -129,7 +117,7 @@ def main() -> None:
                                                    max_num_tokens=args.max_num_tokens))
             llm = LLM(engine)
             hf = transformers.AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype)).eval()
+                str(dense_hf_dir(gguf)), dtype=getattr(torch, dtype)).eval()
             work = make_workload(args.requests, llm.engine.model.config.vocab_size)
             ours_ttft(llm, work.prompts[0][:32]), hf_ttft(hf, work.prompts[0][:32])  # warm-up
             ttft_prompt = make_workload(1, llm.engine.model.config.vocab_size, seed=1).prompts[0]

@@ -1,8 +1,16 @@
 """bestiary.registry: the architecture registry and the spec plugins register."""
 
 from bestiary.registry.registry import DuplicateArchitectureError, Registry, default_registry
-from bestiary.registry.spec import ArchitectureSpec, LoraTargets, Supports, resolve
+from bestiary.registry.spec import (
+    DEFAULT_KEY_MAP,
+    ArchitectureSpec,
+    LoraTargets,
+    PerExpert,
+    Supports,
+    resolve,
+)
 
 __all__ = [
-    "ArchitectureSpec", "DuplicateArchitectureError", "LoraTargets", "Registry", "Supports", "default_registry", "resolve",
+    "DEFAULT_KEY_MAP", "ArchitectureSpec", "DuplicateArchitectureError", "LoraTargets", "PerExpert", "Registry",
+    "Supports", "default_registry", "resolve",
 ]

@@ -18,16 +18,22 @@ class DuplicateArchitectureError(BestiaryError):
 class Registry:
     """Architectures registered by the loaded plugins."""
 
-    def __init__(self, plugins: LoadedPlugins) -> None:
+    def __init__(self, plugins: LoadedPlugins, override: frozenset[str] = frozenset()) -> None:
         self.plugins = plugins
         self.specs: dict[str, ArchitectureSpec] = {}
+        self.override = override  # plugin names whose specs replace an earlier spec of the same name
         self.failures: list[PluginFailure] = list(plugins.failures)
         self._collect()
 
     @classmethod
-    def from_plugins(cls, extra_plugins: dict[str, ModuleType | object] | None = None) -> "Registry":
-        """A registry over every installed plugin plus `extra_plugins` (name -> plugin)."""
-        return cls(build_plugin_manager(extra_plugins))
+    def from_plugins(
+        cls, extra_plugins: dict[str, ModuleType | object] | None = None, override: bool = False
+    ) -> "Registry":
+        """A registry over every installed plugin plus `extra_plugins` (name -> plugin).
+
+        override: the extra plugins' specs replace installed ones of the same name instead of
+        being a DuplicateArchitectureError (a plugin package under test, bestiary.testing)."""
+        return cls(build_plugin_manager(extra_plugins), frozenset(extra_plugins or ()) if override else frozenset())
 
     def _collect(self) -> None:
         manager = self.plugins.manager
@@ -37,7 +43,7 @@ class Registry:
                 continue
             package = self.plugins.packages.get(name, name)
             try:
-                hook(register=lambda spec, _p=package: self.register(spec, _p))
+                hook(register=lambda spec, _p=package, _o=name in self.override: self.register(spec, _p, _o))
             except DuplicateArchitectureError:
                 raise
             except PluginError as err:  # a bad reference: its one line is the whole story
@@ -47,13 +53,14 @@ class Registry:
 
                 self.failures.append(PluginFailure(name, package, traceback.format_exc()))
 
-    def register(self, spec: ArchitectureSpec, package: str = "") -> None:
-        """Add `spec`; a second spec with the same name is an error naming both packages, and so is
-        a lazy reference that does not resolve (PluginError, checked without importing)."""
+    def register(self, spec: ArchitectureSpec, package: str = "", override: bool = False) -> None:
+        """Add `spec`; a second spec with the same name is an error naming both packages (unless
+        `override`: it replaces the first), and so is a lazy reference that does not resolve
+        (PluginError, checked without importing)."""
         if not isinstance(spec, ArchitectureSpec):
             raise TypeError(f"register() expects an ArchitectureSpec, got {type(spec).__name__}")
         spec = dataclasses.replace(spec, package=package or spec.package)
-        if spec.name in self.specs:
+        if spec.name in self.specs and not override:
             other = self.specs[spec.name].package
             raise DuplicateArchitectureError(
                 f"architecture {spec.name!r} is registered twice: by {other!r} and by {spec.package!r}"

@@ -17,6 +17,23 @@ from bestiary.core.format.errors import PluginError
 
 KeyMap = dict[str, "str | list[str] | None"]
 
+# The TensorRT-LLM loader's default: canonical section -> HF LLaMA section (data, so plugins extend it
+# without importing the loader and torch).
+DEFAULT_KEY_MAP: dict[str, str | list[str] | None] = {
+    "transformer": "model",
+    "vocab_embedding": "embed_tokens",
+    "lm_head": "lm_head",
+    "ln_f": "norm",
+    "attention": "self_attn",
+    "qkv": ["q_proj", "k_proj", "v_proj"],
+    "dense": "o_proj",
+    "gate": "up_proj",
+    "proj": "down_proj",
+    "fc": "gate_proj",
+    "input_layernorm": "input_layernorm",
+    "post_layernorm": "post_attention_layernorm",
+}
+
 
 def resolve(ref: str) -> Any:
     """Import "package.module:attr" and return attr.
@@ -73,6 +90,17 @@ def _top_level_names(path: str) -> set[str] | None:
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
     return names
+
+
+@dataclass(frozen=True)
+class PerExpert:
+    """Key-map value: one canonical section -> `experts.{e}.{name}` for e in 0..E-1, E = the config's
+    num_local_experts (the loader stacks the E sources with core.layers.moe.stack_experts)."""
+
+    name: str
+
+    def __call__(self, config) -> list[str]:
+        return [f"experts.{e}.{self.name}" for e in range(config.num_local_experts)]
 
 
 @dataclass(frozen=True)

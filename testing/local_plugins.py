@@ -4,7 +4,9 @@
 `[project.entry-points."bestiary.architectures"]` table, imports each named module with the
 package directory on sys.path (so the spec's "module:attr" references resolve exactly as
 after `pip install`), and returns the installed plugins plus these. Entry points that are
-installed already are not loaded twice.
+installed already (the same module) are not loaded twice. The package under test wins: an
+architecture it registers replaces an installed one of the same name (a third-party Qwen2
+plugin is checked as itself, not as the built-in Qwen2), in this registry only.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def local_registry(path: str | Path) -> Registry:
     pyproject = find_pyproject(path)
     if pyproject is None:
         raise BestiaryError(f"{path}: no pyproject.toml at or above it")
-    installed = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    wanted = {n: m for n, m in declared_entry_points(pyproject).items() if n not in installed}
+    installed = {ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    wanted = {n: m for n, m in declared_entry_points(pyproject).items() if m not in installed}
     root = str(pyproject.parent)
     if wanted and root not in sys.path:
         sys.path.insert(0, root)
-    return Registry.from_plugins({name: importlib.import_module(module) for name, module in wanted.items()})
+    local = {f"{name} (local)": importlib.import_module(module) for name, module in wanted.items()}
+    return Registry.from_plugins(local, override=True)

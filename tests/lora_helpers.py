@@ -65,3 +65,17 @@ def run_logits(model, adapter: LoraAdapter | None, prompt: list[int], decode: li
     rows = [runner.feed(prompt, all_logits=True)]
     rows += [runner.feed([t]) for t in decode]
     return torch.cat(rows)
+
+
+LLAMA = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A random HF LlamaForCausalLM (LLAMA's sizes, `overrides` on top), the same for the same seed."""
+    import parity
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**LLAMA, **overrides})
+    return parity.reinit_(transformers.LlamaForCausalLM(config), seed=seed)

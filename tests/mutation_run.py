@@ -26,7 +26,8 @@ STAGE = ROOT / ".mutation"
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "sampling": (["core/runtime/sampling.py"], ["tests/test_sampling.py"]),
     "beam": (["core/runtime/beam.py"], ["tests/test_beam.py", "-m", "not slow"]),
-    "kv_cache": (["core/runtime/kv_cache.py"], ["tests/test_scheduler.py", "tests/test_quant_kv.py"]),
+    "kv_cache": (["core/runtime/kv_cache.py"], ["tests/test_kv_pool.py", "tests/test_scheduler.py",
+                                                "tests/test_quant_kv.py"]),
     "packing": (["core/quant/packing.py"], ["tests/test_quant.py", "-m", "not slow"]),
     "loader": (["core/convert/loader.py"], ["tests/test_checkpoint.py", "tests/test_opt.py", "-k",
                                             "reassemble or strict or checkpoint or tied"]),

@@ -38,17 +38,23 @@ def alone(engine, prompt, n) -> list[int]:
     return req.output
 
 
-def test_mixed_workload_equals_each_alone(engine):
-    """Requests arriving at different steps, chunked prefill, small batch: same greedy tokens as alone."""
-    rng = random.Random(0)
-    work = [([rng.randrange(96) for _ in range(rng.randint(3, 60))], rng.randint(2, 20)) for _ in range(10)]
-    ex = executor(engine, max_batch_size=3, max_num_tokens=24)
+def staggered(ex: Executor, work: list[tuple[list[int], int]], rng: random.Random) -> list:
+    """Run greedy (prompt, new tokens) requests, each added at a random later step (p 0.5 per step)."""
     reqs, pending = [], list(work)
     while pending or ex.has_work:
         if pending and rng.random() < 0.5:
             prompt, n = pending.pop(0)
             reqs.append(ex.add(prompt, SamplingConfig(max_new_tokens=n, **GREEDY)))
         ex.step()
+    return reqs
+
+
+def test_mixed_workload_equals_each_alone(engine):
+    """Requests arriving at different steps, chunked prefill, small batch: same greedy tokens as alone."""
+    rng = random.Random(0)
+    work = [([rng.randrange(96) for _ in range(rng.randint(3, 60))], rng.randint(2, 20)) for _ in range(10)]
+    ex = executor(engine, max_batch_size=3, max_num_tokens=24)
+    reqs = staggered(ex, work, rng)
     for (prompt, n), req in zip(work, reqs):
         assert req.output == alone(engine, prompt, n)
         assert req.finish_reason == "length"

@@ -31,6 +31,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "bestiary.core.convert": ("bestiary.core.cli",),
     "bestiary.core.runtime": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.core.serve"),
     "bestiary.core.serve": ("bestiary.core.convert", "bestiary.core.cli"),
+    "bestiary.core.bench": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.core.serve"),
     "bestiary.core.layers": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.models"),
     "bestiary.core.kernels": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.models"),
     "bestiary.core.cpu": ("bestiary.core.convert", "bestiary.core.cli", "bestiary.models"),

@@ -33,6 +33,13 @@ CASES = {
     "llama_rslora_regex": (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SMALL, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=1)),
         dict(r=6, lora_alpha=12, use_rslora=True, target_modules=r".*\.(k_proj|v_proj|up_proj)")),
+    # Mistral (through its window) and Qwen2 (q/k/v biases) declare LLaMA's PEFT table.
+    "mistral_window": (lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **SMALL, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2, sliding_window=8)),
+        dict(r=8, lora_alpha=16, target_modules=LLAMA_TARGETS)),
+    "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **SMALL, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2)),
+        dict(r=8, lora_alpha=16, target_modules=LLAMA_TARGETS)),
     "opt": (lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
         **SMALL, ffn_dim=96, num_hidden_layers=2, word_embed_proj_dim=64)),
         dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"])),
@@ -87,7 +94,7 @@ def test_the_compiled_plan_runs_adapted_decode_steps(tmp_path):
         pytest.skip("compiled CPU kernels unavailable")
     run_logits(engine.model, adapter, PROMPT, DECODE[:1])
     plans = engine.model.__dict__.get("_decode_plans", {})
-    assert plans.get(1) is not None and plans[1].lora_points, engine.model.decode_plan_status()
+    assert plans.get(1) is not None and plans[1].points, engine.model.decode_plan_status()
 
 
 # --- merged-weight references ---------------------------------------------------------------

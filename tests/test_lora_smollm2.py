@@ -57,3 +57,41 @@ def test_greedy_40_tokens_equal_transformers_peft(models):
         changed += got != plain
     assert changed == len(PROMPTS), f"the adapter changed only {changed} of {len(PROMPTS)} outputs"
     print("\n".join(repr(tok.decode(o)) for o in ours))
+
+
+def test_seed_tensors_equal_the_peft_dir(models):
+    """PEFT dir -> the seed's tensors (float32) -> request: the same logits as PEFT dir -> request."""
+    from bestiary.core.lora.seed_convert import peft_to_seed
+    from bestiary.registry import default_registry
+
+    llm, _, tok, adapter = models
+    registry = default_registry()
+    weights, config = peft_to_seed(adapter, registry.get(llm.engine.config.architecture), registry, torch.float32)
+    assert weights.shape[0] == 30 * len(TARGETS)
+    ids = [tok(p).input_ids for p in PROMPTS]
+    sampling = SamplingConfig(temperature=0, max_new_tokens=16, ignore_eos=True, output_context_logits=True)
+    want = llm.generate(ids, sampling, lora=LoraRequest("peft", adapter))
+    got = llm.generate(ids, sampling, lora=LoraRequest("seed", weights=weights.numpy(), config=config.numpy()))
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.context_logits, w.context_logits, rtol=0, atol=1e-4)
+        assert g.output_ids == w.output_ids
+
+
+def test_tp3_equals_tp1_with_an_adapter(models, smollm2_gguf, tmp_path):
+    """SmolLM2 (9 heads, 3 kv heads) at tp 3 with the adapter: logits over prompt + tp 1's greedy
+    continuation (teacher-forced) within 1e-3 of tp 1's."""
+    from bestiary.core.runtime.step_broadcast import check_mirror
+
+    llm, _, tok, adapter = models
+    convert(smollm2_gguf, tmp_path / "tp3", dtype="float32", tp_size=3, show_progress=False)
+    tp3 = LLM(tmp_path / "tp3", num_threads=1)
+    lora = LoraRequest("rand8", adapter)
+    ids = [tok(p).input_ids for p in PROMPTS[:3]]
+    first = llm.generate(ids, SamplingConfig(temperature=0, max_new_tokens=16, ignore_eos=True), lora=lora)
+    forced = [c.prompt_ids + c.output_ids for c in first]
+    logits = SamplingConfig(temperature=0, max_new_tokens=1, output_context_logits=True)
+    want = llm.generate(forced, logits, lora=lora)
+    got = tp3.generate(forced, logits, lora=lora)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.context_logits, w.context_logits, rtol=0, atol=1e-3)
+    check_mirror(tp3.engine)

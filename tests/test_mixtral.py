@@ -38,8 +38,8 @@ PROMPT = [5, 17, 99, 3, 42, 8, 61, 27, 11, 120, 7, 33, 2, 90]
 NEW_TOKENS = 16
 
 
-def no_renormalisation(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The classic Mixtral bug: softmax over all E logits, top-k, no renormalisation."""
+def no_renormalisation(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classic Mixtral bug: softmax over all E logits, top-k, no renormalisation (whatever is asked)."""
     probs = torch.softmax(logits.float(), dim=-1)
     return torch.topk(probs, top_k, dim=-1)
 
@@ -95,9 +95,10 @@ def test_hf_defaults_and_every_field_written(ckpt):
     assert validate_model_config(written, "config.json") == from_hf_config(HF_CONFIG, "float32", Mapping())
 
 
-def test_sliding_window_caps_positions_and_bad_top_k_is_refused():
+def test_sliding_window_keeps_positions_and_bad_top_k_is_refused():
+    """The window is an attention window (tests/test_attention_window.py), not a cap on the length."""
     config = from_hf_config(dict(HF_CONFIG, sliding_window=64), "float32", Mapping())
-    assert (config.sliding_window, config.max_position_embeddings) == (64, 64)
+    assert (config.sliding_window, config.max_position_embeddings) == (64, 256)
     with pytest.raises(Exception, match="num_experts_per_tok 5 > num_local_experts 4"):
         from_hf_config(dict(HF_CONFIG, num_experts_per_tok=5), "float32", Mapping())
 

@@ -287,5 +287,6 @@ def test_cli_convert_int4_and_refusal(tmp_path):
     assert ok.returncode == 0, ok.stderr
     section = json.loads((tmp_path / "ok" / "config.json").read_text())["quantization"]
     assert section == {"quant_algo": "W4A16", "kv_cache_quant_algo": None, "group_size": 32, "has_zero_point": True,
-                       "pre_quant_scale": False, "exclude_modules": ["lm_head", "*.layers.1.*"]}
+                       "pre_quant_scale": False, "activation_quant": None, "activation_group_size": None,
+                       "exclude_modules": ["lm_head", "*.layers.1.*"]}
     shutil.rmtree(tmp_path / "ok")

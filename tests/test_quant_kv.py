@@ -122,8 +122,9 @@ def test_kv_quant_with_weight_only_and_cli(tmp_path):
     assert torch.isfinite(logits).all() and runner.kv.k.dtype == torch.int8
 
 
-def test_multi_rank_kv_quant_is_refused(tmp_path):
+def test_pipeline_kv_quant_is_refused(tmp_path):
+    """KV scales of tp ranks come from a tp 1 calibration (tests/test_tp_runtime.py); pp stages are refused."""
     src = make_tiny_llama(tmp_path)
-    with pytest.raises(ConfigError, match="--fp8_kv_cache: KV scales are calibrated on a single rank"):
-        convert(src, tmp_path / "q", show_progress=False, tp_size=2, quantization=QuantConfig(kv_cache_quant_algo="FP8"))
+    with pytest.raises(ConfigError, match="--fp8_kv_cache: KV scales are calibrated on a single pipeline stage"):
+        convert(src, tmp_path / "q", show_progress=False, pp_size=2, quantization=QuantConfig(kv_cache_quant_algo="FP8"))
     assert not (tmp_path / "q").exists()

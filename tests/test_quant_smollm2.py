@@ -42,14 +42,18 @@ INT4_W4A8_NOTE = "W4A8_AWQ g128 (FP8 activations): +71% (docs/quantization.md); 
 # activations in blocks of 32 inside its matmuls). Reproduce: benchmarks/llamacpp_perplexity.py.
 #   W8A16 1%: ~2x llama.cpp's Q8_0 (per-channel scales are coarser than blocks of 32; the
 #     activations stay float).
-#   INT8_KV 1%, FP8_KV 2%: not yet checked against an outside reference (llama.cpp's q8_0 KV
-#     cache would be one); kept as first set.
+#   INT8_KV 1%, FP8_KV 2%: llama.cpp's KV caches on its F32 weights (benchmarks/llamacpp_perplexity.py
+#     --kv): f32 8.0587, f16 8.0589, q8_0 8.0607 (+0.022%), q4_0 8.4716 (+5.1%). q8_0 scales
+#     blocks of 32 values at run time, a lower bound for our one static scale per layer (measured
+#     INT8 +0.2%, FP8 +1.2%, docs/quantization.md); not yet checked against transformers with the
+#     same per-layer scheme, so the gates stay as first set.
 #   W4A16 8%: the int4 target of the quantization issue. llama.cpp's Q4_0 (no zero point) gives
 #     +22.9% here and is no reference for zero-point int4 (the Q4_1 grid does not survive it).
 #   FP8 9%, W8A8_SQ 37%: regression gates just above this code's own measurements (+6.8%, +35%);
 #     no outside reference with static per-tensor activation scales is at hand (llama.cpp
 #     quantizes activations per block of 32 at run time). 30% -> 37% when the built-in
 #     calibration text grew (wider static activation ranges, commit 1e1fd15).
+KV_MATCH = 0.25  # our KV increase within 25% of transformers' same-scheme increase (see the test)
 MODES = {
     "W8A16": (QuantConfig(quant_algo="W8A16"), 0.01),
     "INT8_KV": (QuantConfig(kv_cache_quant_algo="INT8"), 0.01),
@@ -78,14 +82,20 @@ def workdir(tmp_path_factory, smollm2_gguf):
     return tmp_path_factory.mktemp("quant_smollm2"), smollm2_gguf
 
 
+MEASURED: dict[str, float] = {}  # mode -> our perplexity: a mode two tests use is built and measured once
+
+
 def _ppl(workdir, name: str, quant: QuantConfig | None) -> tuple[float, Engine]:
     base, gguf = workdir
-    convert(gguf, base / f"{name}-ckpt", dtype="float32", show_progress=False, quantization=quant)
-    build_engine(base / f"{name}-ckpt", base / name, BuildConfig(max_seq_len=2048, max_num_tokens=512))
+    if name not in MEASURED:
+        convert(gguf, base / f"{name}-ckpt", dtype="float32", show_progress=False, quantization=quant)
+        build_engine(base / f"{name}-ckpt", base / name, BuildConfig(max_seq_len=2048, max_num_tokens=512))
     engine = Engine.load(base / name)
     ids = engine.tokenizer.encode(eval_text())
     assert len(ids) >= EVAL_TOKENS
-    return perplexity(engine, ids[:EVAL_TOKENS]).perplexity, engine
+    if name not in MEASURED:
+        MEASURED[name] = perplexity(engine, ids[:EVAL_TOKENS]).perplexity
+    return MEASURED[name], engine
 
 
 # What a quantized engine holds: the checkpoint dtype of a quantized linear's weight (int4: two
@@ -125,3 +135,78 @@ def test_perplexity_increase_within_gate(quant, gate, workdir, fp32_ppl, request
     assert_quantized(engine, quant)
     assert increase > 0  # floor: a mode that changes nothing (quantization silently off) fails
     assert increase <= gate
+
+
+# --- the same KV scheme in transformers -------------------------------------------------------
+# An outside reference for INT8_KV / FP8_KV: HF transformers' LLaMA on the same tokens and
+# windows, its K (after RoPE) and V fake-quantized, by the code below (not ours), with the
+# per-layer scales our checkpoint calibrated. Our increase must be HF's, within KV_MATCH.
+from test_smollm2 import hf_model  # noqa: E402,F401  (module fixture)
+
+KV_QMAX = {"INT8": 127.0, "FP8": 448.0}
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, algo: str) -> torch.Tensor:
+    """x -> its nearest code of `algo` at `scale`, back in float: int8 round-to-nearest in
+    [-127, 127], or float8_e4m3fn of x / scale clamped to +-448."""
+    y = (x.float() / scale).clamp(-KV_QMAX[algo], KV_QMAX[algo])
+    codes = torch.round(y) if algo == "INT8" else y.to(torch.float8_e4m3fn).float()
+    return (codes * scale).to(x.dtype)
+
+
+def hf_perplexity(model, ids: list[int], window: int = 2048) -> float:
+    """exp(mean NLL) of ids under an HF causal LM, window by window (as core.runtime.evaluate)."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = torch.tensor([ids[start : start + window]])  # [1, T]
+        with torch.no_grad():
+            logits = model(chunk, use_cache=False).logits[0].float()  # [T, V]
+        total += torch.nn.functional.cross_entropy(logits[:-1], chunk[0, 1:], reduction="sum").item()
+        count += chunk.shape[1] - 1
+    return float(torch.tensor(total / count).exp())
+
+
+def hf_kv_quant_perplexity(model, ids: list[int], scales: list[torch.Tensor], algo: str) -> float:
+    """hf_perplexity with every layer's K and V fake-quantized at its (K, V) scales [2]."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attend(module, query, key, value, attention_mask, **kwargs):  # key, value [B, KVH, T, D]
+        k_scale, v_scale = scales[module.layer_idx]
+        return sdpa_attention_forward(module, query, fake_quant(key, k_scale, algo), fake_quant(value, v_scale, algo),
+                                      attention_mask, **kwargs)
+
+    AttentionInterface.register(f"bestiary_kv_{algo}", attend)
+    model.set_attn_implementation(f"bestiary_kv_{algo}")
+    try:
+        return hf_perplexity(model, ids)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+HF_FLOAT: dict[str, float] = {}
+
+
+KV_MISMATCH = ("measured once (shared 2-core machine, 16 min): ours +0.168% (8.0722 / 8.0586), transformers "
+               "same scheme +0.244% (8.0783 / 8.0586; its float perplexity equals ours): 31% apart, not yet explained "
+               "(a candidate: a prefill chunk attends to its own K/V before they are quantized)")
+
+
+@pytest.mark.parametrize("algo", [pytest.param("INT8", marks=pytest.mark.xfail(reason=KV_MISMATCH, strict=True)), "FP8"])
+def test_kv_quant_cost_equals_transformers_same_scheme(algo, workdir, fp32_ppl, hf_model):  # noqa: F811
+    """Our INT8 / FP8 KV perplexity increase is HF's with the same scales on the same tokens."""
+    name = f"{algo}_KV"
+    ppl, engine = _ppl(workdir, name, MODES[name][0])
+    ids = engine.tokenizer.encode(eval_text())[:EVAL_TOKENS]
+    weights = load_rank_weights(engine.directory, 0)
+    layers = hf_model.config.num_hidden_layers
+    scales = [weights[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] for i in range(layers)]
+    if "ppl" not in HF_FLOAT:
+        HF_FLOAT["ppl"] = hf_perplexity(hf_model, ids)
+    hf_float = HF_FLOAT["ppl"]
+    hf_quant = hf_kv_quant_perplexity(hf_model, ids, scales, algo)
+    ours, ref = ppl / fp32_ppl - 1, hf_quant / hf_float - 1
+    print(f"\n{name}: ours {100 * ours:+.3f}% ({ppl:.4f} / {fp32_ppl:.4f}); transformers same scheme "
+          f"{100 * ref:+.3f}% ({hf_quant:.4f} / {hf_float:.4f})")
+    assert abs(hf_float / fp32_ppl - 1) < 1e-3  # the same model and tokens
+    assert ref > 0 and abs(ours - ref) <= KV_MATCH * ref

@@ -77,6 +77,18 @@ def test_duplicate_name_names_both_packages():
         Registry.from_plugins({"dup": plugin(bestiary_register_architectures=twice)})
 
 
+def test_override_replaces_an_installed_spec_only_for_the_plugins_given():
+    """local_registry's rule (a plugin package under test wins over the installed spec of its name)."""
+    def mine(register):
+        register(spec("LlamaForCausalLM", description="mine"))
+
+    registry = Registry.from_plugins({"mine": plugin(bestiary_register_architectures=mine)}, override=True)
+    assert registry.get("LlamaForCausalLM").description == "mine"
+    assert "OPTForCausalLM" in registry.names()  # the other built-ins stay
+    with pytest.raises(DuplicateArchitectureError):
+        Registry.from_plugins({"mine": plugin(bestiary_register_architectures=mine)})
+
+
 def test_lookup_by_hf_architecture_and_model_type():
     registry = Registry.from_plugins()
     assert registry.for_hf_config({"architectures": ["LlamaForCausalLM"]}, "c").name == "LlamaForCausalLM"

@@ -9,7 +9,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -60,15 +59,6 @@ def bestiary_run(engine, *args: str) -> list[list[int]]:
     result = subprocess.run(cmd, capture_output=True, timeout=120)
     assert result.returncode == 0, result.stderr.decode()
     return [[int(t) for t in line.split()] for line in result.stdout.decode().splitlines()]
-
-
-def wait_for_kv_blocks_free(server, seconds: float = 10.0) -> float:
-    deadline = time.monotonic() + seconds
-    used = server.metric("bestiary_kv_blocks_used")
-    while used and time.monotonic() < deadline:
-        time.sleep(0.05)
-        used = server.metric("bestiary_kv_blocks_used")
-    return used
 
 
 def decode(tokenizer, ids: list[int]) -> str:
@@ -192,7 +182,7 @@ def test_32_concurrent_async_clients_equal_sequential_results(server, client):
 
     results = asyncio.run(main())
     assert results == [sequential[i % len(PROMPTS)] for i in range(32)]
-    assert wait_for_kv_blocks_free(server) == 0
+    assert server.wait_for_kv_blocks_free() == 0
 
 
 def test_client_disconnect_cancels_and_frees_kv_blocks(server):
@@ -205,13 +195,13 @@ def test_client_disconnect_cancels_and_frees_kv_blocks(server):
             for _ in range(3):
                 next(lines)
             assert server.metric("bestiary_kv_blocks_used") > 0
-        assert wait_for_kv_blocks_free(server, 5.0) == 0  # closed mid-stream: cancelled, blocks back
+        assert server.wait_for_kv_blocks_free(5.0) == 0  # closed mid-stream: cancelled, blocks back
         # Not streaming: 8 samples x 240 tokens with top log probs (many slow steps); the client gives up.
         body.update(stream=False, n=8, logprobs=5)
         before = server.metric("bestiary_generation_tokens_total")
         with pytest.raises(httpx.TimeoutException):
             http.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.1)
-        assert wait_for_kv_blocks_free(server, 5.0) == 0
+        assert server.wait_for_kv_blocks_free(5.0) == 0
         assert server.metric("bestiary_generation_tokens_total") - before < 8 * 240  # cut short
 
 
@@ -318,7 +308,7 @@ def test_queue_limit_and_chat_template_override(engine, tmp_path):
         statuses = sorted(r.status_code for r in asyncio.run(main()))
         assert statuses.count(503) >= 1 and statuses.count(200) >= 2, statuses
         assert server.healthy()
-        assert wait_for_kv_blocks_free(server) == 0
+        assert server.wait_for_kv_blocks_free() == 0
 
 
 @pytest.mark.parametrize("flags, words", [

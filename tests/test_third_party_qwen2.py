@@ -46,10 +46,16 @@ def test_code_lines_counts_code_only(tmp_path):
     assert code_lines(sample) == 4  # import, def, and the two lines of the return
 
 
-def test_plugin_is_not_built_in():
+def test_plugin_is_checked_as_itself_not_as_the_built_in_qwen2():
+    """bestiary has a built-in Qwen2ForCausalLM too: from the plugin's directory the kit's registry holds the
+    plugin's spec in its place (local_registry overrides), while the default registry keeps the built-in."""
     from bestiary.registry import default_registry
+    from bestiary.testing import local_registry
 
-    assert "Qwen2ForCausalLM" not in default_registry().specs
+    assert default_registry().get("Qwen2ForCausalLM").config_class.startswith("bestiary.models.qwen2.")
+    local = local_registry(PLUGIN / "tests")
+    assert local.get("Qwen2ForCausalLM").config_class == "bestiary_qwen2.model:Qwen2Config"
+    assert local.get("LlamaForCausalLM").package == "bestiary"  # the built-ins are all still there
 
 
 def test_conformance_suite_passes_from_the_plugin_directory():

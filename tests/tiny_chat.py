@@ -21,7 +21,7 @@ CORPUS = (
 ) * 4
 
 
-def make_tiny_chat_hf(base: Path, seed: int = 0) -> Path:
+def make_tiny_chat_hf(base: Path, seed: int = 0, max_position_embeddings: int = 512) -> Path:
     """base/'hf': a tiny random LlamaForCausalLM with a trained 320-token BPE tokenizer and CHATML."""
     import transformers
     from tiny_llama import make_tiny_llama
@@ -33,7 +33,8 @@ def make_tiny_chat_hf(base: Path, seed: int = 0) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([CORPUS], trainer)
-    hf_dir = make_tiny_llama(base, seed=seed, vocab_size=tok.get_vocab_size(), max_position_embeddings=512)
+    hf_dir = make_tiny_llama(base, seed=seed, vocab_size=tok.get_vocab_size(),
+                             max_position_embeddings=max_position_embeddings)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
                                                 eos_token="<|im_end|>", unk_token="<|endoftext|>",
                                                 pad_token="<|endoftext|>")
@@ -43,11 +44,11 @@ def make_tiny_chat_hf(base: Path, seed: int = 0) -> Path:
 
 
 def make_tiny_chat_engine(base: Path, max_batch_size: int = 32, max_seq_len: int = 256, seed: int = 0) -> Path:
-    """base/'engine' built from make_tiny_chat_hf (float32, max_input_len 128)."""
+    """base/'engine' built from make_tiny_chat_hf (float32, max_input_len 128; positions for max_seq_len)."""
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
 
-    convert(make_tiny_chat_hf(base, seed), base / "ckpt", show_progress=False)
+    convert(make_tiny_chat_hf(base, seed, max(max_seq_len, 512)), base / "ckpt", show_progress=False)
     return build_engine(base / "ckpt", base / "engine",
                         BuildConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_input_len=128,
                                     tokens_per_block=8))

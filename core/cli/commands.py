@@ -30,6 +30,10 @@ def _threads(n: int | None) -> None:
 
 @command("convert")
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.lora_dir:
+        return convert_lora_dir(args)
+    if not args.model_dir:
+        raise BestiaryError("--model_dir: required (or --lora_dir to convert a LoRA adapter)")
     if args.dry_run:
         return convert_dry_run(args)
     if args.report:
@@ -45,8 +49,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   quantization=quant_config_from_flags(flags) if flags.any() else None,
                   calib_text=args.calib_text, smoothquant_alpha=args.smoothquant,
                   weight_quantizer=args.weight_quantizer, tune_steps=args.tune_steps,
-                  allow_nonfinite=args.allow_nonfinite)
+                  allow_nonfinite=args.allow_nonfinite, use_parallel_embedding=args.use_parallel_embedding,
+                  embedding_sharding_dim=args.embedding_sharding_dim)
     ERR.print(f"checkpoint written to {out}")
+    return 0
+
+
+def convert_lora_dir(args: argparse.Namespace) -> int:
+    """`convert --lora_dir`: PEFT dir <-> the seed's LoRA tensors (core.convert.lora_convert)."""
+    from bestiary.core.convert.lora_convert import convert_lora
+
+    if not args.output_dir:
+        raise BestiaryError("--output_dir: required with --lora_dir")
+    if args.dry_run:
+        raise BestiaryError("--dry_run: not with --lora_dir")
+    out = convert_lora(args.lora_dir, args.output_dir, args.storage_type, args.architecture, args.model_dir)
+    ERR.print(f"LoRA adapter written to {out}")
     return 0
 
 
@@ -82,7 +100,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     flags = {k: getattr(args, k) for k in BuildConfig.model_fields if getattr(args, k) is not None}
     build = validate_config(BuildConfig, flags, "build flags")
-    out = build_engine(args.checkpoint_dir, args.output_dir, build, check_memory=not args.skip_memory_check)
+    out = build_engine(args.checkpoint_dir, args.output_dir, build, check_memory=not args.skip_memory_check,
+                       lora_dirs=args.lora_dir, max_lora_rank=args.max_lora_rank,
+                       lora_target_modules=args.lora_target_modules)
     ERR.print(f"engine written to {out}")
     return 0
 
@@ -129,19 +149,21 @@ def _parse_ids(groups: list[str]) -> list[list[int]]:
 
 @command("run")
 def cmd_run(args: argparse.Namespace) -> int:
+    from bestiary.core.cli.speculative_flags import speculative_from_args
     from bestiary.core.runtime.llm import LLM
 
     sampling = _sampling(args)
     if args.streaming and args.output_log_probs:
         raise BestiaryError("--streaming --output_log_probs: streaming prints text only; "
                             "drop --streaming to get the log probs")
-    llm = LLM(args.engine_dir, num_threads=args.num_threads, allow_nonfinite=args.allow_nonfinite)
+    llm = LLM(args.engine_dir, num_threads=args.num_threads, allow_nonfinite=args.allow_nonfinite,
+              device=args.device, speculative=speculative_from_args(args))
     _note_length_cap(args.max_output_len, llm.engine.build.max_seq_len)
     prompts: list = _parse_ids(args.input_ids) if args.input_ids else list(args.input_text)
     if llm.tokenizer is None and not args.input_ids:
         raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; use --input_ids")
     as_ids = args.output_ids or llm.tokenizer is None
-    adapters = _lora_requests(args.lora_dir, args.lora_task_uids, len(prompts))
+    adapters = _lora_requests(args.lora_dir, args.lora_task_uids, len(prompts), sorted(llm.lora_store.bundled, key=int))
     if args.streaming:
         for prompt, lora in zip(prompts, adapters):
             for piece in llm.generate_stream(prompt, sampling, chat=args.chat, lora=lora):
@@ -156,20 +178,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.output_log_probs:
             print(json.dumps(_log_prob_record(c)))
     _print_stats(llm.last_stats, sampling.beam_width)
+    for i, c in enumerate(completions):
+        if c.speculative is not None:
+            print(f"[bestiary] input {i}: {args.speculative} {c.speculative.summary()}", file=sys.stderr)
     return 0
 
 
-def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int) -> list:
-    """--lora_dir / --lora_task_uids -> one LoraRequest (or None: -1, the base model) per input."""
+def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int, bundled: list[str] = ()) -> list:
+    """--lora_dir / --lora_task_uids -> one LoraRequest (or None: -1, the base model) per input; without
+    --lora_dir, the uids pick the engine's bundled adapters (`bundled`: their task uids)."""
     from bestiary.core.lora.store import LoraRequest
 
+    if uids is not None and not dirs and bundled:
+        return _bundled_requests(uids, count, bundled)
     if uids is None:
         if dirs and len(dirs) > 1:
             raise BestiaryError(f"--lora_dir gives {len(dirs)} adapters: say which input uses which with "
                                 "--lora_task_uids (one per input, -1: the base model)")
         return [LoraRequest(Path(dirs[0]).name, dirs[0]) if dirs else None] * count
     if not dirs:
-        raise BestiaryError("--lora_task_uids needs --lora_dir")
+        raise BestiaryError("--lora_task_uids needs --lora_dir (or an engine built with --lora_dir)")
     if len(uids) != count:
         raise BestiaryError(f"--lora_task_uids has {len(uids)} values for {count} inputs; give one per input")
     out = []
@@ -182,6 +210,19 @@ def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int) -
             raise BestiaryError(f"--lora_task_uids: {i} is not -1 or an index of the {len(dirs)} --lora_dir adapters")
         out.append(None if i < 0 else LoraRequest(f"{i}:{Path(dirs[i]).name}", dirs[i]))
     return out
+
+
+def _bundled_requests(uids: list[str], count: int, bundled: list[str]) -> list:
+    """--lora_task_uids of an engine's bundled adapters -> LoraRequest(uid) or None (-1) per input."""
+    from bestiary.core.lora.store import LoraRequest
+
+    if len(uids) != count:
+        raise BestiaryError(f"--lora_task_uids has {len(uids)} values for {count} inputs; give one per input")
+    for uid in uids:
+        if uid != "-1" and uid not in bundled:
+            raise BestiaryError(f"--lora_task_uids: {uid!r} is not -1 or a task uid of the engine's adapters "
+                                f"({', '.join(bundled)})")
+    return [None if uid == "-1" else LoraRequest(uid) for uid in uids]
 
 
 def _log_prob_record(c) -> dict:
@@ -214,12 +255,15 @@ def _print_stats(stats, beam_width: int = 1) -> None:
 
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
-    from bestiary.core.runtime.engine import Engine
     from bestiary.core.runtime.evaluate import perplexity
+    from bestiary.core.runtime.step_broadcast import load_engine
+    from bestiary.core.runtime.worker_group import check_device
 
     _threads(args.num_threads)
+    check_device(args.device)
     text = read_text_file(args.text_file, "--text_file")
-    engine = Engine.load(args.engine_dir, allow_nonfinite=args.allow_nonfinite)
+    engine = load_engine(args.engine_dir, device=args.device, allow_nonfinite=args.allow_nonfinite,
+                         num_threads=args.num_threads)
     if engine.tokenizer is None:
         raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; eval needs one")
     ids = engine.tokenizer.encode(text)
@@ -335,4 +379,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from bestiary.core.cli.demo import run_demo
 
     _threads(args.num_threads)
-    return run_demo(args.prompt, args.max_output_len, args.dtype, args.workdir)
+    return run_demo(args.prompt, args.max_output_len, args.dtype, args.workdir, device=args.device)

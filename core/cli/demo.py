@@ -29,7 +29,7 @@ def demo_model_path() -> Path:
     raise BestiaryError(f"package {DEMO_PACKAGE} does not contain {DEMO_FILE}")
 
 
-def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None) -> int:
+def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None, device: str = "cpu") -> int:
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
     from bestiary.core.format.cache import cache_dir
@@ -47,7 +47,7 @@ def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None) 
     t0 = time.perf_counter()
     build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_input_len=1024, max_seq_len=2048))
     err.print(f"build    {ckpt.name} -> {engine} ({time.perf_counter() - t0:.1f} s)")
-    llm = LLM(engine)
+    llm = LLM(engine, device=device)
     err.print(f"[bold]user:[/bold] {prompt}")
     err.print("[bold]assistant:[/bold] ", end="")
     for piece in llm.generate_stream(prompt, SamplingConfig(max_new_tokens=max_output_len, temperature=0.0), chat=True):

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from bestiary.core.format.errors import BestiaryError
 
-TEXT_FLAGS = ("input_text", "stop_words", "bad_words", "prompt")  # text, not paths: must be UTF-8
+TEXT_FLAGS = ("input_text", "stop_words", "bad_words", "prompt", "system")  # text, not paths: must be UTF-8
 DEBUG_ENV = "BESTIARY_DEBUG"
 
 

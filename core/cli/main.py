@@ -1,4 +1,4 @@
-"""The `bestiary` command line: convert, build, run, serve, eval, inspect, list, cache, demo.
+"""The `bestiary` command line: convert, build, run, chat, serve, eval, inspect, list, cache, demo.
 
 User mistakes (BestiaryError) print one line `error: ...` on stderr and exit with code 2,
 environment faults (read-only or full disk, memory) with code 1 (core.cli.failures has the
@@ -102,6 +102,7 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     from bestiary import __version__
+    from bestiary.core.cli.speculative_flags import add_speculative_flags
     from bestiary.core.format.build_config import BuildConfig
 
     parser = argparse.ArgumentParser(prog="bestiary", description="Plugin-based LLM model zoo and inference engine.")
@@ -109,11 +110,17 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir")
-    p.add_argument("--model_dir", required=True, help="HF model directory or a .gguf/.flm/.safetensors file.")
+    p.add_argument("--model_dir", default=None,
+                   help="HF model directory or a .gguf/.flm/.safetensors file (with --lora_dir of seed LoRA tensors: "
+                        "the base model's checkpoint or engine dir).")
     p.add_argument("--output_dir", default=None, help="The checkpoint directory (not needed with --dry_run).")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--tp_size", type=positive_int, default=1)
     p.add_argument("--pp_size", type=positive_int, default=1)
+    p.add_argument("--use_parallel_embedding", action="store_true",
+                   help="Split the token embedding over the tp ranks instead of replicating it.")
+    p.add_argument("--embedding_sharding_dim", type=int, default=0, choices=[0, 1],
+                   help="With --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden dim.")
     p.add_argument("--architecture", default=None, help="Force a registered architecture (see `bestiary list`).")
     p.add_argument("--allow_nonfinite", action="store_true",
                    help="Accept weights with NaN or inf values (refused by default, naming the tensor).")
@@ -121,6 +128,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Write nothing: list each target tensor's sources, postprocess hook and TP slice, and flag "
                         "missing, unused, mis-shaped and (against an HF reference) transposed tensors; exit 1 if any.")
     p.add_argument("--report", default=None, metavar="FILE.json", help="With --dry_run: also write the findings as JSON.")
+    lora = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument("--lora_dir", default=None, metavar="DIR",
+                      help="Convert an adapter instead of a model: an HF PEFT dir -> the seed's LoRA tensors "
+                           "(model.lora_weights.npy, model.lora_config.npy), or such a dir -> a PEFT dir.")
+    lora.add_argument("--storage_type", default="float16", choices=["float32", "float16"],
+                      help="dtype of the written LoRA weights tensor.")
     add_quant_flags(p)
 
     p = sub.add_parser("build", help="checkpoint dir -> engine dir")
@@ -129,6 +142,13 @@ def make_parser() -> argparse.ArgumentParser:
     add_model_flags(p, BuildConfig)
     p.add_argument("--skip_memory_check", action="store_true",
                    help="Build limits whose KV cache exceeds this host's RAM (for a larger target host).")
+    lora = p.add_argument_group("LoRA adapters bundled in the engine (docs/lora.md)")
+    lora.add_argument("--lora_dir", nargs="+", default=None, metavar="DIR",
+                      help="HF PEFT adapter dirs; the i-th is task uid i (`bestiary run --lora_task_uids`).")
+    lora.add_argument("--max_lora_rank", type=positive_int, default=None,
+                      help="Refuse an adapter with a larger rank (default: the largest given).")
+    lora.add_argument("--lora_target_modules", nargs="+", default=None, metavar="MODULE",
+                      help="LoRA module names adapters may adapt (attn_q, attn_k, ...; default: all the model takes).")
 
     p = sub.add_parser("export", help="checkpoint or engine dir -> FastLLM .flm file (docs/fastllm.md)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -150,18 +170,21 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="Wrap each input in the model's chat template.")
     p.add_argument("--output_ids", action="store_true", help="Print generated ids instead of text.")
     p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a tp > 1 engine: rank r on N + r).")
     p.add_argument("--allow_nonfinite", action="store_true",
                    help="Accept weights with NaN or inf values (refused by default, naming the tensor).")
     p.add_argument("--lora_dir", nargs="+", default=None, metavar="DIR",
                    help="HF PEFT LoRA adapter directories; task uid i is the i-th directory.")
     p.add_argument("--lora_task_uids", nargs="+", default=None, metavar="UID",
                    help="One per input: the index of its --lora_dir adapter, or -1 for the base model.")
+    add_speculative_flags(p)
 
     p = sub.add_parser("eval", help="perplexity of an engine on a text file")
     p.add_argument("--engine_dir", required=True)
     p.add_argument("--text_file", required=True)
     p.add_argument("--max_tokens", type=positive_int, default=None, help="Evaluate at most this many tokens.")
     p.add_argument("--num_threads", type=positive_int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a tp > 1 engine: rank r on N + r).")
     p.add_argument("--allow_nonfinite", action="store_true",
                    help="Accept weights with NaN or inf values (refused by default, naming the tensor).")
 
@@ -183,8 +206,21 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Requests that may wait for their first token; more are answered 503.")
     p.add_argument("--chat_template", default=None, metavar="FILE",
                    help="Jinja2 chat template replacing the model's (or a tokenizer_config.json with one).")
+    p.add_argument("--lora_modules", nargs="+", default=None, metavar="NAME=DIR",
+                   help="HF PEFT LoRA adapters served as model names (loaded at start).")
     p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
     p.add_argument("--log_level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_speculative_flags(p)
+
+    p = sub.add_parser("chat", help="chat with an engine in the terminal (or one answer per line from a pipe)")
+    p.add_argument("--engine_dir", required=True, help="An engine or checkpoint directory (or any source run takes).")
+    p.add_argument("--system", default=None, metavar="TEXT", help="The system prompt (/system TEXT changes it).")
+    p.add_argument("--max_output_len", type=positive_int, default=256, help="New tokens per answer at most.")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
+    p.add_argument("--top_k", type=int, default=0, help="0 = off.")
+    p.add_argument("--top_p", type=float, default=1.0, help="1.0 = off.")
+    p.add_argument("--random_seed", type=int, default=None)
+    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
 
     p = sub.add_parser("demo", help="convert, build and chat with the embedded SmolLM2-135M-Instruct")
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
@@ -192,13 +228,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--workdir", default=None, help="Where to put the checkpoint and engine (default: a cache dir).")
     p.add_argument("--num_threads", type=positive_int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a tp > 1 engine: rank r on N + r).")
+
+    from bestiary.core.cli.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `bestiary` script: every failure is one line and an exit code (cli.failures)."""
     args = make_parser().parse_args(argv)
-    from bestiary.core.cli import commands, serve  # noqa: F401 - register the handlers into COMMANDS
+    from bestiary.core.cli import chat, commands, serve  # noqa: F401 - register the handlers into COMMANDS
+    from bestiary.core.cli import bench  # noqa: F401 - registers `bestiary bench`
     from bestiary.core.cli.failures import check_text_args, exit_code_for, signals_as_interrupts
 
     with signals_as_interrupts():

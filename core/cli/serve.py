@@ -18,23 +18,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise BestiaryError(f"bestiary serve needs the serve extra ({err.name} is missing): "
                             "pip install 'bestiary[serve]'") from None
+    from bestiary.core.cli.speculative_flags import speculative_from_args
+    from bestiary.core.lora.store import LoraRequest
     from bestiary.core.runtime.llm import LLM
 
     if not 0 <= args.port <= 65535:
         raise BestiaryError(f"--port {args.port}: expected 0..65535")
+    name = args.served_model_name or Path(args.engine_dir).resolve().name
+    adapters = lora_modules(args.lora_modules or [], name)
     template = load_chat_template(args.chat_template) if args.chat_template else None
-    llm = LLM(args.engine_dir, num_threads=args.num_threads)
+    llm = LLM(args.engine_dir, num_threads=args.num_threads, speculative=speculative_from_args(args))
     llm.executor.kv.commit()  # the KV pool resident from the start: memory does not creep up under load
     if template is not None:
         if llm.tokenizer is None:
             raise BestiaryError(f"--chat_template: {args.engine_dir} has no tokenizer to render it with")
         llm.tokenizer.chat_template = template
-    name = args.served_model_name or Path(args.engine_dir).resolve().name
+    for adapter, path in adapters.items():  # a bad adapter is named now, not at its first request
+        llm.lora_store.get(LoraRequest(adapter, path))
     app = create_app(llm, ServeSettings(served_model_name=name, api_key=args.api_key,
-                                        max_queue_len=args.max_queue_len))
-    print(f"bestiary serve: {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+                                        max_queue_len=args.max_queue_len, lora_modules=adapters))
+    print(f"bestiary serve: {', '.join(map(repr, [name, *adapters]))} on http://{args.host}:{args.port}/v1 "
+          f"(chat page: http://{args.host}:{args.port}/)", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         llm.close()
     return 0
+
+
+def lora_modules(specs: list[str], base_name: str) -> dict[str, str]:
+    """--lora_modules NAME=DIR ... -> {name: dir}; a malformed, repeated or missing one is a one-line error."""
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, directory = spec.partition("=")
+        if not sep or not name or not directory:
+            raise BestiaryError(f"--lora_modules {spec}: expected NAME=DIR")
+        if name == base_name or name in adapters:
+            raise BestiaryError(f"--lora_modules {spec}: the model name {name!r} is already served")
+        if not Path(directory).is_dir():
+            raise BestiaryError(f"--lora_modules {spec}: {directory} is not a directory")
+        adapters[name] = directory
+    return adapters

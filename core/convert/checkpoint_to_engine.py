@@ -22,10 +22,13 @@ __all__ = ["FORMAT_VERSION", "BuildConfig", "build_engine", "finalize_build_conf
 
 
 def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: BuildConfig,
-                 check_memory: bool = True) -> Path:
+                 check_memory: bool = True, lora_dirs: list[str] | None = None, max_lora_rank: int | None = None,
+                 lora_target_modules: list[str] | None = None) -> Path:
     """Write an engine dir: config.json {format_version, pretrained_config, build_config}, rank files, tokenizer.
 
-    `check_memory`: refuse limits whose KV pool and weights exceed this host's RAM (core.format.memory)."""
+    `check_memory`: refuse limits whose KV pool and weights exceed this host's RAM (core.format.memory).
+    `lora_dirs`: PEFT adapters bundled as task uids 0, 1, ... (config.json "lora", lora/: core.lora.bundle),
+    each checked against `max_lora_rank` and `lora_target_modules` (TensorRT-LLM's build flags)."""
     checkpoint_dir = Path(checkpoint_dir)
     check_output_dir(output_dir, "engine", [checkpoint_dir])
     if not checkpoint_dir.is_dir():
@@ -51,11 +54,18 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
         for name in TOKENIZER_FILES:
             if (checkpoint_dir / name).is_file():
                 shutil.copy2(checkpoint_dir / name, tmp / name)
-        write_json(tmp / "config.json", {
+        engine_config = {
             "format_version": FORMAT_VERSION,
             "pretrained_config": model_config,
             "build_config": build.model_dump(mode="json"),
-        })
+        }
+        if lora_dirs or max_lora_rank or lora_target_modules:
+            if not lora_dirs:
+                raise BestiaryError("--max_lora_rank / --lora_target_modules: give the adapters with --lora_dir")
+            from bestiary.core.convert.lora_convert import bundle_adapters
+
+            engine_config["lora"] = bundle_adapters(checkpoint_dir, tmp, lora_dirs, max_lora_rank, lora_target_modules)
+        write_json(tmp / "config.json", engine_config)
     return Path(output_dir)
 
 

@@ -229,6 +229,9 @@ def check_output(output: Path) -> Path:
     return output
 
 
+ACT_QUANT_KEY = "bestiary.activation_quant"  # absent in FastLLM's files: they run as FastLLM computes
+
+
 def default_dtype(config) -> str:
     """The .flm type that holds the model's linears as they are."""
     algo = config.quantization.quant_algo
@@ -249,7 +252,8 @@ def export_flm(model_dir: str | Path, output_file: str | Path, flm_dtype: str | 
     if not (dtype in FLM_DTYPES or flm_encode.parse_group(dtype)):
         raise ConfigError(f"--flm_dtype {dtype!r}: expected one of {', '.join(FLM_DTYPES)}")
     entries, flags = vocab_entries(tokenizer_json) if tokenizer_json is not None else ([], {})
-    info = {**model_info(config, tokenizer_json, tok_config), **flags}
+    info = {**model_info(config, tokenizer_json, tok_config), **flags,
+            ACT_QUANT_KEY: config.quantization.activation_quant or "none"}  # read back by core.sources.flm_source
     tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
     try:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,9 @@
 3. postprocess: the hook matching the key (glob) turns the slices into target tensor(s).
    A hook marked `@slices_itself` gets the whole source tensors and `tp_rank=` instead,
    for rank layouts a contiguous 1/tp slice cannot express (replicated MQA kv heads).
+   A q/k/v fan-out (three sources of `*.attention.qkv.*`) cuts k and v by kv heads
+   (`source_part`): the rank's KVH / tp heads, or with KVH < tp the one whole kv head
+   its query heads use, replicated on tp / KVH ranks (core.layers.self_attention).
 4. strict: every target filled, every source tensor used (or matched by the spec's
    ignored_source_keys), every shape checked, every float value finite (after the cast to
    the target dtype; `allow_nonfinite` turns that check off).
@@ -30,24 +33,8 @@ from bestiary.core.convert.postprocess import identity, slices_itself  # noqa: F
 from bestiary.core.format.checkpoint import check_finite
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import WeightSource
-from bestiary.registry.spec import ArchitectureSpec, resolve
+from bestiary.registry.spec import DEFAULT_KEY_MAP, ArchitectureSpec, resolve
 from torch import nn
-
-# The TensorRT-LLM loader's default: canonical section -> HF LLaMA section.
-DEFAULT_KEY_MAP: dict[str, str | list[str] | None] = {
-    "transformer": "model",
-    "vocab_embedding": "embed_tokens",
-    "lm_head": "lm_head",
-    "ln_f": "norm",
-    "attention": "self_attn",
-    "qkv": ["q_proj", "k_proj", "v_proj"],
-    "dense": "o_proj",
-    "gate": "up_proj",
-    "proj": "down_proj",
-    "fc": "gate_proj",
-    "input_layernorm": "input_layernorm",
-    "post_layernorm": "post_attention_layernorm",
-}
 
 
 @dataclass(frozen=True)
@@ -74,6 +61,11 @@ def model_targets(model: nn.Module) -> list[Target]:
             tp_dim = tp_dim_fn(name) if callable(tp_dim_fn) else -1
             targets.append(Target(key, path, tuple(tensor.shape), tensor.dtype, tp_dim))
     return targets
+
+
+def is_qkv_fanout(target: Target, count: int) -> bool:
+    """Whether `target` is a fused attention qkv tensor filled from three sources q, k, v (in that order)."""
+    return count == 3 and target.module_path.endswith("attention.qkv")
 
 
 def nearest(name: str, candidates: list[str], n: int = 3) -> str:
@@ -209,15 +201,62 @@ class WeightsLoader:
             return 1 - dim
         return dim
 
+    def source_part(self, target: Target, index: int, count: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+        """(parts, part) of the `index`-th of `count` sources of `target` that rank `tp_rank` reads.
+
+        A contiguous 1/tp part, except for k and v (index 1, 2) of a q/k/v fan-out with fewer kv
+        heads than ranks: the source is cut into its KVH heads and the rank reads the head
+        `kv_heads_of_rank` gives it (r KVH // tp), so a kv head is replicated, never split.
+        """
+        if tp_size == 1 or index == 0 or not is_qkv_fanout(target, count):
+            return tp_size, tp_rank
+        from bestiary.core.layers.self_attention import kv_heads_of_rank
+
+        c = self.config
+        kv = kv_heads_of_rank(c.num_attention_heads, c.num_key_value_heads, tp_size, tp_rank)
+        if c.num_key_value_heads % tp_size == 0:
+            return tp_size, tp_rank
+        return c.num_key_value_heads, kv.start
+
+    def _load_slice(self, target: Target, sources: list[str], index: int, tp_size: int, tp_rank: int,
+                    flip: bool) -> torch.Tensor:
+        """Rank `tp_rank`'s slice of sources[index] (see source_part)."""
+        key = sources[index]
+        parts, part = self.source_part(target, index, len(sources), tp_size, tp_rank)
+        return self.source.load(key, parts, self._slice_dim(target, key, tp_size, flip), part)
+
+    def _wrong_fanout_part(self, target: Target, sources: list[str], tensors: list[torch.Tensor],
+                           tp_size: int, tp_rank: int, flip: bool) -> str | None:
+        """For a q/k/v fan-out whose concatenation has the wrong shape: the message naming the
+        source whose slice is not the size its heads take (q: H / tp heads, k, v: the rank's kv
+        heads), or None when each part is in proportion."""
+        if not is_qkv_fanout(target, len(sources)) or target.tp_dim < 0:
+            return None
+        from bestiary.core.layers.self_attention import kv_heads_of_rank
+
+        c = self.config
+        kv = len(kv_heads_of_rank(c.num_attention_heads, c.num_key_value_heads, tp_size, tp_rank))
+        heads = [c.num_attention_heads // tp_size, kv, kv]
+        total = target.shape[target.tp_dim]
+        if total % sum(heads):
+            return None
+        per_head = total // sum(heads)
+        for key, tensor, n in zip(sources, tensors, heads):
+            dim = self._slice_dim(target, key, max(tp_size, 2), flip)
+            if tensor.dim() <= dim or tensor.shape[dim] != n * per_head:
+                return (f"{self.source.file_of(key)}: tensor {key!r} (for {target.key!r}) gives rank {tp_rank} "
+                        f"a slice of shape {tuple(tensor.shape)} (source shape {self.source.shape(key)}), "
+                        f"expected {n * per_head} along dim {dim} ({n} heads of {per_head})")
+        return None
+
     def load(self, target: Target, sources: list[str], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
         """Target tensor(s) for one canonical key, cast to the target dtype, shapes checked."""
         hook = self.hook_for(target.key)
         whole = getattr(hook, "slices_itself", False)
         flip = getattr(hook, "transposes_source", False)
         try:
-            tensors = [self.source.load(s) if whole else
-                       self.source.load(s, tp_size, self._slice_dim(target, s, tp_size, flip), tp_rank)
-                       for s in sources]
+            tensors = [self.source.load(s) if whole else self._load_slice(target, sources, i, tp_size, tp_rank, flip)
+                       for i, s in enumerate(sources)]
         except ValueError as err:  # a dim that does not split: the source shape is wrong
             raise WeightsError(f"{self.source.file_of(sources[0])}: {sources[0]!r} for {target.key!r}: {err}") from None
         try:
@@ -232,6 +271,9 @@ class WeightsLoader:
         result = {}
         for key, tensor in out.items():
             if key == target.key and tuple(tensor.shape) != target.shape:
+                wrong = None if whole else self._wrong_fanout_part(target, sources, tensors, tp_size, tp_rank, flip)
+                if wrong:
+                    raise WeightsError(wrong)
                 raise WeightsError(
                     f"{self.source.file_of(sources[0])}: tensor {sources[0]!r} for {key!r} has shape "
                     f"{tuple(tensor.shape)} (from source shape {self.source.shape(sources[0])}), "

@@ -7,6 +7,8 @@ splits, key maps in both directions) is checked before the output directory is c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +123,8 @@ def convert(
     smoothquant_alpha: float | None = None,
     tune_steps: int | None = None,
     allow_nonfinite: bool = False,
+    use_parallel_embedding: bool = False,
+    embedding_sharding_dim: int = 0,
 ) -> Path:
     """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path.
 
@@ -143,6 +147,10 @@ def convert(
         if value < 1:
             raise BestiaryError(f"{flag} {value}: expected a positive integer")
     config = build_config(spec, source, dtype, Mapping(tp_size=tp_size, pp_size=pp_size))
+    if use_parallel_embedding:  # the embedding split over the tp ranks (core.layers.embedding)
+        if embedding_sharding_dim not in (0, 1):
+            raise BestiaryError(f"--embedding_sharding_dim {embedding_sharding_dim}: expected 0 (vocab) or 1 (hidden)")
+        config.use_parallel_embedding, config.embedding_sharding_dim = True, embedding_sharding_dim
     check_tokenizer(source)
     from bestiary.core.quant import import_hf  # AWQ / GPTQ sources: imported, not quantized
 
@@ -192,7 +200,15 @@ def convert(
                                   tune_steps)
         for plan in plans if not calibrated else ():
             write_rank(tmp, plan, loader, config, bar, task)
-        if config.quantization.kv_cache_quant_algo:
+        if config.quantization.kv_cache_quant_algo and tp_size > 1:  # calibrated on the whole model
+            from bestiary.core.quant.calibrate import copy_kv_scales
+
+            tp1 = convert(model_dir, tmp / "kv_calibration_tp1", dtype, 1, 1, architecture, customized_key_dict,
+                          registry, False, quantization, calib_text, weight_quantizer, smoothquant_alpha,
+                          tune_steps, allow_nonfinite, use_parallel_embedding, embedding_sharding_dim)
+            copy_kv_scales(tp1, tmp, config.mapping.world_size)
+            shutil.rmtree(tp1)
+        elif config.quantization.kv_cache_quant_algo:
             from bestiary.core.quant.calibrate import calibrate_kv_scales, calibration_ids
 
             ids = calibration_ids(source.tokenizer, config.vocab_size, calib_text,
@@ -207,15 +223,21 @@ def convert(
 
 def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: PretrainedConfig, bar, task) -> None:
     """Stream rank `plan.rank`'s tensors into rank{N}.safetensors."""
-    from bestiary.core.quant.convert import quantize_loaded
+    from bestiary.core.quant.convert import needs_row_amax, quantize_loaded
     from bestiary.core.runtime.model import torch_dtype
 
     scale_dtype: torch.dtype = torch_dtype(config.dtype)
+    tp = config.mapping.tp_size
     with rank_writer(tmp, plan) as writer:
         for target in plan.reads or plan.targets:
-            for key, tensor in loader.load(target, plan.sources[target.key], config.mapping.tp_size, plan.tp_rank).items():
+            for key, tensor in loader.load(target, plan.sources[target.key], tp, plan.tp_rank).items():
                 slot = (plan.quantizers or {}).get(key)
-                packed = {key: tensor} if slot is None else quantize_loaded(key, tensor, slot, scale_dtype)
+                amax = None
+                if slot is not None and needs_row_amax(target, slot, tp):  # the whole rows' max |w| [N]
+                    whole = dataclasses.replace(target, shape=(target.shape[0], target.shape[1] * tp))
+                    amax = loader.load(whole, plan.sources[target.key], 1, 0)[key].abs().amax(dim=1)
+                packed = {key: tensor} if slot is None else quantize_loaded(key, tensor, slot, scale_dtype,
+                                                                            row_amax=amax)
                 for name, part in packed.items():
                     writer.write(name, part)
             bar.advance(task)

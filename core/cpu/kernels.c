@@ -876,25 +876,32 @@ void bst_kv_write(const void *k, const void *v, int sdt, int64_t src_stride, voi
  * kv_lens[b] cached keys of sequence b: K_j = k_pool[table[b, j / bs], j % bs, h / G], G = H / KVH.
  * q [B, H, D] (qdt; q_stride elements from one sequence's row to the next), pools [blocks, bs, KVH, D] (kvdt), tables [B, max_blocks] int64,
  * slopes [H] float or NULL, out [B, H, D] (odt). Quantized pools (kvdt DT_I8 / DT_F8) hold codes with
- * K = code * kv_scales[0], V = code * kv_scales[1]; float pools pass kv_scales NULL. */
+ * K = code * kv_scales[0], V = code * kv_scales[1]; float pools pass kv_scales NULL. windows [2, B] int64
+ * (or NULL): each sequence's attention window W (0 = none) and sinks S (core.layers.attention_window): the
+ * query then sees only keys j < S and j >= L_b - (W - S), and no other key is read. */
 void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *k_pool, const void *v_pool, int kvdt,
                           const int64_t *tables, int64_t max_blocks, const int64_t *kv_lens, int64_t B,
                           int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, const float *slopes,
-                          void *out, int odt, const float *kv_scales, int threads) {
+                          void *out, int odt, const float *kv_scales, const int64_t *windows, int threads) {
     int64_t G = H / KVH;
 #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < B * H; task++) {
         int64_t b = task / H, h = task % H, kvh = h / G, L = kv_lens[b];
         const int64_t *table = tables + b * max_blocks;
+        /* windows [2, B] (or NULL): window W (0 = none) and sinks S of each sequence. The query at L - 1
+         * sees keys j < S and j >= lo = max(0, L - (W - S)): n of them, key t of the walk at j_of(t). */
+        int64_t W = windows ? windows[b] : 0, S = W ? windows[B + b] : 0;
+        int64_t lo = W ? (L - (W - S) > 0 ? L - (W - S) : 0) : 0, ns = S < lo ? S : lo, n = ns + L - lo;
+#define J_OF(t) ((t) < ns ? (t) : lo + (t) - ns)
         float qf[512 + PAD], acc[512 + PAD], row[512 + PAD];
         float stack_scores[4096];
-        float *scores = L <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)L);
+        float *scores = n <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)n);
         to_f32((const char *)q + (b * q_stride + h * D) * (qdt == DT_F32 ? 4 : 2), qdt, D, qf);
         memset(qf + D, 0, sizeof(float) * PAD);
         memset(acc, 0, sizeof(float) * (size_t)(D + PAD));
         float mx = -INFINITY;
-        for (int64_t j = 0; j < L; j++) {
-            int64_t off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
+        for (int64_t t = 0; t < n; t++) {
+            int64_t j = J_OF(t), off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
             const void *kp = k_pool;
             int kdt = kvdt;
             if (kv_scales) { /* codes -> a float row */
@@ -913,27 +920,27 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
 #endif
             s *= scale;
             if (slopes) s += slopes[h] * (float)(j - (L - 1));
-            scores[j] = s;
+            scores[t] = s;
             if (s > mx) mx = s;
         }
         float total = 0.f;
-        int64_t j = 0;
+        int64_t t = 0;
 #if BST_SIMD
         vf tv = vzero();
-        for (; j + VW <= L; j += VW) {
-            vf e = vexp(vsub(vloadu(scores + j), vset1(mx)));
-            vstoreu(scores + j, e);
+        for (; t + VW <= n; t += VW) {
+            vf e = vexp(vsub(vloadu(scores + t), vset1(mx)));
+            vstoreu(scores + t, e);
             tv = vadd(tv, e);
         }
         total = vsum(tv);
 #endif
-        for (; j < L; j++) {
-            scores[j] = expf(scores[j] - mx);
-            total += scores[j];
+        for (; t < n; t++) {
+            scores[t] = expf(scores[t] - mx);
+            total += scores[t];
         }
-        for (j = 0; j < L; j++) {
-            int64_t off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
-            float p = scores[j] / total;
+        for (t = 0; t < n; t++) {
+            int64_t j = J_OF(t), off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
+            float p = scores[t] / total;
             const void *vp = v_pool;
             int vdt = kvdt;
             if (kv_scales) {
@@ -951,6 +958,7 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         }
         from_f32(acc, D, (char *)out + (b * H + h) * D * (odt == DT_F32 ? 4 : 2), odt);
         if (scores != stack_scores) free(scores);
+#undef J_OF
     }
 }
 
@@ -1169,7 +1177,8 @@ void bst_run_plan(const bst_op *ops, int64_t n, int threads) {
                 bst_decode_attention(o->p[0], (int)o->dt[0], o->i[7], o->p[1], o->p[2], (int)o->dt[1],
                                      (const int64_t *)o->p[3], o->i[0], (const int64_t *)o->p[4], o->i[1], o->i[2],
                                      o->i[3], o->i[4], o->i[5], o->f[0], (const float *)o->p[5], o->p[6],
-                                     (int)o->dt[2], (const float *)o->p[7], threads);
+                                     (int)o->dt[2], (const float *)o->p[7],
+                                     o->i[6] ? (const int64_t *)o->p[4] + o->i[1] : NULL, threads);
                 break;
             case OP_ACT_MUL:
                 bst_act_and_mul(o->p[0], o->p[1], (int)o->dt[0], o->i[0], o->i[1], (int)o->i[2], threads);

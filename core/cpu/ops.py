@@ -4,7 +4,8 @@
                     bfloat16 / int8 per-channel / int4 group-wise (checkpoint layouts)
     dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
     decode_attention one query token per sequence over the paged KV pool (no gather); float
-                    pools or INT8 / FP8 codes with their scales
+                    pools or INT8 / FP8 codes with their scales; per-sequence attention
+                    windows and sinks (only the keys in the window are read)
     kv_write        new keys and values into the pool's slots (as codes for INT8 / FP8 pools)
     rms_norm        y = rms_norm(x [+ residual]) (and the sum)
     rotary          RoPE in place with the step's cos / sin
@@ -146,12 +147,14 @@ def linear_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = No
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None,
-                     kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_scales: torch.Tensor | None = None,
+                     bounds: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
     """softmax(q K^T * scale + slope_h (j - (L_b - 1))) V per sequence b over its kv_lens[b] keys.
 
     q [B, H, D]; pools [blocks, block_size, KVH, D]; tables int64 [B, max_blocks]; kv_lens int64 [B];
     slopes float32 [H] or None -> [B, H * D] in q's dtype. INT8 / FP8 pools (core.quant.kv) hold
-    codes with K = code * kv_scales[0], V = code * kv_scales[1]."""
+    codes with K = code * kv_scales[0], V = code * kv_scales[1]. bounds: per-sequence (windows, sinks)
+    (core.layers.attention_window): only the keys in each window are read."""
     b, h, d = q.shape
     _, bs, kvh, _ = k_pool.shape
     if d > MAX_HEAD_DIM:
@@ -163,10 +166,11 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     slopes = None if slopes is None else slopes.float().contiguous()
     kv_dt = kv_dtype_code(k_pool, kv_scales)
     kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
+    windows = None if bounds is None else torch.tensor(bounds, dtype=torch.int64)  # [2, B]
     library().bst_decode_attention(
         q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_dt,
         tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
-        out.data_ptr(), DTYPES[q.dtype], _ptr(kv_scales), _threads())
+        out.data_ptr(), DTYPES[q.dtype], _ptr(kv_scales), _ptr(windows), _threads())
     return out
 
 
@@ -199,21 +203,26 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                          kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None,
-                         kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_scales: torch.Tensor | None = None,
+                         bounds: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
     """Torch reference of `decode_attention`, in float32."""
+    from bestiary.core.layers.attention_window import visible_keys
+
     b, h, d = q.shape
     bs, kvh = k_pool.shape[1], k_pool.shape[2]
     s_k, s_v = (1.0, 1.0) if kv_scales is None else (kv_scales[0].float(), kv_scales[1].float())
     outs = []
     for i in range(b):
         length = int(kv_lens[i])
-        blocks = tables[i, : -(-length // bs)]
-        k = k_pool[blocks].flatten(0, 1)[:length].float() * s_k  # [L, KVH, D]
-        v = v_pool[blocks].flatten(0, 1)[:length].float() * s_v
+        window, sinks = (0, 0) if bounds is None else (bounds[0][i], bounds[1][i])
+        j = visible_keys(length - 1, length - 1, window, sinks)  # [L] key positions the query sees
+        slots = tables[i, j // bs] * bs + j % bs
+        k = k_pool.flatten(0, 1)[slots].float() * s_k  # [L, KVH, D]
+        v = v_pool.flatten(0, 1)[slots].float() * s_v
         k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)  # [L, H, D]
         scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale  # [H, L]
         if slopes is not None:
-            scores = scores + slopes.float()[:, None] * (torch.arange(length) - (length - 1)).float()
+            scores = scores + slopes.float()[:, None] * (j - (length - 1)).float()
         outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).reshape(h * d))
     return torch.stack(outs).to(q.dtype)
 

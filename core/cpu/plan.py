@@ -17,6 +17,10 @@ With LoRA adapters in the step (meta.lora, a core.lora.batch.StepLora), the list
 pieces: up to each adapted linear (qkv, dense, fused fc + gate, proj), then the step's batched
 low-rank update is added to that linear's output buffer in torch, then on.
 
+Attention windows (core.layers.attention_window): each attention record reads a [3, B] row
+block of its layer's window (kv lengths | windows | sinks), filled per step from
+meta.window_bounds; block tables may be wider than the pool (blocks released out of a window).
+
 KV pools may be float or INT8 / FP8 codes (core.quant.kv; written and read with the layer's
 (s_k, s_v)). `plan_for(model, batch, k_pools, v_pools)` returns None for anything else: other
 layer types, key-bias functions, tensor/pipeline parallel, an overridden
@@ -28,6 +32,8 @@ The eager path runs those.
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
 from bestiary.core.cpu import ops
@@ -95,16 +101,21 @@ class DecodePlan:
         hidden = emb.shape[1]
         self._keep: list[torch.Tensor] = []  # tensors the records point at (biases as float32, ...)
         self._lora_ops: list[tuple[Op, tuple, torch.Tensor, torch.Tensor]] = []  # (linear record, modules, x, out)
+        self._reduce_ops: list[tuple[Op, torch.Tensor, torch.Tensor | None]] = []  # (row-parallel record, out, bias)
+        self.tp_size = model.tp_size
         as_i64 = {"dtype": torch.int64}
         self.ids = torch.zeros(batch, **as_i64)
         self.positions = torch.zeros(batch, **as_i64)
-        self.kv_lens = torch.ones(batch, **as_i64)
+        # per layer window (0: none): [3, B] kv lengths | windows | sinks, the attention records' sequence rows
+        self.seq_rows: dict[int, torch.Tensor] = {}
+        self.windows: list[tuple[torch.nn.Module, int]] = []  # (PagedAttention, its window when built)
         self.slots = torch.zeros(batch, **as_i64)
         self.tables = torch.zeros(batch, k_pools[0].shape[0], **as_i64)
         self.x = torch.zeros(batch, hidden, dtype=self.dtype)  # the residual stream
         self.y = torch.zeros_like(self.x)  # normed input of a block
         self.delta = torch.zeros_like(self.x)  # a block's output, added to x by the next norm
-        self.logits = torch.zeros(batch, cfg.vocab_size, dtype=torch_dtype(cfg.logits_dtype))
+        # this rank's vocab slice of the logits (all of them at tp 1; gathered after the plan at tp > 1)
+        self.logits = torch.zeros(batch, cfg.vocab_size // model.tp_size, dtype=torch_dtype(cfg.logits_dtype))
         self.max_position = 1 << 62  # positions the rotary tables cover
         records = [_op(OP_EMBED, (_dt(emb), _dt(self.x)), (emb.data_ptr(), self.ids.data_ptr(), self.x.data_ptr()),
                        (batch, hidden, emb.stride(0), emb.stride(1)))]
@@ -115,8 +126,13 @@ class DecodePlan:
         records.append(self._norm(model.transformer.ln_f, pending))
         records.append(self._lm_head())
         at = {id(r): i for i, r in enumerate(records)}
-        # LoRA: after the linear record of a site, the step's StepLora adds its delta to the output buffer
-        self.lora_points = [(at[id(op)] + 1, modules, x, out) for op, modules, x, out in self._lora_ops]
+        # Stop points, (record index, what runs there) in record order: after the linear record of a LoRA
+        # site the step's StepLora adds its delta to the output buffer; after a row-parallel linear at
+        # tp > 1 its partial output is all-reduced over the ranks, then its bias added (Linear.forward's order)
+        points = [(at[id(op)] + 1, 0, functools.partial(_add_lora, modules, x, out))
+                  for op, modules, x, out in self._lora_ops]
+        points += [(at[id(op)] + 1, 1, functools.partial(_all_reduce, out, bias)) for op, out, bias in self._reduce_ops]
+        self.points: list[tuple[int, Callable]] = [(i, fn) for i, _, fn in sorted(points, key=lambda p: p[:2])]
         self.records = (Op * len(records))(*records)
 
     # --- building ------------------------------------------------------------------------
@@ -143,19 +159,29 @@ class DecodePlan:
                    (self.batch, weight.k, weight.n, weight.group))
 
     def _module_weight(self, linear) -> tuple[ops.PackedWeight, torch.Tensor | None]:
-        """The PackedWeight and bias of a shared-layer Linear (tp 1, no in_perm)."""
-        if linear.tp_size != 1 or getattr(linear, "in_perm", None) is not None:
-            raise Unsupported("tensor-parallel or permuted linear")
+        """The PackedWeight (this rank's shard) and in-record bias of a shared-layer Linear (no in_perm).
+        A row-parallel one at tp > 1 gets no in-record bias: `_row_parallel` adds it after the all-reduce."""
+        if getattr(linear, "in_perm", None) is not None:
+            raise Unsupported("permuted linear")
         if linear.quant is not None:
+            if getattr(getattr(linear.quant, "lq", None), "act_quant", None) is not None:
+                raise Unsupported(f"quantization.activation_quant on {linear.name} (the eager path quantizes inputs)")
             packed = getattr(linear.quant, "_packed", None)
             if packed is None:
                 raise Unsupported(f"quantized linear {linear.name} without the compiled layout")
-            return packed, linear.bias
+            return packed, _record_bias(linear)
         if linear._wt is None or not linear._wt.is_contiguous():
             raise Unsupported(f"linear {linear.name} not held transposed")
-        return ops.PackedWeight.transposed(linear._wt), linear.bias
+        return ops.PackedWeight.transposed(linear._wt), _record_bias(linear)
+
+    def _row_parallel(self, op: Op, linear, out: torch.Tensor) -> Op:
+        """Mark `op` (linear's partial out = x_r W_r^T at tp > 1) as a point where `out` is all-reduced."""
+        if linear.tp_size > 1:
+            self._reduce_ops.append((op, out, linear.bias))
+        return op
 
     def _layer(self, layer, k_pool: torch.Tensor, v_pool: torch.Tensor, add_delta: bool) -> list[Op]:
+        from bestiary.core.layers.attention import PagedAttention
         from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
         from bestiary.core.layers.mlp import GatedMLP
         from bestiary.core.layers.rotary import Rotary
@@ -166,6 +192,10 @@ class DecodePlan:
             raise Unsupported(f"layer {type(layer).__name__}")
         if att.attn.key_bias is not None:
             raise Unsupported("key bias")
+        if type(att.attn).forward is not PagedAttention.forward:  # e.g. Qwen-1's logn query scaling
+            raise Unsupported(f"attention op {type(att.attn).__name__}")
+        if att.q_norm is not None:
+            raise Unsupported("QK-norm")
         if att.head_dim > ops.MAX_HEAD_DIM:
             raise Unsupported(f"head_dim {att.head_dim}")
         kv_scales = None
@@ -199,12 +229,15 @@ class DecodePlan:
         if slopes is not None:
             slopes = slopes.float().contiguous()
             self._keep.append(slopes)
+        rows = self.seq_rows.setdefault(att.attn.window, torch.ones(3, b, dtype=torch.int64))
+        self.windows.append((att.attn, att.attn.window))
         recs.append(_op(OP_ATTENTION, (_dt(qkv), kv_dt, _dt(o)),
                         (qkv.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), self.tables.data_ptr(),
-                         self.kv_lens.data_ptr(), _ptr(slopes), o.data_ptr(), _ptr(kv_scales)),
-                        (self.tables.shape[1], b, h, kvh, d, k_pool.shape[1], 0, width), (att.attn.scale,)))
+                         rows.data_ptr(), _ptr(slopes), o.data_ptr(), _ptr(kv_scales)),
+                        (self.tables.shape[1], b, h, kvh, d, k_pool.shape[1], 1, width), (att.attn.scale,)))
         w, bias = self._module_weight(att.dense)
-        recs.append(self._lora_site(self._linear(o, self.delta, w, bias), (att.dense,), o, self.delta))
+        recs.append(self._row_parallel(self._lora_site(self._linear(o, self.delta, w, bias), (att.dense,), o,
+                                                       self.delta), att.dense, self.delta))
         recs.append(self._norm(layer.post_layernorm, True))
         recs += self._mlp(mlp)
         self._keep += [qkv, o]
@@ -225,7 +258,8 @@ class DecodePlan:
         pw, pbias = self._module_weight(mlp.proj)
         return [self._lora_site(self._linear(self.y, fg, w, bias), (mlp.fc, mlp.gate), self.y, fg),
                 _op(OP_ACT_MUL, (_dt(fg),), (fg.data_ptr(), m.data_ptr()), (self.batch, inter, ACT_CODES[mlp.act_name])),
-                self._lora_site(self._linear(m, self.delta, pw, pbias), (mlp.proj,), m, self.delta)]
+                self._row_parallel(self._lora_site(self._linear(m, self.delta, pw, pbias), (mlp.proj,), m, self.delta),
+                                   mlp.proj, self.delta)]
 
     def _lora_site(self, op: Op, modules: tuple, x: torch.Tensor, out: torch.Tensor) -> Op:
         """Mark `op` (out = x W^T of `modules`' outputs side by side) as a LoRA site."""
@@ -247,10 +281,20 @@ class DecodePlan:
         return [p.data_ptr() for p in (*k_pools, *v_pools)] == self.pool_ptrs
 
     def fits(self, meta) -> bool:
-        """True when this plan can run the decode step `meta` (its batch, lengths and positions)."""
-        return (len(meta.seq_lens) == self.batch and meta.block_tables.shape[1] <= self.tables.shape[1]
+        """True when this plan can run the decode step `meta` (its batch, lengths and positions; the layers
+        still have the attention windows the plan was built with)."""
+        return (len(meta.seq_lens) == self.batch and all(a.window == w for a, w in self.windows)
                 and max(meta.context_lens) <= self.max_position
                 and (meta.lora is None or hasattr(meta.lora, "add_")))
+
+    def _widen_tables(self, width: int) -> None:
+        """Block tables wider than the pool has blocks (a sequence whose early blocks were released out
+        of an attention window, core.runtime.kv_window): a buffer twice as wide, pointed at by every
+        attention record."""
+        self.tables = torch.zeros(self.batch, max(width, 2 * self.tables.shape[1]), dtype=torch.int64)
+        for record in self.records:
+            if record.op == OP_ATTENTION:
+                record.p[3], record.i[0] = self.tables.data_ptr(), self.tables.shape[1]
 
     def _run(self, start: int, end: int, threads: int) -> None:
         """Records start .. end - 1 in one compiled call."""
@@ -261,24 +305,59 @@ class DecodePlan:
         """ids [B] (one new token per sequence) -> logits [B, V] (a fresh tensor)."""
         self.ids.copy_(ids)
         self.positions.copy_(meta.positions)
-        self.kv_lens.copy_(torch.tensor(meta.kv_lens))
+        kv_lens = torch.tensor(meta.kv_lens)
+        for window, rows in self.seq_rows.items():  # each layer window's kv lengths, windows and sinks
+            bounds = meta.window_bounds(window)
+            rows[0].copy_(kv_lens)
+            rows[1:].copy_(torch.tensor(bounds) if bounds is not None else torch.zeros(2, self.batch, dtype=torch.int64))
         self.slots.copy_(meta.slot_mapping)
+        if meta.block_tables.shape[1] > self.tables.shape[1]:
+            self._widen_tables(meta.block_tables.shape[1])
         self.tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         start, threads = 0, torch.get_num_threads()
-        if meta.lora is not None:  # run up to each adapted linear, add its LoRA delta, go on
-            # The deltas are a few [B, K] x [K, R] matmuls: torch on one thread (measured here: 70 vs 450 us
+        if meta.lora is not None or self.tp_size > 1:  # run up to each stop point, do its torch work, go on
+            # LoRA deltas are a few [B, K] x [K, R] matmuls: torch on one thread (measured here: 70 vs 450 us
             # a site with two); the records keep `threads` (kernels.c sets its own thread count).
             torch.set_num_threads(1)
             try:
-                for end, modules, x, out in self.lora_points:
-                    if meta.lora.touches(modules):
+                for end, point in self.points:
+                    if point(meta):
                         self._run(start, end, threads)
-                        meta.lora.add_(modules, x, out)
+                        point(meta, run=True)
                         start = end
             finally:
                 torch.set_num_threads(threads)
         self._run(start, len(self.records), threads)
-        return self.logits.clone()
+        self.model.__dict__["plan_steps"] = self.model.__dict__.get("plan_steps", 0) + 1  # tests: the plan ran
+        if self.tp_size == 1:
+            return self.logits.clone()
+        parts = [torch.empty_like(self.logits) for _ in range(self.tp_size)]  # [B, V/tp] each
+        torch.distributed.all_gather(parts, self.logits)
+        return torch.cat(parts, dim=-1)  # [B, V], the eager DecoderLM.logits gather
+
+
+def _record_bias(linear) -> torch.Tensor | None:
+    """The bias a linear record adds: none for a row-parallel linear at tp > 1 (added after the all-reduce)."""
+    from bestiary.core.layers.linear import Parallel
+
+    return None if linear.tp_size > 1 and linear.parallel == Parallel.ROW else linear.bias
+
+
+def _add_lora(modules: tuple, x: torch.Tensor, out: torch.Tensor, meta, run: bool = False) -> bool:
+    """LoRA stop point: whether the step's adapters touch `modules`; with run, out += their delta of x."""
+    if not run:
+        return meta.lora is not None and meta.lora.touches(modules)
+    meta.lora.add_(modules, x, out)
+    return True
+
+
+def _all_reduce(out: torch.Tensor, bias: torch.Tensor | None, meta, run: bool = False) -> bool:
+    """Row-parallel stop point (always taken): out = sum over tp ranks of out (+ bias, once)."""
+    if run:
+        torch.distributed.all_reduce(out)
+        if bias is not None:
+            out += bias
+    return True
 
 
 PLAIN_TOP_LEVEL = {"vocab_embedding", "layers", "ln_f"}  # transformer.* modules a plan runs
@@ -294,8 +373,10 @@ def refusal(model) -> str | None:
     from bestiary.core.runtime.model import DecoderLM
 
     cls = type(model)
-    if model.tp_size != 1 or model.pp_size != 1:
-        return "tensor or pipeline parallel"
+    if model.pp_size != 1:
+        return "pipeline parallel"
+    if model.tp_size != 1 and getattr(model.transformer.vocab_embedding, "sharding_dim", None) is not None:
+        return "parallel embedding (use_parallel_embedding) at tp > 1"
     overridden = [n for n in ("embed", "logits", "position_ids") if getattr(cls, n) is not getattr(DecoderLM, n)]
     if overridden:
         return f"{cls.__name__} overrides {', '.join(overridden)}"

@@ -24,6 +24,12 @@ class BuildConfig(StrictModel):
     max_tokens_in_paged_kv_cache: int | None = Field(
         None, ge=1, description="KV pool size in tokens (default: max_batch_size * max_seq_len)."
     )
+    max_attention_window: int | None = Field(
+        None, ge=1, description="Every query attends to at most this many recent keys (sinks included), in every "
+                                "layer; blocks past it are released (default: the model's own windows, else all).")
+    sink_token_length: int = Field(
+        0, ge=0, description="The first tokens of a sequence every windowed query keeps attending to (attention "
+                             "sinks); must be smaller than the window.")
 
 
 def finalize_build_config(build: BuildConfig, model_config: dict) -> BuildConfig:
@@ -32,6 +38,11 @@ def finalize_build_config(build: BuildConfig, model_config: dict) -> BuildConfig
     max_seq = build.max_seq_len or max_pos
     if max_seq > max_pos:
         raise BestiaryError(f"--max_seq_len {max_seq}: exceeds the model's max_position_embeddings {max_pos}")
+    window, sinks = build.max_attention_window, build.sink_token_length
+    if sinks and window is not None and sinks >= window:
+        raise BestiaryError(f"--sink_token_length {sinks}: must be smaller than --max_attention_window {window}")
+    if sinks and window is None and not model_config.get("sliding_window"):
+        raise BestiaryError(f"--sink_token_length {sinks}: needs --max_attention_window (the model has no sliding_window)")
     max_input = build.max_input_len or min(1024, max_seq - 1)
     if max_input >= max_seq:
         raise BestiaryError(f"--max_input_len {max_input}: must be smaller than --max_seq_len {max_seq}")

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-ENTRY_KINDS = ("engines", "checkpoints", "demo", "cpu-kernels")  # what `bestiary cache clear` removes
+ENTRY_KINDS = ("engines", "checkpoints", "demo", "cpu-kernels", "dense-hf")  # what `bestiary cache clear` removes
 
 
 def cache_dir() -> Path:

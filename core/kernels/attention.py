@@ -10,6 +10,11 @@ ctx_b .. ctx_b + n_b - 1. For query i and key j of a sequence, head h, kv head h
     visible(i, j) = j <= i  or  j < prefix_len          (prefix_lm; causal: prefix_len = 0)
     out_i = sum_j softmax_j(s_ij over visible j) v_j    -> [T, H * D]
 
+With a window (W_b, S_b) (core.layers.attention_window) visible(i, j) also needs
+j < S_b or i - j < W_b - S_b; the key loop then visits the sink tiles and the tiles from the
+first query's window start only, and loads only keys some query of the tile may see (the
+blocks before that are released: never read).
+
 Decode is the case n_b = 1 (the query sees every cached key). The kernels keep a
 running max and sum (online softmax, FlashAttention style) over key tiles of BLOCK_N,
 gathering each key's slot from the block table, so BLOCK_N and block_size are unrelated.
@@ -26,7 +31,14 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from bestiary.core.layers.attention import AttentionMetadata, decode_attention, prefill_attention
+from bestiary.core.layers.attention import (
+    AttentionMetadata,
+    decode_attention,
+    prefill_attention,
+    windowed_attention,
+)
+
+Bounds = tuple[list[int], list[int]]  # per-sequence (windows, sinks) of one layer, AttentionMetadata.window_bounds
 
 # --- torch reference (the CPU path: core.layers.attention, unchanged) -----------------------
 
@@ -34,9 +46,11 @@ from bestiary.core.layers.attention import AttentionMetadata, decode_attention, 
 def paged_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
-    key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None, bounds: Bounds | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (k, v [T, KVH, D] already in the pools) -> [T, H*D] with torch ops."""
+    if bounds is not None:
+        return windowed_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias, *bounds)
     if meta.is_decode:  # one query at the last position sees every key under any mask
         return decode_attention(q, meta, k_pool, v_pool, scale, slopes, key_bias)
     return prefill_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias)
@@ -57,6 +71,38 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _window_walk(q_first, end, win_ptr, sink_ptr, b, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """(lo, sink tiles, tiles) of the key walk of queries from q_first on: lo = the first query's
+    rolling start (0 without a window), the tiles over [0, min(S, lo rounded down)) then the tiles
+    from lo's up to `end`."""
+    lo = q_first * 0
+    sink_end = q_first * 0
+    if WINDOWED:
+        win = tl.load(win_ptr + b)
+        sinks = tl.load(sink_ptr + b)
+        lo = tl.where(win > 0, tl.maximum(q_first - (win - sinks) + 1, 0), 0)
+        sink_end = tl.minimum(sinks, (lo // BLOCK_N) * BLOCK_N)
+    n_sink = tl.cdiv(sink_end, BLOCK_N)
+    return lo, n_sink, n_sink + tl.cdiv(end, BLOCK_N) - lo // BLOCK_N
+
+
+@triton.jit
+def _window_tile(t, lo, n_sink, end, win_ptr, sink_ptr, b, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """Key positions of walk tile t [BLOCK_N], the keys to load (j < end and j < S or j >= lo: some
+    query may see them) and the per-sequence (window, sinks) ((0, 0) without a window). The sink
+    tiles end before lo's tile, so no key is visited twice."""
+    start = tl.where(t < n_sink, t * BLOCK_N, (lo // BLOCK_N + t - n_sink) * BLOCK_N)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    win = b * 0
+    sinks = b * 0
+    if WINDOWED:
+        win = tl.load(win_ptr + b)
+        sinks = tl.load(sink_ptr + b)
+    load = (offs_n < end) & ((offs_n < sinks) | (offs_n >= lo))
+    return offs_n, load, win, sinks
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, stride_qt, stride_qh,
     k_ptr, v_ptr, stride_pb, stride_ps, stride_ph,
@@ -64,8 +110,9 @@ def _prefill_kernel(
     table_ptr, stride_tb,
     q_start_ptr, seq_len_ptr, ctx_len_ptr, prefix_ptr,
     slopes_ptr, kb_ptr, stride_kbh,
+    win_ptr, sink_ptr,
     scale, head_dim, block_size,
-    GROUP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KEY_BIAS: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, WINDOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -93,9 +140,9 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+    lo, n_sink, n_tiles = _window_walk(ctx + mb * BLOCK_M, end, win_ptr, sink_ptr, b, BLOCK_N, WINDOWED)
+    for t in range(n_tiles):
+        offs_n, n_mask, win, sinks = _window_tile(t, lo, n_sink, end, win_ptr, sink_ptr, b, BLOCK_N, WINDOWED)
         k = _load_kv_tile(k_ptr, stride_pb, stride_ps, stride_ph, table_row, kvh, offs_n, n_mask, offs_d, d_mask,
                           block_size)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale  # [BLOCK_M, BLOCK_N]
@@ -104,10 +151,14 @@ def _prefill_kernel(
         if HAS_KEY_BIAS:
             s += tl.load(kb_ptr + h * stride_kbh + offs_n, mask=n_mask, other=0.0)[None, :]
         visible = ((offs_n[None, :] <= q_pos[:, None]) | (offs_n[None, :] < prefix)) & n_mask[None, :]
+        if WINDOWED:
+            rel = q_pos[:, None] - offs_n[None, :]
+            visible = visible & ((win == 0) | (offs_n[None, :] < sinks) | (rel < win - sinks))
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every query
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # -inf for a row that has seen no key yet
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(v_ptr, stride_pb, stride_ps, stride_ph, table_row, kvh, offs_n, n_mask, offs_d, d_mask,
                           block_size)
@@ -126,8 +177,9 @@ def _decode_kernel(
     table_ptr, stride_tb,
     kv_len_ptr,
     slopes_ptr, kb_ptr, stride_kbh,
+    win_ptr, sink_ptr,
     scale, head_dim, block_size,
-    GROUP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KEY_BIAS: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, WINDOWED: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -148,9 +200,9 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(0, kv_len, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_len
+    lo, n_sink, n_tiles = _window_walk(q_pos, kv_len, win_ptr, sink_ptr, b, BLOCK_N, WINDOWED)
+    for t in range(n_tiles):
+        offs_n, n_mask, _, _ = _window_tile(t, lo, n_sink, kv_len, win_ptr, sink_ptr, b, BLOCK_N, WINDOWED)
         k = _load_kv_tile(k_ptr, stride_pb, stride_ps, stride_ph, table_row, kvh, offs_n, n_mask, offs_d, d_mask,
                           block_size)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * scale  # [BLOCK_G, BLOCK_N]
@@ -159,10 +211,11 @@ def _decode_kernel(
         if HAS_KEY_BIAS:
             kb_ptrs = kb_ptr + heads[:, None] * stride_kbh + offs_n[None, :]
             s += tl.load(kb_ptrs, mask=g_mask[:, None] & n_mask[None, :], other=0.0)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # n_mask: exactly the keys the query sees
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(v_ptr, stride_pb, stride_ps, stride_ph, table_row, kvh, offs_n, n_mask, offs_d, d_mask,
                           block_size)
@@ -179,6 +232,16 @@ def _decode_kernel(
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: exact fp32 products for float32 models, tensor cores otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _window_args(meta: AttentionMetadata, bounds: Bounds | None, device: torch.device, fallback: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(windows, sinks) int32 [B] on `device` (cached per step and layer window); `fallback` twice without."""
+    if bounds is None:
+        return fallback, fallback
+    key = ("window_args", device, tuple(bounds[0]), tuple(bounds[1]))
+    packed = meta.step_value(key, lambda: torch.tensor(bounds, dtype=torch.int32).to(device))
+    return packed[0], packed[1]
 
 
 def _sequence_args(meta: AttentionMetadata, device: torch.device) -> dict[str, torch.Tensor]:
@@ -210,9 +273,9 @@ def _bias_args(
 def prefill(
     q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
     slopes: torch.Tensor | None = None, key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    block_m: int | None = None, block_n: int | None = None,
+    block_m: int | None = None, block_n: int | None = None, bounds: Bounds | None = None,
 ) -> torch.Tensor:
-    """Triton prefill over packed sequences: q [T, H, D] -> [T, H*D]."""
+    """Triton prefill over packed sequences: q [T, H, D] -> [T, H*D] (bounds: per-sequence windows)."""
     t, h, d = q.shape
     kvh = k_pool.shape[2]
     args = _sequence_args(meta, q.device)
@@ -220,6 +283,7 @@ def prefill(
     block_m = block_m or (64 if max_n >= 64 else 16)
     block_n = block_n or 64
     s, kb, stride_kb = _bias_args(q, slopes, key_bias, max(meta.kv_lens))
+    win, sinks = _window_args(meta, bounds, q.device, args["seq_len"])
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
     grid = (len(meta.seq_lens), h, triton.cdiv(max_n, block_m))
     _prefill_kernel[grid](
@@ -229,8 +293,9 @@ def prefill(
         args["table"], args["table"].stride(0),
         args["q_start"], args["seq_len"], args["ctx_len"], args["prefix"],
         s, kb, stride_kb,
+        win, sinks,
         scale, d, k_pool.shape[1],
-        GROUP=h // kvh, HAS_ALIBI=slopes is not None, HAS_KEY_BIAS=key_bias is not None,
+        GROUP=h // kvh, HAS_ALIBI=slopes is not None, HAS_KEY_BIAS=key_bias is not None, WINDOWED=bounds is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_PREC=dot_precision(q.dtype),
     )
@@ -240,13 +305,14 @@ def prefill(
 def decode(
     q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
     slopes: torch.Tensor | None = None, key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    block_n: int | None = None,
+    block_n: int | None = None, bounds: Bounds | None = None,
 ) -> torch.Tensor:
-    """Triton decode, one query per sequence: q [B, H, D] -> [B, H*D]."""
+    """Triton decode, one query per sequence: q [B, H, D] -> [B, H*D] (bounds: per-sequence windows)."""
     b, h, d = q.shape
     kvh = k_pool.shape[2]
     args = _sequence_args(meta, q.device)
     s, kb, stride_kb = _bias_args(q, slopes, key_bias, max(meta.kv_lens))
+    win, sinks = _window_args(meta, bounds, q.device, args["kv_len"])
     out = torch.empty(b, h * d, dtype=q.dtype, device=q.device)
     _decode_kernel[(b, kvh)](
         q, q.stride(0), q.stride(1),
@@ -255,8 +321,9 @@ def decode(
         args["table"], args["table"].stride(0),
         args["kv_len"],
         s, kb, stride_kb,
+        win, sinks,
         scale, d, k_pool.shape[1],
-        GROUP=h // kvh, HAS_ALIBI=slopes is not None, HAS_KEY_BIAS=key_bias is not None,
+        GROUP=h // kvh, HAS_ALIBI=slopes is not None, HAS_KEY_BIAS=key_bias is not None, WINDOWED=bounds is not None,
         BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_N=block_n or 64,
         BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PREC=dot_precision(q.dtype),
     )
@@ -266,11 +333,11 @@ def decode(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
-    key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None, bounds: Bounds | None = None,
 ) -> torch.Tensor:
     """Triton: q [T, H, D] (k, v [T, KVH, D] already in the pools) -> [T, H*D]."""
     if q.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride() != k_pool.stride():
         raise ValueError("attention kernel: q and the pools need a unit last stride, K and V pools one layout")
     if meta.is_decode:
-        return decode(q, meta, k_pool, v_pool, scale, slopes, key_bias)
-    return prefill(q, meta, k_pool, v_pool, scale, slopes, key_bias)
+        return decode(q, meta, k_pool, v_pool, scale, slopes, key_bias, bounds=bounds)
+    return prefill(q, meta, k_pool, v_pool, scale, slopes, key_bias, bounds=bounds)

@@ -8,6 +8,10 @@ the KV cache. Keys/values of the new tokens are written to the pool slots in
 
     out = softmax(q k^T * scale + bias) v,   bias = alibi_slope_h * (j - i) or 0, -inf where masked
 
+A layer's sliding window and the step's per-sequence windows and sinks (meta.windows / sinks)
+restrict the visible keys further (core.layers.attention_window); `windowed_attention` is the
+reference that gathers only those keys.
+
 Instead of slopes, an architecture may give a `key_bias`: a function of the key positions
 j [L] -> [H_local, L] added the same way (bias_h(j) - bias_h(i) would be equivalent under the
 softmax; this form lets an architecture reproduce a reference's exact rounding, e.g.
@@ -22,6 +26,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from bestiary.core.kernels import dispatch
+from bestiary.core.layers.attention_window import (
+    FULL,
+    effective_window,
+    visible_keys,
+    window_visible,
+    windows_of,
+)
 from bestiary.core.layers.linear import LoraDelta
 from torch import nn
 
@@ -40,6 +51,8 @@ class AttentionMetadata:
     mask: "causal" or "prefix_lm" (bidirectional over the first prefix_lens[i] tokens).
     last_token_index: [B] index in the packed tokens of each sequence's last new token.
     lora: batched LoRA delta for this step, or None.
+    windows / sinks: per-sequence attention window cap and sink tokens (core.layers.attention_window;
+    window 0 = none), or None: no sequence has one. A layer's own window narrows it (`window_bounds`).
     """
 
     positions: torch.Tensor
@@ -52,6 +65,8 @@ class AttentionMetadata:
     prefix_lens: list[int] | None = None
     last_token_index: torch.Tensor | None = None
     lora: LoraDelta | None = None
+    windows: list[int] | None = None
+    sinks: list[int] | None = None
     # First block of each sequence whose blocks sit one after another in the pool (None
     # otherwise): its keys are then a view of the pool, no gather needed.
     contiguous_from: list[int | None] = field(default_factory=list)
@@ -101,13 +116,29 @@ class AttentionMetadata:
             positions=torch.tensor(pos_list, dtype=torch.int64, device=device) if positions is None else positions,
             seq_lens=list(seq_lens),
             context_lens=list(context_lens),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+            # entries < 0 (blocks released out of a window, never read) point at block 0: a valid index
+            block_tables=torch.tensor(padded, dtype=torch.int64).clamp_(min=0).to(device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_size=block_size,
             last_token_index=ends.to(device),
             contiguous_from=contiguous,
             **kwargs,
         )
+
+    def window_bounds(self, layer_window: int) -> tuple[list[int], list[int]] | None:
+        """(windows, sinks) per sequence for a layer whose own window is `layer_window` (0: none),
+        or None when no sequence of the step has a window in that layer (plain causal attention)."""
+        if layer_window == FULL and self.windows is None:
+            return None
+
+        def make():
+            requested = self.windows or [FULL] * len(self.seq_lens)
+            sizes = [effective_window(layer_window, w) for w in requested]
+            if not windows_of(sizes):
+                return None
+            return sizes, [s if w != FULL else 0 for s, w in zip(self.sinks or [0] * len(sizes), sizes)]
+
+        return self.step_value(("window", layer_window), lambda: make() or False) or None
 
     def step_value(self, key, make):
         """`make()` once per step for `key` (e.g. rotary cos/sin shared by every layer)."""
@@ -305,6 +336,40 @@ def prefill_attention(
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def windowed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
+    key_bias: KeyBias | None, windows: list[int], sinks: list[int],
+) -> torch.Tensor:
+    """prefill_attention / decode_attention under per-sequence windows (core.layers.attention_window):
+    q [T, H, D] -> [T, H*D]. Each sequence gathers only the keys its queries may see (sinks +
+    the rolling part: released blocks are never read) and masks the rest per query."""
+    outs, start, bs = [], 0, meta.block_size
+    for i, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens)):
+        k_pos = visible_keys(ctx, ctx + n - 1, windows[i], sinks[i]).to(q.device)  # [K]
+        if ctx == 0:  # a fresh prompt: its keys are this step's
+            ki, vi = k[start : start + n][k_pos], v[start : start + n][k_pos]  # [K, KVH, D]
+        else:
+            slots = meta.block_tables[i, k_pos // bs] * bs + k_pos % bs  # [K]
+            ki = k_pool.view(-1, *k_pool.shape[2:]).index_select(0, slots)
+            vi = v_pool.view(-1, *v_pool.shape[2:]).index_select(0, slots)
+        q_pos = torch.arange(ctx, ctx + n, device=q.device)  # [n]
+        prefix = meta.prefix_lens[i] if meta.prefix_lens and meta.mask == "prefix_lm" else 0
+        visible = window_visible(q_pos, k_pos, windows[i], sinks[i], prefix)  # [n, K]
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill_(~visible, float("-inf"))
+        bias = bias[None]  # [1, n, K]
+        if slopes is not None:
+            bias = bias + slopes.to(q.device)[:, None, None] * (k_pos[None, :] - q_pos[:, None])[None].float()
+        if key_bias is not None:
+            bias = bias + key_bias(k_pos)[:, None, :]  # [H, 1, K]
+        qi = q[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
+        ki, vi = ki.transpose(0, 1)[None].to(q.dtype), vi.transpose(0, 1)[None].to(q.dtype)  # [1, KVH, K, D]
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias.to(q.dtype)[None], scale=scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        start += n
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 class PagedAttention(nn.Module):
     """The attention op of a layer: writes new K/V to the pool, then attends.
 
@@ -320,6 +385,7 @@ class PagedAttention(nn.Module):
         self.alibi = alibi  # [H_local] slopes or None
         self.key_bias = key_bias  # k_pos [L] -> [H_local, L], or None
         self.kv_quant = None  # core.quant.kv.KVQuant for INT8/FP8 pools
+        self.window = FULL  # this layer's sliding window (DecoderLM sets it from the config; 0: none)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -336,4 +402,4 @@ class PagedAttention(nn.Module):
             write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         # Triton kernels on CUDA; on the CPU paged_attention_ref = decode/prefill_attention below.
         return dispatch.paged_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi, self.key_bias,
-                                        kv_scales)
+                                        kv_scales, window=self.window)

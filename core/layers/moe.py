@@ -7,7 +7,12 @@ For a token x [H], with router logits l = W_r x [E] and K = top_k:
     expert_e(x) = proj_e(act(fc_e x) * (gate_e x))
     y       = sum_{e in S} w_e expert_e(x)
 
-w_e equals HF Mixtral's softmax over all E logits, top-k, renormalised over the k kept.
+w_e equals HF Mixtral's softmax over all E logits, top-k, renormalised over the k kept. Without
+renormalisation (Qwen2-MoE's norm_topk_prob false) w_e = exp(l_e) / sum_j exp(l_j), over all E.
+
+`SharedExpertMoE` adds an always-on expert with a sigmoid gate (Qwen2-MoE):
+
+    y = MoE(x) + sigmoid(w_s . x) * shared_expert(x)      w_s: `shared_expert_gate` [1, H]
 
 Checkpoint names (module `mlp`): `mlp.router.weight` [E, H] (replicated), and the experts
 stacked on a leading dim: `mlp.fc.weight` [E, I, H] (gate_proj / w1), `mlp.gate.weight`
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
-from bestiary.core.layers.mlp import activation
+from bestiary.core.layers.mlp import GatedMLP, activation
 from torch import nn
 
 
@@ -76,11 +81,14 @@ class ExpertLinear(nn.Module):
         )
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, experts [T, K] int64).
 
-    weights = softmax over the K largest logits of each token (computed in float32).
+    weights = softmax over the K largest logits of each token (computed in float32), or with
+    `renormalize` false the softmax over all E logits at the K largest.
     """
+    if not renormalize:
+        return torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
     top, experts = torch.topk(logits.float(), top_k, dim=-1)  # [T, K]
     return torch.softmax(top, dim=-1), experts
 
@@ -103,11 +111,13 @@ class MoE(nn.Module):
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device=None,
+        renormalize: bool = True,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
         self.num_experts, self.top_k, self.tp_size = num_experts, top_k, tp_size
+        self.renormalize = renormalize  # the top-k weights sum to 1 (else: softmax over all experts)
         tp = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
         self.router = Linear(hidden, num_experts, parallel=Parallel.REPLICATED, dtype=dtype, device=device)
         self.fc = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
@@ -148,10 +158,10 @@ class MoE(nn.Module):
     def partial_forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """x [T, H] -> this rank's partial output [T, H] (its I/tp slice of every expert)."""
         if dispatch.use_triton(x) and lora is None:  # routing + grouped expert GEMMs in kernels.moe
-            weights, experts = dispatch.moe_route(self.router(x), self.top_k)
+            weights, experts = dispatch.moe_route(self.router(x), self.top_k, self.renormalize)
             return dispatch.fused_moe(x, self.fc.weight, self.gate.weight, self.proj.weight, weights, experts,
                                       self.act_name)
-        weights, experts = route(self.router(x, lora), self.top_k)  # [T, K], [T, K]
+        weights, experts = route(self.router(x, lora), self.top_k, self.renormalize)  # [T, K], [T, K]
         out = torch.zeros_like(x)  # [T, H]
         for e in experts.unique().tolist():
             tokens, slots = torch.where(experts == e)  # [N], [N]
@@ -165,6 +175,29 @@ class MoE(nn.Module):
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out
+
+
+class SharedExpertMoE(MoE):
+    """MoE + an always-on gated expert: y = MoE(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+
+    Submodules: MoE's, plus `shared_expert` (a GatedMLP of its own FFN width, TP-split like any
+    MLP) and `shared_expert_gate` (Linear [1, H], replicated). The router and the shared-expert
+    gate stay float under weight quantization (`keep_float`, as vLLM's Qwen2-MoE builds them with
+    quant_config=None): an int8 router flips near-tied top-k choices and moves logits by ~25%."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, shared_inter: int, act: str = "silu",
+                 tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype = torch.float32, device=None,
+                 renormalize: bool = True) -> None:
+        super().__init__(hidden, inter, num_experts, top_k, act, tp_rank, tp_size, dtype, device, renormalize)
+        self.shared_expert = GatedMLP(hidden, shared_inter, act, False, tp_rank=tp_rank, tp_size=tp_size,
+                                      dtype=dtype, device=device)
+        self.shared_expert_gate = Linear(hidden, 1, parallel=Parallel.REPLICATED, dtype=dtype, device=device)
+        self.router.keep_float = self.shared_expert_gate.keep_float = True  # core.quant.apply skips them
+
+    def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H] (each part all-reduced over tp ranks)."""
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)  # [T, 1] * [T, H]
+        return super().forward(x, lora) + shared
 
 
 def stack_experts(key: str, tensors: list[torch.Tensor], config) -> dict[str, torch.Tensor]:

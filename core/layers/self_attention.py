@@ -3,7 +3,7 @@
 Checkpoint layout of `attention.qkv.weight`: [Q; K; V] stacked on dim 0, head-major,
 ((H + 2 * KVH) * D, hidden). On a tensor-parallel rank it holds [Q_r; K_r; V_r], the
 rank's own heads (H / tp query heads, KVH / tp kv heads) — the loader slices q, k and v
-separately and concatenates them.
+separately (k and v by whole kv heads: `WeightsLoader.source_part`) and concatenates them.
 
 With fewer kv heads than ranks (MQA, or GQA with KVH < tp; tp must then be a multiple of
 KVH) each rank holds the one kv head its query heads use, replicated on tp / KVH ranks:
@@ -12,6 +12,8 @@ rank r holds query heads [r H/tp, (r+1) H/tp) and kv head r KVH // tp.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from bestiary.core.layers.attention import AttentionMetadata, KeyBias, PagedAttention
@@ -71,6 +73,7 @@ class SelfAttention(nn.Module):
         key_bias: KeyBias | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
+        qk_norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         kv_heads = kv_heads_of_rank(num_heads, num_kv_heads, tp_size, tp_rank)
@@ -83,6 +86,9 @@ class SelfAttention(nn.Module):
                             tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
         self.rotary = rotary
         self.attn = PagedAttention(head_dim, scale, alibi, key_bias)
+        # QK-norm (Exaone4): a norm over each q / k head's D dims, before rotary; qk_norm(D) builds one.
+        self.q_norm = qk_norm(head_dim) if qk_norm is not None else None
+        self.k_norm = qk_norm(head_dim) if qk_norm is not None else None
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -90,6 +96,9 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x, meta.lora).view(t, h + 2 * kvh, d)  # [T, H + 2 KVH, D]
+        if self.q_norm is not None:
+            qkv[:, :h] = self.q_norm(qkv[:, :h].reshape(t * h, d)).view(t, h, d)
+            qkv[:, h : h + kvh] = self.k_norm(qkv[:, h : h + kvh].reshape(t * kvh, d)).view(t, kvh, d)
         if self.rotary is not None:
             cos, sin = self.rotary.step_cos_sin(meta, qkv.dtype)  # shared by all layers of a step
             self.rotary.apply(qkv[:, : h + kvh], cos, sin)  # q and k heads in one go

@@ -7,7 +7,14 @@
   against the model (targets, architecture, shapes) before / while reading its weights.
 - `batch`: one step's adapters stacked per linear (`AdapterStack`) and the step's
   `StepLora`, the `LoraDelta` the linear layers call (meta.lora).
-- `store`: `LoraRequest(name, path)` and the by-name store that loads each adapter once.
+- `store`: `LoraRequest(name, path=, weights=, config=)`: a request's adapter (task id) and what
+  its first request brings.
+- `seed_tensors`: the seed's per-request LoraWeights [M, D*Hi + Ho*D] / LoraConfig [M, 3] tensors.
+- `seed_convert`: PEFT dir <-> seed tensors (`bestiary convert --lora_dir`).
+- `cache`: the two-level (host / device) LoRA cache with byte budgets and LRU eviction of
+  adapters no request holds.
+- `bundle`: adapters bundled in an engine dir (`bestiary build --lora_dir`).
+- `ranks`: a tp > 1 step's adapters sent to and placed on every rank.
 
 Imports: format, layers, kernels, registry; never convert, runtime or cli. `modules` and
 `peft_config` import no torch.

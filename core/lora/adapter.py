@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from bestiary.core.lora.modules import LANDINGS, Landing
 from bestiary.core.lora.peft_config import PeftLoraConfig, read_peft_config
 from bestiary.registry import ArchitectureSpec, Registry, default_registry, resolve
 
+_uids = itertools.count()
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 _PATH = re.compile(r"^(?P<layers>.+?)\.(?P<layer>\d+)\.(?P<rest>.+)$")
@@ -59,6 +61,8 @@ class LoraAdapter:
     name: str
     path: Path
     pieces: dict[tuple[str, int], list[LoraPiece]] = field(default_factory=dict)
+    uid: int = field(default_factory=lambda: next(_uids))  # this placement (a re-read adapter gets another)
+    source: LoraSource | None = field(default=None, repr=False)  # what it was placed from (sent to other ranks)
 
     @property
     def modules(self) -> list[str]:
@@ -135,7 +139,7 @@ def _unknown(name: str, spec: ArchitectureSpec, registry: Registry, where: str) 
 
 
 def _parse_targets(names: list[str], spec: ArchitectureSpec, registry: Registry, file: Path,
-                   num_layers: int) -> dict[str, _Target]:
+                   num_layers: int | None) -> dict[str, _Target]:
     """PEFT module path -> _Target for every lora_A/lora_B tensor name (refusing the rest)."""
     targets: dict[str, _Target] = {}
     for key in names:
@@ -160,66 +164,123 @@ def _parse_targets(names: list[str], spec: ArchitectureSpec, registry: Registry,
         if name not in spec.lora.hf_modules:
             raise BestiaryError(_unknown(name, spec, registry, f"{file}: {key}"))
         layer = int(parts["layer"])
-        if layer >= num_layers:
+        if num_layers is not None and layer >= num_layers:
             raise BestiaryError(f"{file}: {key}: layer {layer}, but the base model has {num_layers} layers")
         expert = re.search(r"(?:^|\.)(\d+)\.", parts["rest"])
         targets[path] = _Target(path, parts["layers"], layer, int(expert[1]) if expert else -1, name)
     return targets
 
 
-def load_adapter(directory: str | Path, model, name: str | None = None, registry: Registry | None = None) -> LoraAdapter:
-    """Read the PEFT adapter in `directory` for `model` (a DecoderLM rank); errors are one line."""
+@dataclass
+class ModuleWeights:
+    """One adapted HF module of one layer as its source holds it (all ranks, the HF row order):
+    delta = scaling * B (A x), A [r, in], B [out, r], feeding LoRA module(s) `modules`."""
+
+    modules: tuple[str, ...]
+    layer: int
+    expert: int  # -1: not a MoE expert
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    where: str  # names the source (file and tensor, or row) in errors
+    hf_path: str = ""  # the PEFT module path, when it came from one
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass
+class LoraSource:
+    """An adapter as read, before it is placed on a model rank (what the host cache holds)."""
+
+    name: str
+    path: Path | None
+    modules: list[ModuleWeights]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules)
+
+    def to(self, dtype: torch.dtype) -> LoraSource:
+        """The same adapter with A and B in `dtype`."""
+        mods = [ModuleWeights(m.modules, m.layer, m.expert, m.a.to(dtype), m.b.to(dtype), m.scaling, m.where, m.hf_path)
+                for m in self.modules]
+        return LoraSource(self.name, self.path, mods)
+
+
+def read_peft(directory: str | Path, spec: ArchitectureSpec, registry: Registry | None = None,
+              num_layers: int | None = None, name: str | None = None) -> LoraSource:
+    """The HF PEFT adapter in `directory` for architecture `spec` (targets checked before any weight
+    is read; layers checked against `num_layers` when given); errors are one line."""
     directory = Path(directory)
     if not directory.is_dir():
         raise BestiaryError(f"{directory}: no such adapter directory")
     registry = registry or default_registry()
-    spec = registry.get(model.config.architecture)
     config = read_peft_config(directory)
     _check_target_names(config, spec, registry, directory / "adapter_config.json")
     file = _weight_file(directory)
-    names = _tensor_names(file)
-    targets = _parse_targets(names, spec, registry, file, model.config.num_hidden_layers)
+    targets = _parse_targets(_tensor_names(file), spec, registry, file, num_layers)
     if not targets:
         raise BestiaryError(f"{file}: no LoRA tensors (<module>.lora_A.weight / .lora_B.weight)")
-    tensors = _read_tensors(file)
     by_module: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+    for key, t in _read_tensors(file).items():
         m = _KEY.match(key)
         by_module.setdefault(m["module"], {})[m["ab"]] = t
-    adapter = LoraAdapter(name or directory.name, directory)
+    modules = []
     for path, target in targets.items():
         pair = by_module[path]
         missing = {"A", "B"} - set(pair)
         if missing:
             raise BestiaryError(f"{file}: {path} has no lora_{missing.pop()}.weight")
-        _add_pieces(adapter, target, pair["A"], pair["B"], config, spec, model, file)
+        a, b, where = pair["A"], pair["B"], f"{file}: {path}"
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise BestiaryError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
+        if a.shape[0] != config.rank_of(path):
+            raise BestiaryError(f"{where}: lora_A has rank {a.shape[0]}, adapter_config.json says r = {config.rank_of(path)}")
+        value = spec.lora.hf_modules[target.hf_name]
+        fed = (value,) if isinstance(value, str) else tuple(value)
+        modules.append(ModuleWeights(fed, target.layer, target.expert, a, b, config.scaling_of(path), where, path))
+    return LoraSource(name or directory.name, directory, modules)
+
+
+def load_adapter(directory: str | Path, model, name: str | None = None, registry: Registry | None = None) -> LoraAdapter:
+    """Read the PEFT adapter in `directory` for `model` (a DecoderLM rank); errors are one line."""
+    registry = registry or default_registry()
+    spec = registry.get(model.config.architecture)
+    source = read_peft(directory, spec, registry, model.config.num_hidden_layers, name)
+    return place(source, model, registry)
+
+
+def place(source: LoraSource, model, registry: Registry | None = None) -> LoraAdapter:
+    """`source` on this model rank: each module's (A, B) as this rank's pieces (module docstring)."""
+    spec = (registry or default_registry()).get(model.config.architecture)
+    adapter = LoraAdapter(source.name, source.path or Path(source.name), source=source)
+    for weights in source.modules:
+        if weights.layer >= model.config.num_hidden_layers:
+            raise BestiaryError(f"{weights.where}: layer {weights.layer}, but the base model has "
+                                f"{model.config.num_hidden_layers} layers")
+        _add_pieces(adapter, weights, spec, model)
     return adapter
 
 
-def _add_pieces(adapter: LoraAdapter, target: _Target, a: torch.Tensor, b: torch.Tensor, config: PeftLoraConfig,
-                spec: ArchitectureSpec, model, file: Path) -> None:
-    """The pieces one PEFT module (A [r, in], B [out, r]) gives this rank."""
-    where = f"{file}: {target.path}"
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-        raise BestiaryError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
-    rank = config.rank_of(target.path)
-    if a.shape[0] != rank:
-        raise BestiaryError(f"{where}: lora_A has rank {a.shape[0]}, adapter_config.json says r = {rank}")
-    local = target.layer - model.layer_offset
+def _add_pieces(adapter: LoraAdapter, weights: ModuleWeights, spec: ArchitectureSpec, model) -> None:
+    """The pieces one source module (A [r, in], B [out, r]) gives this rank."""
+    local = weights.layer - model.layer_offset
     if not 0 <= local < len(model.transformer.layers):
         return  # another pipeline stage's layer
-    value = spec.lora.hf_modules[target.hf_name]
-    for module in (value,) if isinstance(value, str) else value:
+    for module in weights.modules:
         landing = LANDINGS[module]
         linear_path = f"transformer.layers.{local}.{landing.section}"
         try:
             linear = model.get_submodule(linear_path)
         except AttributeError:
-            raise BestiaryError(f"{where}: LoRA module {module} needs {linear_path}, which {spec.name} does not have") from None
+            raise BestiaryError(f"{weights.where}: LoRA module {module} needs {linear_path}, "
+                                f"which {spec.name} does not have") from None
         dtype = model.dtype
-        a_local, b_local = _place(landing, a.to(dtype), b.to(dtype), linear, model, spec, target, where)
-        expert = target.expert if landing.kind == "expert" else -1
-        piece = LoraPiece(module, a_local.contiguous(), b_local.contiguous(), config.scaling_of(target.path))
+        a_local, b_local = _place(landing, weights.a.to(dtype), weights.b.to(dtype), linear, model, spec, weights)
+        expert = weights.expert if landing.kind == "expert" else -1
+        piece = LoraPiece(module, a_local.contiguous(), b_local.contiguous(), weights.scaling)
         adapter.pieces.setdefault((linear_path, expert), []).append(piece)
 
 
@@ -228,11 +289,11 @@ def _mismatch(where: str, what: str, got: tuple, want: tuple) -> BestiaryError:
 
 
 def _place(landing: Landing, a: torch.Tensor, b: torch.Tensor, linear, model, spec: ArchitectureSpec,
-           target: _Target, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+           target: ModuleWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """(A [r, in_local], B [out_local, r]) of a LoRA module on `linear` of this rank."""
     from bestiary.core.layers.linear import Parallel
 
-    cfg, r = model.config, a.shape[0]
+    cfg, r, where = model.config, a.shape[0], target.where
     tp, tp_rank = model.tp_size, model.tp_rank
     row_parallel = linear.parallel == Parallel.ROW
     if landing.kind == "expert":
@@ -247,8 +308,8 @@ def _place(landing: Landing, a: torch.Tensor, b: torch.Tensor, linear, model, sp
         raise _mismatch(where, "lora_A", tuple(a.shape), (r, linear.in_features))
     if landing.kind in ("q", "k", "v"):
         h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-        d = model.get_submodule(linear.name.rsplit(".", 1)[0]).head_dim
-        rows = {"q": h * d, "k": kvh * d, "v": kvh * d}
+        rows = _qkv_rows(linear, model)
+        d = rows["q"] // h
         if b.shape[0] != rows[landing.kind]:
             raise _mismatch(where, "lora_B", tuple(b.shape), (rows[landing.kind], r))
         whole = torch.zeros((h + 2 * kvh) * d, r, dtype=b.dtype)
@@ -265,6 +326,32 @@ def _place(landing: Landing, a: torch.Tensor, b: torch.Tensor, linear, model, sp
     if row_parallel and tp > 1:
         a = a.chunk(tp, dim=1)[tp_rank]
     return a, b
+
+
+def _qkv_rows(linear, model) -> dict[str, int]:
+    """Full rows of q, k and v in a fused attention.qkv: H*d, KVH*d, KVH*d."""
+    d = model.get_submodule(linear.name.rsplit(".", 1)[0]).head_dim
+    h, kvh = model.config.num_attention_heads, model.config.num_key_value_heads
+    return {"q": h * d, "k": kvh * d, "v": kvh * d}
+
+
+def module_dims(model, module: str, layer: int) -> tuple[int, int]:
+    """(Hi, Ho): the full (all ranks) input and output sizes of LoRA module `module` of `layer`
+    (a layer of another pipeline stage: this stage's first layer, the layers being alike)."""
+    landing = LANDINGS[module]
+    local = layer - model.layer_offset
+    if layer >= model.config.num_hidden_layers:
+        raise BestiaryError(f"LoRA module {module}: layer {layer}, but the base model has "
+                            f"{model.config.num_hidden_layers} layers")
+    path = f"transformer.layers.{local if 0 <= local < len(model.transformer.layers) else 0}.{landing.section}"
+    try:
+        linear = model.get_submodule(path)
+    except AttributeError:
+        raise BestiaryError(f"LoRA module {module} needs {landing.section}, which "
+                            f"{model.config.architecture} does not have") from None
+    if landing.kind in ("q", "k", "v"):
+        return linear.in_features, _qkv_rows(linear, model)[landing.kind]
+    return linear.in_features, linear.out_features
 
 
 def _postprocess_rows(key: str, b: torch.Tensor, model, spec: ArchitectureSpec, column: bool, where: str) -> torch.Tensor:

@@ -1,48 +1,33 @@
-"""`LoraRequest(name, path)`: which adapter a request runs with; the store loads each one once.
+"""`LoraRequest`: which adapter a request runs with, and the weights its first request brings.
 
-The first request naming an adapter loads it from `path` (checked against the model); later
-requests with the same name reuse it, path or not. A name already loaded from another path
-is an error: names identify adapters, as TensorRT-LLM's lora_task_id does.
+A request names its adapter by `name` (TensorRT-LLM's lora_task_id: a string or an integer,
+compared as text). The first request of a name brings the weights, as an HF PEFT dir (`path`)
+or as the seed's tensors (`weights` [num_module_layers, D*Hi + Ho*D] and `config`
+[num_module_layers, 3], numpy or torch: core.lora.seed_tensors); later requests may give the
+name alone while the adapter is cached (core.lora.cache).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from bestiary.core.format.errors import BestiaryError
-from bestiary.core.lora.adapter import LoraAdapter, load_adapter
+from typing import Any
 
 
 @dataclass(frozen=True)
 class LoraRequest:
-    """An adapter for a request: `name` identifies it; `path` (an HF PEFT dir) is read on first use."""
+    """An adapter for a request: `name` (the task id) identifies it; `path` or `weights` + `config` bring it."""
 
-    name: str
+    name: str | int
     path: str | Path | None = None
+    weights: Any = field(default=None, compare=False, repr=False)
+    config: Any = field(default=None, compare=False, repr=False)
 
+    @property
+    def task_id(self) -> str:
+        """The cache key: `name` as text."""
+        return str(self.name)
 
-class LoraStore:
-    """The adapters loaded for one model rank, by name."""
-
-    def __init__(self, model, registry=None) -> None:
-        self.model, self.registry = model, registry
-        self.adapters: dict[str, LoraAdapter] = {}
-
-    def get(self, request: LoraRequest | None) -> LoraAdapter | None:
-        """The adapter of `request` (None: the base model), loading it on first use."""
-        if request is None:
-            return None
-        if not isinstance(request, LoraRequest):
-            raise BestiaryError(f"lora: expected a LoraRequest or None, got {type(request).__name__}")
-        known = self.adapters.get(request.name)
-        if known is not None:
-            if request.path is not None and Path(request.path).resolve() != known.path.resolve():
-                raise BestiaryError(f"LoRA adapter {request.name!r} is already loaded from {known.path}, "
-                                    f"not {request.path}: give another name")
-            return known
-        if request.path is None:
-            raise BestiaryError(f"LoRA adapter {request.name!r} is not loaded yet: give its path")
-        adapter = load_adapter(request.path, self.model, request.name, self.registry)
-        self.adapters[request.name] = adapter
-        return adapter
+    @property
+    def brings_weights(self) -> bool:
+        return self.path is not None or self.weights is not None or self.config is not None

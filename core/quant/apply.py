@@ -21,8 +21,9 @@ def quantized_linears(model: nn.Module) -> dict[str, Linear]:
 
 
 def install_quantization(model: nn.Module, config: PretrainedConfig) -> None:
-    """Install a WeightOnlySlot in every Linear that `config.quantization` selects, and the
-    INT8/FP8 KV cache scales (core.quant.kv) in every attention layer."""
+    """Install a WeightOnlySlot in every Linear that `config.quantization` selects (a Linear whose
+    layer set `keep_float = True` on it, e.g. a MoE gate, never), and the INT8/FP8 KV cache
+    scales (core.quant.kv) in every attention layer."""
     if config.quantization.kv_cache_quant_algo:
         install_kv_quant(model, config.quantization.kv_cache_quant_algo)
     lq = linear_quant_of(config.quantization)
@@ -33,7 +34,8 @@ def install_quantization(model: nn.Module, config: PretrainedConfig) -> None:
     else:
         slot_class = WeightOnlySlot
     for path, module in model.named_modules():
-        if isinstance(module, Linear) and quantizes(module.name or path, config.quantization):
+        if isinstance(module, Linear) and not getattr(module, "keep_float", False) \
+                and quantizes(module.name or path, config.quantization):
             slot_class.install(module, lq)
 
 

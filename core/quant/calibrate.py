@@ -54,11 +54,21 @@ def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_po
 
 
 def check_calibratable(config: PretrainedConfig) -> None:
-    """KV scales are calibrated on one rank: refuse multi-rank conversions up front."""
+    """KV scales are calibrated on the whole model (tp ranks: a tp 1 conversion, see
+    copy_kv_scales); pipeline stages are not joined: refuse pp > 1 up front."""
     algo = config.quantization.kv_cache_quant_algo
-    if algo and config.mapping.world_size > 1:
+    if algo and config.mapping.pp_size > 1:
         flag = "--int8_kv_cache" if algo == "INT8" else "--fp8_kv_cache"
-        raise ConfigError(f"{flag}: KV scales are calibrated on a single rank; convert with --tp_size 1 --pp_size 1")
+        raise ConfigError(f"{flag}: KV scales are calibrated on a single pipeline stage; convert with --pp_size 1")
+
+
+def copy_kv_scales(tp1_dir: Path, directory: Path, world_size: int) -> None:
+    """Write the KV scales calibrated in the tp 1 checkpoint `tp1_dir` into every rank file of
+    `directory` (a layer's scale is replicated: one amax over all kv heads, as at tp 1)."""
+    scales = {k: v for k, v in load_rank_weights(tp1_dir, 0).items() if k.endswith(f".{SCALE_NAME}")}
+    for rank in range(world_size):
+        for key, tensor in scales.items():
+            patch_tensor(rank_file(directory, rank), key, tensor)
 
 
 def patch_tensor(path: Path, key: str, tensor: torch.Tensor) -> None:

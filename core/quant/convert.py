@@ -49,11 +49,21 @@ def loader_targets(
 
 
 def quantize_loaded(key: str, weight: torch.Tensor, slot: WeightOnlySlot, scale_dtype: torch.dtype,
-                    stats=None) -> dict[str, torch.Tensor]:
+                    stats=None, row_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Float weight of `key` (ending in .weight) -> {checkpoint key: tensor} of the packed weight and its
-    scales; `stats`: the layer's calibration input statistics (core.quant.calibrated), if any."""
+    scales; `stats`: the layer's calibration input statistics (core.quant.calibrated), if any;
+    `row_amax`: see needs_row_amax."""
+    if row_amax is not None:
+        return checkpoint_names(key, slot.quantize(weight, scale_dtype, row_amax=row_amax))
     packed = slot.quantize(weight, scale_dtype) if stats is None else slot.quantize(weight, scale_dtype, stats)
     return checkpoint_names(key, packed)
+
+
+def needs_row_amax(target: Target, slot: WeightOnlySlot, tp_size: int) -> bool:
+    """Whether a rank's int8 weight is the columns of a row-parallel layer (weight tp_dim 1) on tp > 1:
+    its per-channel scales are replicated (WeightOnlySlot.tp_dim), so they must come from the whole
+    rows, as at tp 1, not from the rank's columns."""
+    return tp_size > 1 and slot.lq.bits == 8 and target.tp_dim == 1
 
 
 def checkpoint_names(key: str, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

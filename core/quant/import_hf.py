@@ -52,6 +52,8 @@ class HFQuant:
     zero_offset: int  # added to stored zero points (GPTQ v1 checkpoints: 1)
     origin: str  # the file it was read from, for messages
     bits: int = 4  # fastllm: 8 (W8A16) or 4 (W4A16)
+    activation_group: int | None = None  # fastllm: FastLLM's input quantization group (None: per row)
+    activation_quant: str | None = None  # fastllm: quantization.activation_quant of the converted model
 
     @property
     def algo(self) -> str:
@@ -81,7 +83,8 @@ def read_hf_quant(source: ModelSource) -> HFQuant | None:
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method == "fastllm" and source.format == "flm":  # core.sources.flm_source: codes read as they are
-        return HFQuant("fastllm", int(qc["group_size"]), 0, str(source.path), int(qc["bits"]))
+        return HFQuant("fastllm", int(qc["group_size"]), 0, str(source.path), int(qc["bits"]),
+                       qc.get("activation_group"), qc.get("activation_quant"))
     if method not in ALGOS:
         raise ConfigError(f"{origin}: quantization_config.quant_method {method!r}: expected awq or gptq "
                           f"(the pre-quantized formats bestiary imports)")
@@ -109,6 +112,9 @@ def import_quant_config(hq: HFQuant, requested: QuantConfig | None) -> QuantConf
                           f"convert it without weight quantization flags")
     kv = requested.kv_cache_quant_algo if requested is not None else None
     group = hq.group_size if hq.method == "fastllm" else hf_formats.canonical_group(hq.group_size)
+    if hq.method == "fastllm" and hq.activation_quant:  # run as FastLLM does: its matmuls quantize inputs
+        return QuantConfig(quant_algo=hq.algo, kv_cache_quant_algo=kv, group_size=group, has_zero_point=True,
+                           activation_quant=hq.activation_quant, activation_group_size=hq.activation_group)
     return QuantConfig(quant_algo=hq.algo, kv_cache_quant_algo=kv, group_size=group, has_zero_point=True)
 
 

@@ -38,18 +38,24 @@ class LinearQuant:
     bits: int
     group_size: int = 0  # 0: per output channel
     has_zero_point: bool = False
+    act_quant: str | None = None  # weight-only: dynamic input quantization (core.quant.online_act)
+    act_group: int | None = None  # its group of inputs (None: the whole row)
 
 
 def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
     """The weight layout of `quant`'s algorithm (None: weights stay float)."""
     algo = quant.quant_algo
+    if quant.activation_quant is not None and algo not in WEIGHT_ONLY_ALGOS:
+        raise ConfigError(f"quantization.activation_quant {quant.activation_quant!r}: only with a weight-only "
+                          f"quant_algo ({', '.join(WEIGHT_ONLY_ALGOS)}), not {algo!r}")
+    act = {"act_quant": quant.activation_quant, "act_group": quant.activation_group_size}
     if algo is None:
         return None
     if algo in INT8_ALGOS:  # zero points: imported asymmetric int8 (FastLLM .flm)
-        return LinearQuant(algo, 8, has_zero_point=quant.has_zero_point)
+        return LinearQuant(algo, 8, has_zero_point=quant.has_zero_point, **act)
     if algo in INT4_ALGOS:
         zero = quant.has_zero_point or algo != "W4A16"
-        return LinearQuant(algo, 4, quant.group_size, zero)
+        return LinearQuant(algo, 4, quant.group_size, zero, **act)
     if algo in ("FP8", "W8A8_SQ_PER_CHANNEL"):
         return LinearQuant(algo, 8)
     if algo == "W4A8_AWQ":

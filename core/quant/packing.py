@@ -38,10 +38,14 @@ CPU_INT4_BLOCK_N = 64  # rows per block of the aten CPU int4 layout
 # --- int8 per channel --------------------------------------------------------------------
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q int8 [N, K], s float32 [N]) with w ~ q * s[:, None]."""
+def quantize_int8_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int8 [N, K], s float32 [N]) with w ~ q * s[:, None], s = amax / 127.
+
+    amax [N]: max |w| of each whole row, when w is a row-parallel rank's columns (its scales are
+    then the tp 1 scales, the same on every rank); default w's own."""
     w = w.float()
-    s = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX  # [N]
+    amax = w.abs().amax(dim=1) if amax is None else amax.float()
+    s = amax.clamp(min=1e-12) / INT8_MAX  # [N]
     q = torch.round(w / s[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, s
 

@@ -18,7 +18,8 @@ y = x W^T + b on the CPU: a step of at most `max_kernel_tokens` tokens (decode) 
 compiled weight-only GEMV (float32 math on x as given, output in x's dtype), or without it
 the aten weight-only kernel on x cast to the compute dtype (bfloat16, the "A16" of
 W8A16/W4A16); a longer step (prefill, big batches) dequantizes W and runs one dense matmul,
-which is faster there (AMX).
+which is faster there (AMX). With `quantization.activation_quant` set, x is first replaced by
+its dynamic uint8 reading (core.quant.online_act: what FastLLM's int8 / int4 matmuls multiply).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
-from bestiary.core.quant import packing
+from bestiary.core.quant import online_act, packing
 from bestiary.core.quant.modes import LinearQuant, check_linear
 from bestiary.core.quant.packing import Int4Codes
 from torch import nn
@@ -88,6 +89,8 @@ class WeightOnlySlot:
         if lq.has_zero_point:  # int4: [N, groups]; int8: [N] (imported asymmetric int8, FastLLM .flm)
             linear.zeros = _param(torch.empty_like(linear.weights_scaling_factor))
         slot = cls(lq, (n, k))
+        if lq.act_quant is not None:  # FastLLM scales its integer dot in float32: so do these matmuls
+            slot.compute_dtype = torch.float32
         if lq.algo in PERMUTED_ALGOS:
             linear.in_perm = _param(torch.empty(k, dtype=torch.int32, device=device))
             slot.in_offset = linear.tp_rank * k if linear.parallel == "row" and linear.tp_size > 1 else 0
@@ -105,17 +108,19 @@ class WeightOnlySlot:
             return 0
         return 1 if self.lq.bits == 4 else -1
 
-    def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None) -> dict[str, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None,
+                 row_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Float weight [N, K] -> {parameter name: tensor} in the checkpoint layout.
 
         Round to nearest, or, int4 with `stats` (core.quant.activations.LinearInputStats
-        holding the input Hessian), GPTQ (core.quant.gptq)."""
+        holding the input Hessian), GPTQ (core.quant.gptq). int8 `row_amax` [N]: the whole rows'
+        max |w| of a row-parallel rank (its per-channel scales are replicated: tp_dim -1)."""
         if tuple(w.shape) != (self.out_local, self.in_local):
             raise ValueError(f"weight {tuple(w.shape)} does not match the layer's {(self.out_local, self.in_local)}")
         if self.lq.bits == 8:
             if stats is not None:
                 raise ValueError("int8 weights are rounded to nearest: no calibration statistics expected")
-            q, s = packing.quantize_int8_per_channel(w)
+            q, s = packing.quantize_int8_per_channel(w, row_amax)
             out = {"weight": q, "weights_scaling_factor": s.to(scale_dtype)}
             if self.lq.has_zero_point:  # symmetric rounding: zero points 0
                 out["zeros"] = torch.zeros_like(out["weights_scaling_factor"])
@@ -202,6 +207,8 @@ class WeightOnlySlot:
     def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+        if self.lq.act_quant is not None:  # quantization.activation_quant: x2 <- its uint8 reading, float32
+            x2 = online_act.fastllm_uint8(x2, self.lq.act_group)
         zero_term = getattr(linear, "zeros", None) if self.lq.bits == 8 else None  # int8 kernels have no z
         perm = self.input_perm(linear, x.device)
         if perm is not None:
@@ -209,7 +216,7 @@ class WeightOnlySlot:
         if x.device.type != "cpu":
             y = self._device_matmul(linear, x2)
         elif self._packed is not None and x2.dtype in (torch.float32, torch.bfloat16):
-            y = self._compiled_matmul(x2)
+            y = self._compiled_matmul(x2).to(x.dtype)
         else:
             xc = x2.to(self.compute_dtype)
             if x2.shape[0] <= self.max_kernel_tokens and self._kernel_scales is not None:

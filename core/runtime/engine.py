@@ -24,6 +24,23 @@ def validate_model_config(data: dict, source: str, registry: Registry | None = N
     return validate_config(resolve(spec.config_class), data, source)
 
 
+def check_world(directory: Path, config: PretrainedConfig) -> None:
+    """A multi-rank engine loads inside a torch.distributed world of its size (LLM, `bestiary run`
+    and step_broadcast.load_engine start one); pipeline parallelism is not run yet."""
+    m = config.mapping
+    if m.world_size == 1:
+        return
+    if m.pp_size > 1:
+        raise BestiaryError(f"{directory}: pipeline parallelism (pp_size {m.pp_size}) is not available yet: "
+                            f"convert with --pp_size 1")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world != m.world_size:
+        raise BestiaryError(
+            f"{directory}: has {m.world_size} ranks (tp {m.tp_size}); load it with LLM(...) or `bestiary run`, "
+            f"which start its ranks (this process is in a world of {world})"
+        )
+
+
 @dataclass
 class Engine:
     """A loaded model for one rank, its limits and its tokenizer."""
@@ -33,6 +50,7 @@ class Engine:
     build: BuildConfig
     model: DecoderLM
     tokenizer: Tokenizer | None
+    group: object | None = None  # the WorkerGroup driving the other ranks (core.runtime.step_broadcast)
 
     @classmethod
     def load(
@@ -56,11 +74,7 @@ class Engine:
             model_data, build = data, BuildConfig()
         config = validate_model_config(model_data, str(directory / "config.json"), registry)
         build = finalize_build_config(build, model_data)
-        if config.mapping.world_size > 1:
-            raise BestiaryError(
-                f"{directory}: has {config.mapping.world_size} ranks (tp {config.mapping.tp_size}, "
-                f"pp {config.mapping.pp_size}); multi-rank execution is not available yet: convert with --tp_size 1"
-            )
+        check_world(directory, config)
         spec = registry.get(config.architecture)
         try:
             with torch.device("meta"):

@@ -33,11 +33,12 @@ def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     bs = build.tokens_per_block
     blocks = list(range(blocks_for(len(ids), bs)))
     kv = KVCache.for_model(model, len(blocks), bs)
+    device = kv.k.device
     out = []
     for start in range(0, len(ids), build.max_num_tokens):
         chunk = ids[start : start + build.max_num_tokens]
-        meta = sequence_metadata(model, ids, start, len(chunk), blocks, bs)  # the window is the prompt
-        out.append(model(torch.tensor(chunk), meta, kv, all_logits=True).float())
+        meta = sequence_metadata(model, ids, start, len(chunk), blocks, bs, device)  # the window is the prompt
+        out.append(model(torch.tensor(chunk, device=device), meta, kv, all_logits=True).float().cpu())
     return torch.cat(out)
 
 

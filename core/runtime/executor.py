@@ -14,6 +14,11 @@ Each `step()`:
 n > 1 samples of one prompt: the request computes the prompt once; its n - 1 siblings wait,
 parked, until the prompt is in the cache, then fork its block table (full blocks shared,
 the partial last block copied) and sample their first tokens from the same logits row.
+
+Speculative decoding (core.runtime.speculative, Executor(speculative=...)): in an all-decode
+step, step 2 follows each plain decoding row with its k draft tokens as one-token rows over
+the same block table; after step 3's forward, `Speculator.verify` accepts a prefix of the
+drafts, appends them and one more token, and rolls the request's K/V back to what it kept.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.layers.attention_window import blocks_held_at_most, releasable_blocks
 from bestiary.core.lora.adapter import LoraAdapter
 from bestiary.core.lora.batch import AdapterStack, StepLora
 from bestiary.core.runtime.beam import Beam, BeamSearch, fork_block_tables
@@ -37,10 +43,13 @@ from bestiary.core.runtime.kv_cache import (
     check_pool_fits,
     fork_table,
     pool_tokens,
+    truncate_table,
 )
+from bestiary.core.runtime.kv_window import held, release_outside, release_window, request_window
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ends_with_any
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, sample
+from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, Speculator
 
 _ids = itertools.count()
 LORA_STACKS = 8  # stacked adapter sets kept (a step's set is usually the previous step's)
@@ -73,9 +82,15 @@ class Request:
     search: BeamSearch | None = None  # beam_width > 1
     context_logits: list[torch.Tensor] = field(default_factory=list)  # [n, V] float32 per prefill chunk
     lora: LoraAdapter | None = None  # the request's adapter (core.lora), None: the base model
+    lora_held: bool = False  # this sequence holds its adapter in the LoRA cache until it ends
     index: int = 0  # which of the prompt's n samples this is
     siblings: list[Request] = field(default_factory=list)  # samples 1..n-1 (on sample 0 only)
     forked: bool = False  # the siblings have taken the prompt's blocks
+    window: int = 0  # attention window and sinks (core.runtime.kv_window; 0: none)
+    sinks: int = 0
+    release_window: int = 0  # blocks past this window are released (0: none are)
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
+    spec: AcceptanceStats = field(default_factory=AcceptanceStats)  # its speculative steps so far
 
     @property
     def group(self) -> list[Request]:
@@ -94,7 +109,8 @@ class Request:
 class Executor:
     """Runs requests on one model rank with in-flight batching."""
 
-    def __init__(self, model, build, device: str = "cpu", kv_cache_config: KvCacheConfig | None = None) -> None:
+    def __init__(self, model, build, device: str = "cpu", kv_cache_config: KvCacheConfig | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.model = model
         self.build = build
         self.device = device
@@ -109,8 +125,10 @@ class Executor:
         self.allocator = BlockAllocator(num_blocks, build.tokens_per_block, enable_reuse=self.reuse)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._lora_stacks: dict[tuple[str, ...], AdapterStack] = {}  # adapter names -> stacked weights
-        self._lora_roots: dict[str, BlockKey] = {}
+        self._lora_stacks: dict[tuple, AdapterStack] = {}  # (name, uid) of each adapter -> stacked weights
+        self._lora_roots: dict[str | tuple, BlockKey] = {}  # adapter name (, window, sinks) -> root key
+        self.lora_cache = None  # a core.lora.cache.LoraCache: sequences hold their adapter's id until they end
+        self.speculator = Speculator.for_executor(speculative, self) if speculative else None
 
     # --- requests ----------------------------------------------------------------------
     def add(self, prompt: list[int], sampling: SamplingConfig, stop_ids: set[int] | None = None,
@@ -142,11 +160,20 @@ class Executor:
             self._prepare_sampling(member, vocab)
         req = group[0]
         req.siblings = group[1:]
+        window, sinks = request_window(sampling, self.build)
+        released = release_window(self.model.attention_windows, window, sinks)
         for member in group:
             member.lora = lora
+            member.window, member.sinks = window, sinks
+            member.release_window = released if self._width(req) == 1 else 0  # beams / samples keep their blocks
         if self._need_blocks(req) > self.allocator.num_blocks:
             raise BestiaryError(f"request of {self._max_len(req)} tokens x {self._width(req)} sequences "
                                 "does not fit the KV cache")
+        if lora is not None and self.lora_cache is not None:  # the caller took one hold; one per sample
+            for member in group:
+                member.lora_held = True
+            for _ in group[1:]:
+                self.lora_cache.acquire(lora)
         self.waiting.append(req)
         return req
 
@@ -188,8 +215,16 @@ class Executor:
 
     def _need_blocks(self, req: Request) -> int:
         """Most blocks `req` can hold at once: beams (or samples) share the prompt's full
-        blocks and hold at most the rest of the length each."""
-        return len(req.prompt) // self.build.tokens_per_block + self._width(req) * self._own_blocks(req)
+        blocks and hold at most the rest of the length each. Under a window whose blocks are
+        released (core.runtime.kv_window), at most the window's blocks for the largest step."""
+        bs = self.build.tokens_per_block
+        whole = len(req.prompt) // bs + self._width(req) * self._own_blocks(req)
+        if not req.release_window:
+            return whole
+        speculator = getattr(self, "speculator", None)
+        step = max(min(self.build.max_num_tokens, len(req.prompt)),
+                   1 + (speculator.config.num_draft_tokens if speculator is not None else 0))
+        return min(whole, blocks_held_at_most(req.release_window, req.sinks, step, bs))
 
     def cancel(self, req: Request) -> None:
         """Stop a request (every sample of it) now; its blocks go back to the pool."""
@@ -205,19 +240,24 @@ class Executor:
     def _finish(self, req: Request, reason: str) -> None:
         if req.finish_reason is None:
             req.finish_reason = reason
+        if req.lora_held:
+            req.lora_held = False
+            self.lora_cache.release(req.lora)
         if not req.forked:  # parked siblings end with the request that would have forked them
             req.forked = True
             for sibling in req.siblings:
                 self._finish(sibling, reason)
         if req in self.running:
             self.running.remove(req)
-        self.allocator.free(req.blocks)
+        self.allocator.free(held(req.blocks))
         if req.search is not None:
             for beam in req.search.beams:
                 self.allocator.free(beam.blocks)
                 beam.blocks = []
         self.allocator.reserved -= req.reserved
         req.blocks, req.reserved = [], 0
+        if self.speculator is not None:
+            self.speculator.drafter.release(req.id)
 
     @property
     def has_work(self) -> bool:
@@ -229,14 +269,19 @@ class Executor:
         return self.allocator.peak_used * self.kv.bytes_per_block
 
     def check_kv_accounting(self) -> None:
-        """Invariant for tests: a request holds exactly the blocks of its cached tokens, and the
-        pool's blocks in use never exceed the running requests' tokens rounded up to blocks."""
+        """Invariant for tests: a request's table covers exactly its cached tokens, a windowed one
+        holds no more blocks than its window's, and the pool's blocks in use never exceed the
+        blocks the running requests hold."""
         bs, bound = self.build.tokens_per_block, 0
         for req in self.running:
             for seq in req.search.beams if req.search is not None and req.search.beams else [req]:
                 if len(seq.blocks) != blocks_for(seq.num_cached, bs):
                     raise AssertionError(f"request {req.id} holds {len(seq.blocks)} blocks for {seq.num_cached} tokens")
-                bound += blocks_for(seq.num_cached, bs)
+                holding = len(held(seq.blocks))
+                if req.release_window and holding > self._need_blocks(req):
+                    raise AssertionError(f"request {req.id} holds {holding} blocks, more than its window's "
+                                         f"{self._need_blocks(req)}")
+                bound += holding
         if self.allocator.num_used > bound:
             raise AssertionError(f"{self.allocator.num_used} KV blocks in use for {bound} blocks of tokens")
 
@@ -257,20 +302,29 @@ class Executor:
             need = self._need_blocks(req)
             queried = (len(req.prompt) - 1) // bs if self.reuse and req.reuse_prefix else 0
             keys, hits = self.allocator.lookup(req.prompt, queried, self._lora_root(req))
-            if not self.allocator.can_reserve(need - self.allocator.shared(hits)):
+            outside = releasable_blocks(len(hits) * bs, req.release_window, req.sinks, bs)  # hits past the window
+            kept = [h for i, h in enumerate(hits) if i not in outside]
+            if not self.allocator.can_reserve(need - self.allocator.shared(kept)):
                 break
             self.waiting.popleft()
             if queried:
                 self.allocator.acquire(hits, queried)
             req.blocks, req.block_keys, req.num_cached = hits, keys, len(hits) * bs
-            req.reserved = need - len(hits)
+            release_outside(self.allocator, req.blocks, req.num_cached, req.release_window, req.sinks, bs)
+            req.reserved = need - len(kept)
             self.allocator.reserved += req.reserved
             self.running.append(req)
 
     def _lora_root(self, req: Request) -> BlockKey | None:
         """The parent of a request's first block: None for the base model, the adapter's own key
-        otherwise (K/V computed with an adapter are reused only by requests with the same one)."""
-        return None if req.lora is None else self._lora_roots.setdefault(req.lora.name, BlockKey(None, ("lora", req.lora.name)))
+        otherwise (K/V computed with an adapter are reused only by requests with the same one),
+        under a key of the request's window and sinks when it has its own (they change K/V too)."""
+        lora = None if req.lora is None else ("lora", req.lora.name, req.lora.uid)  # a re-read adapter: new K/V
+        root = None if lora is None else self._lora_roots.setdefault(lora, BlockKey(None, lora))
+        if not (req.window or req.sinks):
+            return root
+        name = (lora, req.window, req.sinks)
+        return self._lora_roots.setdefault(name, BlockKey(root, ("window", req.window, req.sinks)))
 
     def _step_lora(self, work: list[tuple[Request, Request | Beam, int]]) -> StepLora | None:
         """The step's LoRA (meta.lora): its adapters stacked (cached per set of names), a slot per sequence."""
@@ -278,9 +332,10 @@ class Executor:
         if not adapters:
             return None
         names = tuple(sorted(adapters))
-        stack = self._lora_stacks.pop(names, None) or AdapterStack([adapters[n] for n in names], self.model.dtype,
-                                                                    self.device)
-        self._lora_stacks[names] = stack  # most recent last
+        key = tuple((n, adapters[n].uid) for n in names)  # a re-read adapter is another stack
+        stack = self._lora_stacks.pop(key, None) or AdapterStack([adapters[n] for n in names], self.model.dtype,
+                                                                  self.device)
+        self._lora_stacks[key] = stack  # most recent last
         while len(self._lora_stacks) > LORA_STACKS:
             self._lora_stacks.pop(next(iter(self._lora_stacks)))
         slots = [names.index(r.lora.name) if r.lora is not None else -1 for r, _, _ in work]
@@ -301,6 +356,14 @@ class Executor:
             seq.blocks += self.allocator.allocate(extra)
             req.reserved -= extra
             self.allocator.reserved -= extra
+
+    def _release_outside_window(self, req: Request) -> None:
+        """Give the blocks no later query of `req` sees back to the pool (core.runtime.kv_window);
+        they return to the request's reservation, which bounds what it holds at once."""
+        released = release_outside(self.allocator, req.blocks, req.num_cached, req.release_window, req.sinks,
+                                   self.build.tokens_per_block)
+        req.reserved += released
+        self.allocator.reserved += released
 
     def _fork_samples(self, req: Request) -> None:
         """Start req's parked siblings from its computed prompt: each shares the full blocks,
@@ -343,6 +406,8 @@ class Executor:
         work = self._schedule()
         if not work:
             return []
+        if self.speculator is not None:  # a drafted decode row -> 1 + k one-token rows (verify folds them back)
+            work = self.speculator.draft(self, work)
         ids: list[int] = []
         for req, seq, n in work:
             self._grow(req, seq, seq.num_cached + n)
@@ -354,6 +419,8 @@ class Executor:
             prefix_lens=[self.model.prefix_len(s.prompt) for _, s, _ in work] if self.model.mask_kind != "causal" else None,
         )
         meta.lora = self._step_lora(work)
+        if any(r.window or r.sinks for r, _, _ in work):  # per-sequence windows (the layers narrow them)
+            meta.windows, meta.sinks = [r.window for r, _, _ in work], [r.sinks for r, _, _ in work]
         context = [r.sampling.output_context_logits and s is r and r.num_cached < len(r.prompt) for r, s, _ in work]
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=any(context))
         if any(context):  # logits [T, V]: keep the prompt rows of the requests that asked
@@ -362,6 +429,9 @@ class Executor:
                 if context[i]:
                     req.context_logits.append(logits[offsets[i] : offsets[i] + n].float().clone())
             logits = logits.index_select(0, meta.last_token_index)  # [B, V]
+        produced = []
+        if self.speculator is not None:  # drafted rows: accepted, rolled back and done as (req, req, 0)
+            work, logits, produced = self.speculator.verify(self, work, logits)
         ready = []
         for i, (req, seq, n) in enumerate(work):
             seq.num_cached += n
@@ -369,6 +439,9 @@ class Executor:
                 self._cache_full_blocks(req)
             if seq.num_cached == len(seq.tokens):
                 ready.append(i)
+        for req, seq, _ in work:
+            if seq is req and req.release_window and not req.finished:
+                self._release_outside_window(req)
         forks = [i for i in ready if work[i][0].siblings and not work[i][0].forked]
         for i in forks:  # the siblings sample their first tokens from their request's row
             self._fork_samples(work[i][0])
@@ -377,7 +450,23 @@ class Executor:
         if forks:
             rows = [i for i in forks for _ in work[i][0].siblings]
             logits = torch.cat([logits, logits[rows]])  # [B + forked siblings, V]
-        return self._choose(work, ready, logits) if ready else []
+        return produced + (self._choose(work, ready, logits) if ready else [])
+
+    def _accept(self, req: Request, tokens: list[int], produced: list[tuple[Request, int]]) -> None:
+        """Append the tokens a verification emitted (up to a stop); keep the K/V of every token but
+        the newest (its K/V come with the next step) and free the blocks past them (rollback)."""
+        for token in tokens:
+            req.output.append(token)
+            produced.append((req, token))
+            self._check_stop(req, token)
+            if req.finished:
+                return
+        req.num_cached = len(req.tokens) - 1
+        freed = truncate_table(self.allocator, req.blocks, req.num_cached, self.build.tokens_per_block)
+        req.reserved += freed
+        self.allocator.reserved += freed
+        if self.reuse:
+            self._cache_full_blocks(req)
 
     def _choose(self, work, ready: list[int], logits: torch.Tensor) -> list[tuple[Request, int]]:
         """Next tokens of the ready rows of logits [B, V]: plain requests in one batched call,

@@ -91,6 +91,16 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
+        # (dst, src) block copies not yet replayed on the other ranks (core.runtime.step_broadcast);
+        # None: no other ranks mirror this pool
+        self.pending_copies: list[tuple[int, int]] | None = None
+
+    def copy_block(self, dst: int, src: int) -> None:
+        """K and V of block `src` (every layer) into block `dst`; recorded for the mirroring ranks."""
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])
+        if self.pending_copies is not None:
+            self.pending_copies.append((dst, src))
 
     @staticmethod
     def shape_for(model) -> tuple[int, int, int]:
@@ -144,9 +154,19 @@ def fork_table(allocator: BlockAllocator, kv: KVCache, blocks: list[int], num_ca
     if num_cached % tokens_per_block == 0:
         return table, 0
     (block,) = allocator.allocate(1)
-    kv.k[:, block].copy_(kv.k[:, blocks[full]])
-    kv.v[:, block].copy_(kv.v[:, blocks[full]])
+    kv.copy_block(block, blocks[full])
     return table + [block], 1
+
+
+def truncate_table(allocator: BlockAllocator, blocks: list[int], num_tokens: int, tokens_per_block: int) -> int:
+    """Roll a sequence back to its first `num_tokens` tokens: drop (in place) and free the blocks
+    of `blocks` past blocks_for(num_tokens). Slots past num_tokens in the kept last block hold
+    dead K/V that the next write overwrites. Returns the number of blocks freed."""
+    keep = blocks_for(num_tokens, tokens_per_block)
+    extra = blocks[keep:]
+    allocator.free(extra)
+    del blocks[keep:]
+    return len(extra)
 
 
 class BlockKey:

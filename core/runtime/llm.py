@@ -24,12 +24,16 @@ from bestiary.core.format.cache import cache_dir, record_entry, source_key
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.format.output_dir import config_kind
 from bestiary.core.lora.adapter import LoraAdapter
-from bestiary.core.lora.store import LoraRequest, LoraStore
-from bestiary.core.runtime.engine import Engine
+from bestiary.core.lora.bundle import bundled_adapters, engine_lora
+from bestiary.core.lora.cache import LoraCache, LoraCacheConfig
+from bestiary.core.lora.store import LoraRequest
 from bestiary.core.runtime.executor import Executor, Request
 from bestiary.core.runtime.kv_cache import KvCacheConfig
 from bestiary.core.runtime.sampling import SamplingConfig
+from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, speculative_config
+from bestiary.core.runtime.step_broadcast import load_engine, release
 from bestiary.core.runtime.text_deltas import TextDeltas
+from bestiary.core.runtime.worker_group import check_device
 
 
 def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = False) -> Path:
@@ -132,6 +136,7 @@ class Completion:
     beams: list[BeamCompletion] = field(default_factory=list)
     top_log_probs: list[list[tuple[int, float]]] | None = None  # per token: (id, log p) x top_log_probs
     samples: list[Completion] = field(default_factory=list)  # n > 1: all n samples (this one's fields: sample 0)
+    speculative: AcceptanceStats | None = None  # drafted / accepted tokens (LLM(speculative=...) only)
 
 
 @dataclass
@@ -168,14 +173,24 @@ class LLM:
 
     def __init__(
         self, path: str | Path, dtype: str = "auto", num_threads: int | None = None, registry=None,
-        kv_cache_config: KvCacheConfig | None = None, allow_nonfinite: bool = False,
+        kv_cache_config: KvCacheConfig | None = None, allow_nonfinite: bool = False, device: str = "cpu",
+        speculative: SpeculativeConfig | dict | None = None, lora_cache_config: LoraCacheConfig | dict | None = None,
     ) -> None:
+        """device: "cpu", "cuda" or "cuda:N" (a tp > 1 engine's rank r on cuda:N + r). An engine with
+        tp_size > 1 starts its ranks (core.runtime.worker_group); under torchrun a rank other than 0
+        serves rank 0's steps inside this constructor and then exits."""
+        check_device(device)
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.engine = Engine.load(ensure_engine(path, dtype), registry=registry, allow_nonfinite=allow_nonfinite)
+        self.engine = load_engine(ensure_engine(path, dtype), device=device, registry=registry,
+                                  allow_nonfinite=allow_nonfinite, num_threads=num_threads)
         self.tokenizer = self.engine.tokenizer
-        self.executor = Executor(self.engine.model, self.engine.build, kv_cache_config=kv_cache_config)
-        self.lora_store = LoraStore(self.engine.model, registry)  # adapters by name, each loaded once
+        self.executor = Executor(self.engine.model, self.engine.build, device=str(next(self.engine.model.parameters()).device),
+                                 kv_cache_config=kv_cache_config, speculative=speculative_config(speculative))
+        # the two-level LoRA cache (adapters by task id); the executor's requests hold their ids
+        self.lora_store = LoraCache(self.engine.model, registry, LoraCacheConfig.model_validate(lora_cache_config or {}),
+                                    bundled_adapters(self.engine.directory), engine_lora(self.engine.directory))
+        self.executor.lora_cache = self.lora_store
         self.last_stats = GenerationStats()
         self._worker: ThreadPoolExecutor | None = None  # the one thread that calls the executor (async API)
         self._streams: dict[int, _Stream] = {}  # request id -> stream; changed on the worker thread only
@@ -217,8 +232,24 @@ class LLM:
 
     def _adapters(self, lora: LoraRequest | list[LoraRequest | None] | None, count: int) -> list[LoraAdapter | None]:
         """One adapter per prompt (None: the base model): `lora` repeated, or its list (one per prompt)."""
-        return per_prompt(lora, count, self.lora_store.get, "lora", "LoraRequests",
-                          "give one, or a list with one per prompt (None: the base model)")
+        taken: list[LoraAdapter | None] = []
+
+        def take(request: LoraRequest | None) -> LoraAdapter | None:
+            taken.append(self.lora_store.take(request))
+            return taken[-1]
+
+        try:  # one hold per prompt: a single LoraRequest is taken for each
+            return per_prompt(lora if isinstance(lora, list) else [lora] * count, count, take, "lora", "LoraRequests",
+                              "give one, or a list with one per prompt (None: the base model)")
+        except BaseException:
+            self._release(taken)
+            raise
+
+    def _release(self, adapters: list[LoraAdapter | None]) -> None:
+        """Give back the holds of adapters whose requests never reached the executor."""
+        for adapter in adapters:
+            if adapter is not None:
+                self.lora_store.release(adapter)
 
     def _stop_ids(self) -> set[int]:
         return self.tokenizer.stop_ids if self.tokenizer else set()
@@ -257,8 +288,15 @@ class LLM:
         configs = self._per_prompt(sampling, len(prompts))
         adapters = self._adapters(lora, len(prompts))
         start = time.perf_counter()
-        requests = [self.executor.add(self._prompt_ids(p, chat), s, self._stop_ids(), lora=a)
-                    for p, s, a in zip(prompts, configs, adapters)]
+        requests: list[Request] = []
+        try:
+            for p, s, a in zip(prompts, configs, adapters):
+                requests.append(self.executor.add(self._prompt_ids(p, chat), s, self._stop_ids(), lora=a))
+        except BaseException:  # nothing of this call stays queued
+            self._release(adapters[len(requests):])
+            for req in requests:
+                self.executor.cancel(req)
+            raise
         samples = [s for r in requests for s in r.group]
         texts = {s.id: TextDeltas(self.tokenizer, s.stop_ids, s.sampling.stop_strings)
                  for s in samples if s.sampling.stop_strings}
@@ -289,6 +327,8 @@ class LLM:
     def _completion(self, req: Request, stats: GenerationStats, texts: dict[int, TextDeltas] | None = None) -> Completion:
         texts = texts or {}
         done = Completion(req.prompt, req.output, self._decode(req.output), req.finish_reason, stats)
+        if self.executor.speculator is not None:
+            done.speculative = req.spec
         if req.id in texts:
             text = texts[req.id]
             text.push([], final=not text.stopped)  # flush what was held back for a possible stop string
@@ -339,8 +379,12 @@ class LLM:
         if sampling.n > 1:
             raise BestiaryError(f"generate_stream streams one sample; n = {sampling.n}: use generate or generate_async")
         start = time.perf_counter()
-        req = self.executor.add(self._prompt_ids(prompt, chat), sampling, self._stop_ids(),
-                                lora=self.lora_store.get(lora))
+        adapter = self.lora_store.take(lora)
+        try:
+            req = self.executor.add(self._prompt_ids(prompt, chat), sampling, self._stop_ids(), lora=adapter)
+        except BaseException:
+            self._release([adapter])
+            raise
         stats = GenerationStats(prompt_tokens=len(req.prompt))
         text = TextDeltas(self.tokenizer, req.stop_ids, sampling.stop_strings) if self.tokenizer else None
         try:
@@ -376,7 +420,7 @@ class LLM:
         """
         sampling = self._resolve(sampling)
         ids = self._prompt_ids(prompt, chat)
-        adapter = self.lora_store.get(lora)
+        adapter = self.lora_store.take(lora)  # an unknown task id fails this request alone
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         if self._worker is None:
@@ -409,7 +453,11 @@ class LLM:
     def _add_stream(self, ids: list[int], sampling: SamplingConfig, queue: asyncio.Queue,
                     loop: asyncio.AbstractEventLoop, adapter: LoraAdapter | None = None) -> Request:
         """(worker thread) Queue a request and start delivering the tokens of each of its samples."""
-        req = self.executor.add(ids, sampling, self._stop_ids(), lora=adapter)
+        try:
+            req = self.executor.add(ids, sampling, self._stop_ids(), lora=adapter)
+        except BaseException:
+            self._release([adapter])
+            raise
         for sample in req.group:
             self._streams[sample.id] = _Stream(sample, queue, loop)
         return req
@@ -481,6 +529,7 @@ class LLM:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        release(self.engine)  # a multi-rank engine's ranks drop it (the worker group stays for the next)
 
 
 def _new_log_probs(req: Request, count: int) -> tuple[list[float] | None, list | None]:

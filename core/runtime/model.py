@@ -8,6 +8,7 @@ extra top-level modules (learned positions, input/output projections) come from
 `make_top_level_modules`, which the default `embed` / `logits` already run:
 
     x = vocab_embedding(ids) -> project_in (if any) -> * embedding_scale -> + position_embedding(positions)
+        -> ln_embed (if any)
     logits = lm_head(project_out(ln_f(x)))                       (project_out if any)
 
 Module paths equal checkpoint names, so a rank file loads with `load_state_dict`. Under
@@ -47,11 +48,11 @@ class Transformer(nn.Module):
 
 
 def sequence_metadata(model: DecoderLM, tokens: list[int], start: int, count: int, blocks: list[int],
-                      block_size: int) -> AttentionMetadata:
+                      block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata of one sequence's step over tokens[start:start + count] (`start` tokens already cached in
     `blocks`), with the architecture's position ids and mask (e.g. ChatGLM v1's 2D positions and prefix)."""
     return AttentionMetadata.build(
-        [count], [start], [blocks], block_size, positions=model.position_ids(tokens, start, count),
+        [count], [start], [blocks], block_size, positions=model.position_ids(tokens, start, count), device=device,
         mask=model.mask_kind, prefix_lens=[model.prefix_len(tokens)] if model.mask_kind != "causal" else None,
     )
 
@@ -72,8 +73,11 @@ class DecoderLM(nn.Module):
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.transformer = Transformer()
         if self.is_first_stage:
-            self.transformer.vocab_embedding = Embedding(config.vocab_size, self.embedding_dim, self.dtype, device)
+            self.transformer.vocab_embedding = Embedding(
+                config.vocab_size, self.embedding_dim, self.dtype, device, self.tp_rank, self.tp_size,
+                config.embedding_sharding_dim if config.use_parallel_embedding else None)
         self.transformer.layers = nn.ModuleList(self.make_layer(i, device) for i in layers)
+        self._set_attention_windows(layers)
         for name, module in self.make_top_level_modules(device).items():
             setattr(self.transformer, name, module)  # named and quantized below like every other module
         if self.is_last_stage:
@@ -89,6 +93,31 @@ class DecoderLM(nn.Module):
         from bestiary.core.quant.apply import install_quantization
 
         install_quantization(self, config)  # packed weights + scales where config.quantization says
+
+    def attention_window(self, layer_idx: int) -> int:
+        """Sliding window of global layer `layer_idx` (0: full attention): by default the config's
+        `sliding_window`, on the layers its `layer_types` marks "sliding_attention" when it has that
+        list (core.layers.attention_window.layer_window). Override for another rule."""
+        from bestiary.core.layers.attention_window import layer_window
+
+        return layer_window(self.config, layer_idx)
+
+    def _set_attention_windows(self, layers: range) -> None:
+        """Give every PagedAttention of each layer that layer's window."""
+        from bestiary.core.layers.attention import PagedAttention
+
+        for idx, layer in zip(layers, self.transformer.layers):
+            for module in layer.modules():
+                if isinstance(module, PagedAttention):
+                    module.window = self.attention_window(idx)
+
+    @property
+    def attention_windows(self) -> list[int]:
+        """The window (0: none) of every local layer's attention, in order (the KV cache releases a
+        block only once it is outside all of them)."""
+        from bestiary.core.layers.attention import PagedAttention
+
+        return [m.window for m in self.transformer.layers.modules() if isinstance(m, PagedAttention)]
 
     # --- what an architecture provides -------------------------------------------------
     def make_layer(self, layer_idx: int, device) -> nn.Module:
@@ -107,7 +136,7 @@ class DecoderLM(nn.Module):
         other. Build input-side modules only when `self.is_first_stage`, output-side ones only
         when `self.is_last_stage`. The default `embed` / `logits` run the standard names:
         `project_in` (after the token embedding), `position_embedding` (added, called with
-        meta.positions), `project_out` (before lm_head).
+        meta.positions), `ln_embed` (a norm of the sum), `project_out` (before lm_head).
         """
         return {}
 
@@ -173,7 +202,7 @@ class DecoderLM(nn.Module):
 
     def embed(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """ids [T] -> hidden [T, H]: the token embedding [T, E], then the standard top-level
-        modules this model has (project_in E -> H, embedding_scale, + position_embedding)."""
+        modules this model has (project_in E -> H, embedding_scale, + position_embedding, ln_embed)."""
         x = self.transformer.vocab_embedding(ids)  # [T, E]
         project_in = getattr(self.transformer, "project_in", None)
         if project_in is not None:
@@ -183,6 +212,9 @@ class DecoderLM(nn.Module):
         positions = getattr(self.transformer, "position_embedding", None)
         if positions is not None:
             x = x + positions(meta.positions)  # [T, H]
+        ln_embed = getattr(self.transformer, "ln_embed", None)
+        if ln_embed is not None:
+            x = ln_embed(x)  # [T, H]: a norm of the embeddings (BLOOM's word_embeddings_layernorm)
         return x
 
     # --- inference ---------------------------------------------------------------------

@@ -67,6 +67,12 @@ class SamplingConfig(BaseModel):
                                                            "probs at each step (0 = off).")
     output_context_logits: bool = Field(False, description="Return the logits of every prompt position.")
     output_generation_logits: bool = Field(False, description="Return the raw logits of every generated step.")
+    # --- attention window (core.layers.attention_window)
+    max_attention_window: int | None = Field(
+        None, ge=1, description="Attend to at most this many recent keys (sinks included); default: the engine's "
+                                "max_attention_window; at most that.")
+    sink_token_length: int | None = Field(
+        None, ge=0, description="First tokens always attended to under a window; default: the engine's.")
 
     @model_validator(mode="after")
     def _check(self) -> SamplingConfig:

@@ -2,8 +2,9 @@
 
 `protocol` (request / response schemas, requests -> SamplingConfig), `chat` (messages -> prompt
 ids through the chat template), `metrics` (Prometheus), `generation` (running one HTTP request's
-prompts and samples), `app` (the FastAPI app: routes, auth, errors).
+prompts and samples), `app` (the FastAPI app: routes, auth, errors), `web` (the chat page at /,
+whose HTML, JS and CSS are the package data in static/).
 
 Needs the `serve` extra (fastapi, uvicorn, prometheus_client).
-Imports: format, runtime; never convert or cli. Nothing but cli imports serve.
+Imports: format, runtime, lora (LoraRequest); never convert or cli. Nothing but cli imports serve.
 """

@@ -2,7 +2,8 @@
 
     GET  /health                 200 {"status": "ok"} (no key needed)
     GET  /metrics                Prometheus text (no key needed)
-    GET  /v1/models              the served model
+    GET  /                       the web chat page (core/serve/static, core.serve.web)
+    GET  /v1/models              the served model and its LoRA adapters (--lora_modules)
     POST /v1/completions         text (or ids) -> text; stream: server-sent events
     POST /v1/chat/completions    messages -> chat template -> text
 
@@ -20,10 +21,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.lora.store import LoraRequest
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.serve.generation import Formatter, choice_deltas, collect, sse_events
 from bestiary.core.serve.metrics import RequestTimer, ServerMetrics
 from bestiary.core.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bestiary.core.serve.web import add_web_routes
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +42,8 @@ class ServeSettings(BaseModel):
     served_model_name: str = Field(description="The model id clients name (GET /v1/models).")
     api_key: str | None = Field(None, description="Required as 'Authorization: Bearer KEY' on /v1/* when set.")
     max_queue_len: int = Field(1024, ge=1, description="Requests that may wait for a first token; more get 503.")
+    lora_modules: dict[str, str] = Field(default_factory=dict,
+                                         description="LoRA adapters served as model names: name -> HF PEFT dir.")
 
 
 class APIError(Exception):
@@ -154,15 +159,26 @@ def create_app(llm: LLM, settings: ServeSettings) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    add_web_routes(app)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "bestiary", "max_model_len": build.max_seq_len}]}
+        base = settings.served_model_name
+        cards = [{"id": base, "object": "model", "created": 0, "owned_by": "bestiary", "parent": None,
+                  "max_model_len": build.max_seq_len}]
+        cards += [{"id": name, "object": "model", "created": 0, "owned_by": "bestiary", "root": path, "parent": base,
+                   "max_model_len": build.max_seq_len} for name, path in settings.lora_modules.items()]
+        return {"object": "list", "data": cards}
 
-    def check_model(name: str) -> None:
-        if name != settings.served_model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {settings.served_model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(name: str) -> LoraRequest | None:
+        """The adapter a model name runs with (None: the base model); 404 for an unknown name."""
+        if name == settings.served_model_name:
+            return None
+        if name in settings.lora_modules:
+            return LoraRequest(name, settings.lora_modules[name])
+        served = [settings.served_model_name, *settings.lora_modules]
+        raise APIError(404, f"model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                       param="model", code="model_not_found")
 
     def check_prompt(ids: list[int], param: str) -> None:
         if len(ids) > build.max_input_len:
@@ -183,9 +199,10 @@ def create_app(llm: LLM, settings: ServeSettings) -> FastAPI:
             raise APIError(400, "prompt: this engine has no tokenizer; send token ids", param="prompt")
         return llm.tokenizer.encode(prompt)
 
-    async def answer(request: Request, body, prompts: list[list[int]], fmt: Formatter, sampling):
+    async def answer(request: Request, body, prompts: list[list[int]], fmt: Formatter, sampling,
+                     lora: LoraRequest | None):
         timer = RequestTimer(metrics, sum(len(p) for p in prompts))
-        deltas = choice_deltas(llm, prompts, sampling)
+        deltas = choice_deltas(llm, prompts, sampling, lora)
         try:
             if body.stream:
                 first = await until_disconnected(request, _first(deltas))
@@ -204,20 +221,20 @@ def create_app(llm: LLM, settings: ServeSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        check_model(body.model)
+        lora = check_model(body.model)
         prompts = [encode(p) for p in body.prompts()]
         for p in prompts:
             check_prompt(p, "prompt")
         vocab_check(body.logit_bias)
         check_queue()
         sampling = build_sampling(body, body.max_tokens, body.logprobs)
-        fmt = Formatter(llm, settings.served_model_name, False, len(prompts) * body.n, sum(map(len, prompts)),
+        fmt = Formatter(llm, body.model, False, len(prompts) * body.n, sum(map(len, prompts)),
                         body.logprobs is not None)
-        return await answer(request, body, prompts, fmt, sampling)
+        return await answer(request, body, prompts, fmt, sampling, lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        check_model(body.model)
+        lora = check_model(body.model)
         messages = [m.as_template_message() for m in body.messages]
         try:
             ids = llm.chat_ids(messages, body.add_generation_prompt)
@@ -228,8 +245,8 @@ def create_app(llm: LLM, settings: ServeSettings) -> FastAPI:
         check_queue()
         limit = body.token_limit or max(build.max_seq_len - len(ids), 1)
         sampling = build_sampling(body, limit, body.top_log_probs)
-        fmt = Formatter(llm, settings.served_model_name, True, body.n, len(ids), body.logprobs)
-        return await answer(request, body, [ids], fmt, sampling)
+        fmt = Formatter(llm, body.model, True, body.n, len(ids), body.logprobs)
+        return await answer(request, body, [ids], fmt, sampling, lora)
 
     def vocab_check(bias: dict[int, float] | None) -> None:
         vocab = llm.engine.config.vocab_size

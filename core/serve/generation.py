@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from bestiary.core.lora.store import LoraRequest
 from bestiary.core.runtime.llm import LLM, Delta
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.serve.metrics import RequestTimer
@@ -22,21 +23,22 @@ from bestiary.core.serve.metrics import RequestTimer
 NO_LOG_PROB = -9999.0
 
 
-async def choice_deltas(llm: LLM, prompts: list[list[int]], sampling: SamplingConfig) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) of every sample of every prompt, in arrival order.
+async def choice_deltas(llm: LLM, prompts: list[list[int]], sampling: SamplingConfig,
+                        lora: LoraRequest | None = None) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) of every sample of every prompt (with adapter `lora`), in arrival order.
 
     Limit errors (BestiaryError) come out of the first iteration; closing the iterator cancels
     every prompt's request (their KV blocks are freed).
     """
     if len(prompts) == 1:
-        async for delta in llm.generate_async(prompts[0], sampling):
+        async for delta in llm.generate_async(prompts[0], sampling, lora=lora):
             yield delta.index, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, ids: list[int]) -> None:
         try:
-            async for delta in llm.generate_async(ids, sampling):
+            async for delta in llm.generate_async(ids, sampling, lora=lora):
                 queue.put_nowait((i * sampling.n + delta.index, delta))
         except Exception as err:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait(err)

@@ -9,6 +9,9 @@
     bestiary_requests_waiting                    accepted requests without a first token yet
     bestiary_requests_running                    sequences in the executor's batch
     bestiary_kv_blocks_used / _free / _total     the paged KV pool (free counts cached, unreferenced blocks)
+    bestiary_spec_decode_steps_total             speculative verification steps (--speculative only)
+    bestiary_spec_decode_draft_tokens_total      draft tokens verified
+    bestiary_spec_decode_accepted_tokens_total   draft tokens accepted (rate: accepted / draft)
 """
 
 from __future__ import annotations
@@ -45,10 +48,29 @@ class ServerMetrics:
         Gauge("bestiary_kv_blocks_free", "KV blocks free or cached and unreferenced.", registry=r).set_function(
             lambda: alloc.num_free)
         Gauge("bestiary_kv_blocks_total", "KV blocks in the pool.", registry=r).set_function(lambda: alloc.num_blocks)
+        if getattr(executor, "speculator", None) is not None:
+            r.register(SpeculativeCollector(executor.speculator.stats))
 
     def exposition(self) -> bytes:
         """The text format of every metric."""
         return generate_latest(self.registry)
+
+
+class SpeculativeCollector:
+    """The speculator's running totals (core.runtime.speculative.AcceptanceStats) as counters, read at scrape time."""
+
+    FIELDS = (("steps", "Speculative verification steps."), ("draft_tokens", "Draft tokens verified."),
+              ("accepted_tokens", "Draft tokens accepted."))
+
+    def __init__(self, stats) -> None:
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        values = (self.stats.steps, self.stats.drafted, self.stats.accepted)
+        for (name, doc), value in zip(self.FIELDS, values):
+            yield CounterMetricFamily(f"bestiary_spec_decode_{name}", doc, value=value)
 
 
 class RequestTimer:

@@ -66,6 +66,15 @@ class ServerProcess:
                     return float(line.split()[1])
         raise KeyError(name)
 
+    def wait_for_kv_blocks_free(self, seconds: float = 10.0) -> float:
+        """bestiary_kv_blocks_used once it is 0, or its value after `seconds` (cancels free blocks a step later)."""
+        deadline = time.monotonic() + seconds
+        used = self.metric("bestiary_kv_blocks_used")
+        while used and time.monotonic() < deadline:
+            time.sleep(0.05)
+            used = self.metric("bestiary_kv_blocks_used")
+        return used
+
     def rss_bytes(self) -> int:
         """Resident memory of the server process (Linux /proc)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

@@ -109,6 +109,13 @@ def linear_quant_kind(t: FlmTensor) -> str | None:
     return "int8" if t.ftype.bits == 8 else "int4"
 
 
+def activation_group(tensors: list[FlmTensor]) -> int | None:
+    """The input group FastLLM's int4 matmuls quantize activations by: the weight group of grouped
+    int4 (the smallest when several), None (per token row) for int8 and per-row int4."""
+    sizes = {t.group_size for t in tensors if t.ftype.grouped and t.groups > 1}
+    return min(sizes) if sizes else None
+
+
 def common_group(tensors: list[FlmTensor]) -> int:
     """The W4A16 group size every grouped int4 tensor lands in exactly (128 when none is grouped)."""
     sizes = {t.group_size for t in tensors if t.ftype.grouped and t.groups > 1}  # one group a row fits any G
@@ -204,7 +211,8 @@ class FlmWeights:
             return None
         int8 = sum(linear_quant_kind(t) == "int8" for t in linears)
         bits = 8 if int8 * 2 >= len(linears) else 4
-        return {"bits": bits, "group_size": common_group([t for t in linears if t.ftype.bits == 4])}
+        int4 = [t for t in linears if t.ftype.bits == 4]
+        return {"bits": bits, "group_size": common_group(int4), "activation_group": activation_group(int4)}
 
     def prequantized(self, bits: int, group: int) -> FlmQuantWeights:
         return FlmQuantWeights(self, bits, group)
@@ -310,7 +318,9 @@ def open_flm(path: Path) -> ModelSource:
     if "model_type" not in config:
         raise WeightsError(f"{path}: the model info has no 'model_type'")
     layout = weights.quant_layout()
-    if layout is not None:
+    if layout is not None:  # FastLLM's own files (no bestiary key) run with FastLLM's input quantization
+        act = flm.info.get("bestiary.activation_quant", "fastllm_uint8")
+        layout["activation_quant"] = None if act == "none" else act
         config["quantization_config"] = {"quant_method": "fastllm", **layout}
     config.setdefault("torch_dtype", _float_dtype(flm))
     return ModelSource(path=Path(path), format="flm", weights=weights, hf_config=config,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from bestiary.core.convert.loader import DEFAULT_KEY_MAP
 from bestiary.plugins import hookimpl
-from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
+from bestiary.registry import DEFAULT_KEY_MAP, ArchitectureSpec, LoraTargets, Supports
 
 # Canonical section -> HF LLaMA section: the loader's default map (TensorRT-LLM's) is LLaMA's.
 KEY_MAP = dict(DEFAULT_KEY_MAP)

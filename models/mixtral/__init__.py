@@ -8,22 +8,8 @@ E per-expert sources (E from the config) and `stack_experts` stacks them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from bestiary.core.convert.loader import DEFAULT_KEY_MAP
 from bestiary.plugins import hookimpl
-from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
-
-
-@dataclass(frozen=True)
-class PerExpert:
-    """Key-map value: one canonical section -> `experts.{e}.{name}` for e in 0..E-1 of the config."""
-
-    name: str
-
-    def __call__(self, config) -> list[str]:
-        return [f"experts.{e}.{self.name}" for e in range(config.num_local_experts)]
-
+from bestiary.registry import DEFAULT_KEY_MAP, ArchitectureSpec, LoraTargets, PerExpert, Supports
 
 # Canonical section -> HF Mixtral section.
 KEY_MAP = {

@@ -42,7 +42,8 @@ class MixtralConfig(PretrainedConfig):
     num_experts_per_tok: int = Field(2, ge=1, description="Experts each token is routed to (top-k).")
     tie_word_embeddings: bool = Field(False, description="lm_head shares the input embedding.")
     sliding_window: int | None = Field(
-        None, ge=1, description="HF sliding_window; sequences are capped at it (max_position_embeddings)."
+        None, ge=1, description="HF sliding_window: each query attends to at most this many keys, its own "
+                                "included (core.layers.attention_window); null: full attention."
     )
 
     @model_validator(mode="after")
@@ -69,11 +70,8 @@ def rope_scaling(hf: dict) -> dict | None:
 
 
 def max_positions(hf: dict) -> int:
-    """max_position_embeddings, capped at sliding_window: attention over at most the window is
-    exact full attention, so the engine stays exact by never exceeding it."""
-    max_pos = hf.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"])
-    window = hf.get("sliding_window")
-    return min(max_pos, window) if window else max_pos
+    """max_position_embeddings (the sliding window does not cap it: attention runs through the window)."""
+    return hf.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"])
 
 
 def hf_field(hf: dict, name: str):

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from bestiary.core.layers.attention import AttentionMetadata, write_kv
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 MISS = 100.0
@@ -48,3 +49,22 @@ def assert_far(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None
     """A deliberately broken variant misses ref by at least MISS x the bound."""
     d, b = diff(out, ref), bound(ref, dtype)
     assert d >= MISS * b, f"{dtype}: broken variant only {d:.3g} away (< {MISS:g} x {b:.3g}): the test cannot fail"
+
+
+def paged_inputs(seq_lens, ctx_lens, h, kvh, d, dtype, device, block_size: int = 5, **meta_kwargs):
+    """(q, k, v, meta, k_pool, v_pool) of packed sequences over shuffled block tables, the new k/v already
+    written to the pools; every other slot holds garbage (reading past a sequence shows)."""
+    need = [-(-(c + n) // block_size) for n, c in zip(seq_lens, ctx_lens)]
+    order = torch.randperm(sum(need) + 2).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at : at + n])
+        at += n
+    meta = AttentionMetadata.build(seq_lens, ctx_lens, tables, block_size, device=device, **meta_kwargs)
+    t = sum(seq_lens)
+    k_pool = (torch.randn(sum(need) + 2, block_size, kvh, d) * 3).to(dtype).to(device)  # cached keys + garbage
+    v_pool = (torch.randn(sum(need) + 2, block_size, kvh, d) * 3).to(dtype).to(device)
+    qkv = torch.randn(t, h + 2 * kvh, d).to(dtype).to(device)  # q, k, v as strided views of one tensor
+    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+    return q, k, v, meta, k_pool, v_pool

@@ -10,30 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers.attention import AttentionMetadata, alibi_slopes, write_kv
+from bestiary.core.layers.attention import alibi_slopes
 from kernel_helpers import DOT_DTYPES, assert_close, assert_far
+from kernel_helpers import paged_inputs as _setup
 
 attention = dispatch.family("attention")
 BLOCK_SIZE = 5
 HEADS = [(3, 1), (4, 2), (3, 3)]  # (H, KVH): MQA, GQA, MHA
-
-
-def _setup(seq_lens, ctx_lens, h, kvh, d, dtype, device, **meta_kwargs):
-    """(q, k, v, meta, k_pool, v_pool) with the new k/v already written to the pools."""
-    need = [-(-(c + n) // BLOCK_SIZE) for n, c in zip(seq_lens, ctx_lens)]
-    order = torch.randperm(sum(need) + 2).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(order[at : at + n])
-        at += n
-    meta = AttentionMetadata.build(seq_lens, ctx_lens, tables, BLOCK_SIZE, device=device, **meta_kwargs)
-    t = sum(seq_lens)
-    k_pool = (torch.randn(sum(need) + 2, BLOCK_SIZE, kvh, d) * 3).to(dtype).to(device)  # cached keys + garbage
-    v_pool = (torch.randn(sum(need) + 2, BLOCK_SIZE, kvh, d) * 3).to(dtype).to(device)
-    qkv = torch.randn(t, h + 2 * kvh, d).to(dtype).to(device)  # q, k, v as strided views of one tensor
-    q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
-    write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-    return q, k, v, meta, k_pool, v_pool
 
 
 def _both(q, k, v, meta, k_pool, v_pool, scale, slopes=None, key_bias=None, **blocks):

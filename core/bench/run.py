@@ -1,0 +1,120 @@
+"""One `bestiary bench` run: every system, one after the other, on the same requests.
+
+For each system (engines first, then the peers in --compare order): open it, run the asked
+workloads, close it; so only one system holds memory and threads at a time (FastLLM's threads
+spin while its model lives). A peer that cannot run is a row with the reason, not an error.
+
+- decode: warm up (4 tokens), then the median over `repeats` of (t(1 + N) - t(1)) / N.
+- prefill: per prompt length L (within the system's input limit): the median over `repeats` of
+  the time to the first token; prompt tokens/s = L / TTFT.
+- mixed: the workload once; generated tokens/s, p50 / p99 latency (submit -> last token).
+- fraction of the bandwidth limit (decode): tok/s x bytes read per token / read bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bestiary.core.bench.config import BenchConfig
+from bestiary.core.bench.machine import Machine, load_average
+from bestiary.core.bench.peers import Candidate, PeerSkipped
+from bestiary.core.bench.systems import System
+from bestiary.core.bench.workload import (
+    MixedResult,
+    decode_rate,
+    median_of,
+    mixed_workload,
+    prompt_ids,
+)
+
+
+@dataclass
+class Row:
+    """One system's figures (None: not measured; `skipped`: why nothing was)."""
+
+    name: str
+    label: str
+    skipped: str | None = None
+    decode_tps: float | None = None
+    ttft: dict[int, float | None] = field(default_factory=dict)  # prompt length -> seconds
+    mixed: MixedResult | None = None
+    mixed_note: str = ""
+    bytes_per_token: int | None = None
+
+    def bandwidth_fraction(self, read_gbps: float | None) -> float | None:
+        """Decode tok/s over the bandwidth limit read_gbps / bytes per token."""
+        if not (self.decode_tps and self.bytes_per_token and read_gbps):
+            return None
+        return self.decode_tps * self.bytes_per_token / (read_gbps * 1e9)
+
+    def to_json(self, read_gbps: float | None) -> dict:
+        mixed = None
+        if self.mixed is not None:
+            mixed = {"seconds": self.mixed.seconds, "generated": self.mixed.generated,
+                     "tokens_per_second": self.mixed.tokens_per_second,
+                     "p50_seconds": self.mixed.percentile(50), "p99_seconds": self.mixed.percentile(99)}
+        return {"name": self.name, "label": self.label, "skipped": self.skipped, "decode_tokens_per_second":
+                self.decode_tps, "bytes_per_token": self.bytes_per_token,
+                "bandwidth_fraction": self.bandwidth_fraction(read_gbps),
+                "ttft_seconds": {str(k): v for k, v in self.ttft.items()}, "mixed": mixed,
+                "mixed_note": self.mixed_note or None}
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    machine: Machine
+    rows: list[Row]
+
+    def to_json(self) -> dict:
+        return {"config": self.config.model_dump(mode="json"), "machine": self.machine.to_json(),
+                "rows": [r.to_json(self.machine.read_gbps) for r in self.rows]}
+
+
+def measure(system: System, row: Row, config: BenchConfig, vocab: int, on_step: Callable[[str], None]) -> None:
+    """Run the asked workloads on an open system, filling `row`."""
+    row.bytes_per_token = system.bytes_per_token
+    if "decode" in config.workloads:
+        on_step(f"{row.label}: decode")
+        prompt = prompt_ids(config.decode_prompt_len, vocab, config.seed)
+        system.generate(prompt, 4)  # warm-up
+        row.decode_tps = median_of(config.repeats,
+                                   lambda: decode_rate(lambda n: system.generate(prompt, n), config.new_tokens))
+    if "prefill" in config.workloads:
+        for length in config.prompt_lens:
+            on_step(f"{row.label}: prefill {length}")
+            if system.max_prompt_len is not None and length > system.max_prompt_len:
+                row.ttft[length] = None
+                continue
+            prompt = prompt_ids(length, vocab, config.seed + length)
+            row.ttft[length] = median_of(config.repeats, lambda p=prompt: system.generate(p, 1).seconds)
+    if "mixed" in config.workloads:
+        on_step(f"{row.label}: mixed")
+        work = mixed_workload(config.mixed_requests, vocab, config.mixed_prompt_lens, config.mixed_output_lens,
+                              config.seed)
+        row.mixed = system.mixed(work)
+        row.mixed_note = system.mixed_note if row.mixed is None else ""
+
+
+def run_bench(config: BenchConfig, systems: list[Candidate], vocab: int,
+              on_step: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """Open, measure and close each system in turn; `on_step` hears what is being measured."""
+    machine = Machine.now(config.bandwidth_mib)
+    rows = []
+    for cand in systems:
+        row = Row(cand.name, cand.label, skipped=cand.skipped)
+        rows.append(row)
+        if cand.skipped is not None:
+            continue
+        try:
+            system = cand.open()
+        except PeerSkipped as why:
+            row.skipped = str(why)
+            continue
+        try:
+            measure(system, row, config, vocab, on_step)
+        finally:
+            system.close()
+    machine.load_after = load_average()
+    return BenchReport(config, machine, rows)

@@ -1,0 +1,98 @@
+"""A system under test: the calls every workload makes, and bestiary's own engine as one.
+
+`generate(prompt, n)` times one greedy generation of n new tokens (EOS ignored where the
+system allows it; the tokens really produced are counted) from a cold cache: no prefix of an
+earlier call reused. The prefill workload is `generate(prompt, 1)`. `mixed(work)` runs a workload's
+requests, all submitted at once, however the system batches them; None when it cannot.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Protocol
+
+from bestiary.core.bench.workload import MixedResult, Timed, Workload
+
+
+class System(Protocol):
+    """What `bestiary bench` asks of an engine or a peer."""
+
+    max_prompt_len: int | None  # longest prompt it takes (None: no limit known)
+    bytes_per_token: int | None  # weight bytes read per decoded token at batch 1 (None: unknown)
+    mixed_note: str  # why `mixed` returns None, when it does
+
+    def generate(self, prompt: list[int], n: int) -> Timed: ...
+
+    def mixed(self, work: Workload) -> MixedResult | None: ...
+
+    def close(self) -> None: ...
+
+
+def engine_bytes_per_token(engine_dir: Path, shares_embedding: bool) -> int:
+    """Weight bytes read per decoded token: every stored tensor once, except an embedding table that
+    is not also the lm_head (one row of it is read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for rank_file in sorted(engine_dir.glob("rank*.safetensors")):
+        with safe_open(str(rank_file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - a safetensors handle
+                if key.endswith("vocab_embedding.weight") and not shares_embedding:
+                    continue
+                part = f.get_slice(key)
+                numel = 1
+                for d in part.get_shape():
+                    numel *= d
+                total += numel * DTYPE_BYTES.get(part.get_dtype(), 4)
+    return total
+
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
+               "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+
+class EngineSystem:
+    """A bestiary engine through the LLM API, prefix reuse off (each timed call computes its prompt)."""
+
+    mixed_note = ""
+
+    def __init__(self, engine_dir: str | Path, num_threads: int | None = None, speculative=None) -> None:
+        """speculative: a SpeculativeConfig (core.runtime.speculative_config), or None: plain decoding."""
+        from bestiary.core.runtime.kv_cache import KvCacheConfig
+        from bestiary.core.runtime.llm import LLM
+
+        self.llm = LLM(engine_dir, num_threads=num_threads, kv_cache_config=KvCacheConfig(enable_block_reuse=False),
+                       speculative=speculative)
+        engine = self.llm.engine
+        self.max_prompt_len = engine.build.max_input_len
+        self.bytes_per_token = engine_bytes_per_token(engine.directory, engine.model.shares_embedding)
+        self.vocab_size = engine.model.config.vocab_size
+
+    def _sampling(self, n: int):
+        from bestiary.core.runtime.sampling import SamplingConfig
+
+        return SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+    def generate(self, prompt: list[int], n: int) -> Timed:
+        start = time.perf_counter()
+        (done,) = self.llm.generate([prompt], self._sampling(n))
+        return Timed(time.perf_counter() - start, len(done.output_ids))
+
+    def mixed(self, work: Workload) -> MixedResult:
+        """Every request to the executor at once (in-flight batching); latency = submit -> last token."""
+        ex = self.llm.executor
+        start = time.perf_counter()
+        reqs = [ex.add(p, self._sampling(n)) for p, n in zip(work.prompts, work.max_new, strict=True)]
+        done: dict[int, float] = {}
+        while ex.has_work:
+            ex.step()
+            now = time.perf_counter() - start
+            for r in reqs:
+                if r.finished and r.id not in done:
+                    done[r.id] = now
+        seconds = time.perf_counter() - start
+        return MixedResult(seconds, [done[r.id] for r in reqs], sum(len(r.output) for r in reqs))
+
+    def close(self) -> None:
+        self.llm.close()

@@ -1,0 +1,101 @@
+"""The rich tables of `bestiary bench`: decode, prefill and mixed, with ratios to one reference row."""
+
+from __future__ import annotations
+
+from bestiary.core.bench.run import BenchReport, Row
+from bestiary.core.cli.commands import stdout_console
+from bestiary.core.format.errors import BestiaryError
+from rich.table import Table
+
+
+def reference_row(rows: list[Row], name: str | None, has_value) -> Row | None:
+    """The first measured row named `name` (engine, hf, llama.cpp, fastllm); by default the first
+    measured peer, else the first engine. `has_value(row)` says whether the row has the figure."""
+    measured = [r for r in rows if r.skipped is None and has_value(r)]
+    if name is not None:
+        if name not in {r.name for r in rows}:
+            raise BestiaryError(f"--reference {name}: no such row; expected one of "
+                                f"{', '.join(dict.fromkeys(r.name for r in rows))}")
+        return next((r for r in measured if r.name == name), None)
+    return next((r for r in measured if r.name != "engine"), measured[0] if measured else None)
+
+
+def ratio(value: float | None, ref: float | None) -> str:
+    return f"{value / ref:.2f}x" if value and ref else "-"
+
+
+def decode_table(report: BenchReport, ref_name: str | None) -> Table:
+    c, gbps = report.config, report.machine.read_gbps
+    ref = reference_row(report.rows, ref_name, lambda r: r.decode_tps)
+    bw = f"read bandwidth {gbps:.1f} GB/s" if gbps else "bandwidth not measured"
+    table = Table(title=f"batch-1 decode: {c.new_tokens} new tokens after {c.decode_prompt_len}, greedy, "
+                        f"median of {c.repeats}; {bw}")
+    for col in ("system", "tok/s", f"vs {ref.label if ref else '-'}", "MB read / token", "% of bandwidth limit"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in report.rows:
+        if r.skipped is None:
+            frac = r.bandwidth_fraction(gbps)
+            tps = f"{r.decode_tps:.1f}" if r.decode_tps else "unstable"  # every repeat's longer run was not slower
+            table.add_row(r.label, tps, ratio(r.decode_tps, ref and ref.decode_tps),
+                          f"{r.bytes_per_token / 1e6:.0f}" if r.bytes_per_token else "-",
+                          f"{100 * frac:.0f}%" if frac else "-")
+    return table
+
+
+def prefill_table(report: BenchReport, ref_name: str | None) -> Table:
+    lens = report.config.prompt_lens
+    longest = lambda r: next((n for n in reversed(lens) if r.ttft.get(n)), None)
+    ref = reference_row(report.rows, ref_name, longest)
+    table = Table(title=f"prefill: time to first token, median of {report.config.repeats} "
+                        "(prompt tok/s at the longest measured prompt)")
+    table.add_column("system")
+    for n in lens:
+        table.add_column(f"TTFT {n} ms", justify="right")
+    table.add_column("prompt tok/s", justify="right")
+    table.add_column(f"vs {ref.label if ref else '-'}", justify="right")
+    for r in report.rows:
+        if r.skipped is not None or not r.ttft:
+            continue
+        n = longest(r)
+        rate = n / r.ttft[n] if n else None
+        ref_rate = ref.ttft.get(n) and n / ref.ttft[n] if ref and n else None
+        table.add_row(r.label, *(f"{1000 * r.ttft[m]:.0f}" if r.ttft.get(m) else "-" for m in lens),
+                      f"{rate:,.0f}" if rate else "-", ratio(rate, ref_rate))
+    return table
+
+
+def mixed_table(report: BenchReport, ref_name: str | None) -> Table:
+    c = report.config
+    ref = reference_row(report.rows, ref_name, lambda r: r.mixed)
+    table = Table(title=f"mixed: {c.mixed_requests} requests submitted at once, prompts "
+                        f"{c.mixed_prompt_lens[0]}..{c.mixed_prompt_lens[1]}, outputs {c.mixed_output_lens[0]}.."
+                        f"{c.mixed_output_lens[1]} (hf: static batches of {c.static_batch})")
+    for col in ("system", "generated tok/s", f"vs {ref.label if ref else '-'}", "p50 latency s", "p99 latency s"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in report.rows:
+        if r.skipped is None and r.mixed is not None:
+            m = r.mixed
+            table.add_row(r.label, f"{m.tokens_per_second:.1f}", ratio(m.tokens_per_second, ref and ref.mixed and
+                                                                       ref.mixed.tokens_per_second),
+                          f"{m.percentile(50):.2f}", f"{m.percentile(99):.2f}")
+        elif r.skipped is None and r.mixed_note:
+            table.add_row(r.label, "-", "-", "-", "-", style="dim")
+    return table
+
+
+def print_report(report: BenchReport, ref_name: str | None) -> None:
+    out, m = stdout_console(), report.machine
+    out.print(f"CPU {m.cpu} ({m.cores} cores; flags: {', '.join(m.cpu_flags) or 'unknown'}), {m.threads} threads, "
+              f"torch {m.torch}; load average {m.load_before} before, {m.load_after} after", highlight=False)
+    work = report.config.workloads
+    for name, make in (("decode", decode_table), ("prefill", prefill_table), ("mixed", mixed_table)):
+        if name in work:
+            out.print(make(report, ref_name))
+    for r in report.rows:
+        if r.skipped is not None:
+            out.print(f"skipped {r.label}: {r.skipped}", highlight=False)
+        elif r.mixed is None and r.mixed_note and "mixed" in work:
+            out.print(f"no mixed row for {r.label}: {r.mixed_note}", highlight=False)
+        for n, t in r.ttft.items():
+            if t is None:
+                out.print(f"no TTFT {n} for {r.label}: longer than its longest prompt", highlight=False)

@@ -1,0 +1,309 @@
+"""Running a multi-rank engine: rank 0 drives, every rank runs the same model step on its shard.
+
+Rank 0 (the driver) owns the executor, scheduler, sampling and tokenizer. Every forward of
+its model is preceded by one control message to all ranks (core.runtime.worker_group's
+gloo control group), so all ranks enter the step's collectives together:
+
+    driver  model(ids, meta, kv)  ->  broadcast Step(engine, kv pool, ids, meta, copies)
+                                  ->  its own forward: all-reduce / all-gather with the ranks
+    rank r  receive Step          ->  apply the KV block copies rank 0 made since the last step
+                                  ->  the same forward on its shard and its own KV pool
+
+Messages: Load (engine dir: each rank loads only its rank file; errors gathered back),
+Step, Release (an engine no longer used) and None (exit). A rank's KV pool mirrors the
+driver's pool block for block (same num_blocks and block size, its own kv heads): the
+driver's block tables index both. Block copies (a beam or sample fork's partial block,
+`KVCache.copy_block`) are recorded on the driver's pool and replayed before the next step.
+Pipeline parallelism adds a per-stage send/recv of hidden states to Step; nothing else here
+changes.
+
+`check_mirror` is the invariant check for tests: every rank's pools have the driver's shape
+and the rank's kv heads, and every rank has run the same number of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from bestiary.core.format.config import read_json
+from bestiary.core.format.errors import BestiaryError
+from bestiary.core.kernels import dispatch
+from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.lora.ranks import LoraReceiver, LoraSender, LoraStep
+from bestiary.core.runtime.kv_cache import KVCache
+from bestiary.core.runtime.worker_group import (
+    WorkerGroup,
+    join_world,
+    rank_device,
+    torchrun_env,
+    worker_group,
+)
+
+# AttentionMetadata fields a Step carries: all but LoRA and the per-step caches (_*), which stay on the driver.
+META_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.name != "lora" and not f.name.startswith("_"))
+MAX_POOLS = 4  # KV pools a rank keeps per engine (the driver's executor and a test's runner, ...)
+
+
+@dataclass
+class Load:
+    """Load `engine_dir` as engine `key` on every rank."""
+
+    key: int
+    engine_dir: str
+    allow_nonfinite: bool
+
+
+@dataclass
+class Release:
+    """Drop engine `key` and its KV pools."""
+
+    key: int
+
+
+@dataclass
+class Step:
+    """One forward of engine `key` on KV pool `pool` ((num_blocks, block_size) to allocate it)."""
+
+    key: int
+    pool: int
+    pool_shape: tuple[int, int]
+    ids: torch.Tensor  # [T] int64, CPU
+    meta: dict  # META_FIELDS, tensors on the CPU
+    all_logits: bool
+    copies: list[tuple[int, int]]  # (dst, src) KV block copies before this step
+    lora: LoraStep | None = None  # the step's adapters (core.lora.ranks)
+    kernels: str = "auto"  # the driver's dispatch mode (kernels_mode("torch") there: eager decode on every rank)
+
+
+@dataclass
+class Probe:
+    """Ask every rank for its step count and pool shapes (check_mirror)."""
+
+    key: int
+
+
+# --- the driver --------------------------------------------------------------------------
+def send(group: WorkerGroup, message) -> None:
+    """Broadcast one control message from rank 0."""
+    dist.broadcast_object_list([message], src=0, group=group.control)
+
+
+def receive(control) -> object:
+    """The next control message (on a rank other than 0)."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def engine_ranks(directory: str | Path) -> tuple[int, int]:
+    """(tp_size, pp_size) of an engine or checkpoint dir (1, 1 when config.json says nothing)."""
+    data = read_json(Path(directory) / "config.json")
+    mapping = data.get("pretrained_config", data).get("mapping") or {}
+    return int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
+
+
+def load_engine(directory: str | Path, device: str = "cpu", registry=None, allow_nonfinite: bool = False,
+                num_threads: int | None = None):
+    """The Engine of `directory` for this process: loaded here alone (one rank), or as rank 0 of
+    its worker group (tp_size > 1; ranks spawned, or torchrun's). Under torchrun a rank other
+    than 0 serves the driver's steps here and exits when it is done (SystemExit)."""
+    from bestiary.core.runtime.engine import Engine
+
+    tp, pp = engine_ranks(directory)
+    if tp * pp == 1:
+        return Engine.load(directory, device=device, registry=registry, allow_nonfinite=allow_nonfinite)
+    if pp > 1:
+        raise BestiaryError(f"{directory}: pipeline parallelism (pp_size {pp}) is not available yet: "
+                            f"convert with --pp_size 1")
+    if registry is not None and registry is not _default_registry():
+        raise BestiaryError(f"{directory}: a {tp}-rank engine loads its architecture from the installed plugins "
+                            f"on every rank; install the plugin instead of passing a registry")
+    env = torchrun_env()
+    if env is not None and env[0] != 0:
+        rank, size, local_rank = env
+        try:
+            serve(rank, rank_device(device, local_rank), join_world(rank, size, rank_device(device, local_rank)))
+            dist.destroy_process_group()  # before the interpreter exits: gloo's threads end cleanly
+        except Exception as err:  # noqa: BLE001 - one line; torchrun stops the other ranks
+            report_and_exit(rank, err)
+        raise SystemExit(0)
+    group = worker_group(tp, device, num_threads)
+    return load_on_ranks(group, directory, allow_nonfinite)
+
+
+def _default_registry():
+    from bestiary.registry import default_registry
+
+    return default_registry()
+
+
+def load_on_ranks(group: WorkerGroup, directory: str | Path, allow_nonfinite: bool = False):
+    """Every rank loads its rank file of `directory`; rank 0's Engine, its model driving the ranks."""
+    from bestiary.core.runtime.engine import Engine
+
+    key = _next_key(group)
+    send(group, Load(key, str(directory), allow_nonfinite))
+    error, unexpected = None, None
+    try:
+        engine = Engine.load(directory, rank=0, device=group.device, allow_nonfinite=allow_nonfinite)
+    except BestiaryError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001 - re-raised below, once the ranks are answered
+        error, unexpected = f"{type(err).__name__}: {err}", err
+    errors = [None] * group.world_size
+    dist.all_gather_object(errors, error, group=group.control)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        group.engine_keys.discard(key)
+        send(group, Release(key))
+        if unexpected is not None:
+            raise unexpected
+        rank, message = failed[0]
+        raise BestiaryError(message if rank == 0 else f"rank {rank}: {message}")
+    drive(engine.model, group, key)
+    engine.group = group
+    return engine
+
+
+def _next_key(group: WorkerGroup) -> int:
+    key = max(group.engine_keys, default=0) + 1
+    group.engine_keys.add(key)
+    return key
+
+
+def loaded_engines(group: WorkerGroup) -> set[int]:
+    """Keys of the engines the group's ranks hold."""
+    return group.engine_keys
+
+
+def release(engine) -> None:
+    """The ranks drop `engine` (rank 0's Engine of load_on_ranks); the group stays for the next one."""
+    group, key = getattr(engine, "group", None), getattr(engine.model, "engine_key", None)
+    if group is None or key is None or group.closing or key not in loaded_engines(group):
+        return
+    loaded_engines(group).discard(key)
+    send(group, Release(key))
+
+
+def drive(model: torch.nn.Module, group: WorkerGroup, key: int) -> None:
+    """Make `model`'s forward broadcast each step before running it (an instance attribute, so
+    type(model) and its methods stay the architecture's)."""
+    model.engine_key, model.steps_driven, model.pools_driven = key, 0, {}
+    model.forward = functools.partial(_driven_forward, model.forward, group, key)
+
+
+def _driven_forward(forward, group: WorkerGroup, key: int, ids: torch.Tensor, meta: AttentionMetadata,
+                    kv_cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+    copies, kv_cache.pending_copies = list(getattr(kv_cache, "pending_copies", None) or []), []
+    fields = {name: getattr(meta, name) for name in META_FIELDS}
+    fields = {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in fields.items()}
+    shape = (kv_cache.num_blocks, kv_cache.tokens_per_block)
+    model = forward.__self__
+    lora = None if meta.lora is None else model.__dict__.setdefault("lora_sender", LoraSender()).message(meta.lora)
+    step = Step(key, id(kv_cache), shape, ids.cpu(), fields, all_logits, copies, lora, dispatch.mode())
+    model.steps_driven += 1
+    model.pools_driven[id(kv_cache)] = shape
+    try:
+        group.step_begins()
+        send(group, step)
+        group.step_sent()
+        out = forward(ids, meta, kv_cache, all_logits=all_logits)
+        group.step_ends()
+        return out
+    except RuntimeError as err:  # a peer died (its socket closed) or hung past the step timeout
+        group.collective_failed(err)
+        raise
+
+
+def check_mirror(engine) -> list[dict]:
+    """The multi-rank invariant (tests call it after a workload): every rank ran as many steps of
+    `engine` as the driver sent, holds a pool for each of the driver's with the same blocks and
+    block size, and its pools hold the kv heads `kv_heads_of_rank` gives it. Returns the reports."""
+    from bestiary.core.layers.self_attention import kv_heads_of_rank
+
+    group, model = engine.group, engine.model
+    send(group, Probe(model.engine_key))
+    mine = {"rank": 0, "steps": model.steps_driven, "pools": dict(model.pools_driven),
+            "plan_steps": model.__dict__.get("plan_steps", 0)}
+    reports = [None] * group.world_size
+    dist.all_gather_object(reports, mine, group=group.control)
+    c = model.config
+    for report in reports[1:]:
+        assert report["steps"] == mine["steps"], f"rank {report['rank']} ran {report['steps']} steps, driver {mine['steps']}"
+        heads = len(kv_heads_of_rank(c.num_attention_heads, c.num_key_value_heads, group.world_size, report["rank"]))
+        for pool, (blocks, block_size, kv_heads, _) in report["pools"].items():
+            assert (blocks, block_size) == mine["pools"].get(pool), f"rank {report['rank']} pool {pool} differs"
+            assert kv_heads == heads, f"rank {report['rank']} holds {kv_heads} kv heads, expected {heads}"
+    return reports
+
+
+# --- the other ranks -----------------------------------------------------------------------
+def serve(rank: int, device: str, control) -> None:
+    """Rank `rank`'s loop: run the driver's messages until a None one."""
+    from bestiary.core.runtime.engine import Engine
+
+    engines: dict[int, Engine] = {}
+    pools: dict[int, dict[int, KVCache]] = {}
+    steps: dict[int, int] = {}
+    while True:
+        message = receive(control)
+        if message is None:
+            return
+        if isinstance(message, Load):
+            error = None
+            try:
+                engines[message.key] = Engine.load(message.engine_dir, rank=rank, device=device,
+                                                   allow_nonfinite=message.allow_nonfinite)
+                pools[message.key], steps[message.key] = {}, 0
+            except BestiaryError as err:
+                error = str(err)
+            except Exception as err:  # noqa: BLE001 - sent to the driver, which raises it
+                error = f"{type(err).__name__}: {err}"
+            dist.all_gather_object([None] * dist.get_world_size(), error, group=control)
+        elif isinstance(message, Release):
+            engines.pop(message.key, None)
+            pools.pop(message.key, None)
+        elif isinstance(message, Probe):
+            model_pools = pools.get(message.key, {})
+            engine = engines.get(message.key)
+            report = {"rank": rank, "steps": steps.get(message.key),
+                      "plan_steps": 0 if engine is None else engine.model.__dict__.get("plan_steps", 0),
+                      "pools": {p: (kv.num_blocks, kv.tokens_per_block, *kv.k.shape[3:]) for p, kv in model_pools.items()}}
+            dist.all_gather_object([None] * dist.get_world_size(), report, group=control)
+        else:
+            run_step(engines[message.key], pools[message.key], message, device)
+            steps[message.key] += 1
+
+
+@torch.inference_mode()
+def run_step(engine, pools: dict[int, KVCache], step: Step, device: str) -> None:
+    """One driver step on this rank's shard: its pool (made on first use), the block copies, the forward."""
+    kv = pools.get(step.pool)
+    if kv is None or (kv.num_blocks, kv.tokens_per_block) != step.pool_shape:
+        if len(pools) >= MAX_POOLS:
+            pools.pop(next(iter(pools)))
+        kv = pools[step.pool] = KVCache.for_model(engine.model, *step.pool_shape)
+    for dst, src in step.copies:
+        kv.copy_block(dst, src)
+    fields = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in step.meta.items()}
+    meta = AttentionMetadata(**fields)
+    if step.lora is not None:  # this rank's shard of the step's adapters
+        meta.lora = engine.__dict__.setdefault("lora_receiver", LoraReceiver(engine.model)).step(step.lora, device)
+    with dispatch.kernels_mode(step.kernels):
+        engine.model(step.ids.to(device), meta, kv, all_logits=step.all_logits)
+
+
+def report_and_exit(rank: int, err: BaseException) -> None:
+    """A torchrun rank's failure: one line naming the rank, exit status 1 (torchrun stops the others)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    sys.stderr.write(f"bestiary: rank {rank} (pid {os.getpid()}) failed: {first}\n")
+    sys.stderr.flush()
+    os._exit(1)
+

@@ -1,0 +1,82 @@
+"""EXAONE 4.0's config and model (transformers 5's Exaone4ForCausalLM).
+
+    h   = x + RMSNorm(o(attention(q_norm(q), k_norm(k), v)))   q/k norms over each head's D dims
+    out = h + RMSNorm(down(silu(gate(h)) * up(h)))            (core.layers.output_norm_decoder_layer)
+
+Hybrid attention: with a sliding_window, "sliding_attention" layers use RoPE over a local window
+and "full_attention" layers use no positions at all (NoPE); without one every layer uses RoPE.
+The sliding layers attend through the window (DecoderLM.attention_window reads sliding_window
+and layer_types: core.layers.attention_window); sequences are not capped at it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+from bestiary.core.format.hf_config import DecoderConfig, first_present, hf_config_reader
+from bestiary.core.layers.mlp import GatedMLP
+from bestiary.core.layers.norm import RMSNorm
+from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLayer
+from bestiary.core.layers.self_attention import SelfAttention
+from bestiary.core.runtime.model import DecoderLM
+from pydantic import Field
+from torch import nn
+
+LayerType = Literal["sliding_attention", "full_attention"]
+
+
+class Exaone4Config(DecoderConfig):
+    """DecoderConfig + EXAONE 4.0's window and per-layer attention kinds."""
+
+    architecture: Literal["Exaone4ForCausalLM"] = "Exaone4ForCausalLM"
+    sliding_window: int | None = Field(None, ge=1, description="Local attention window W (None: no local layers).")
+    layer_types: list[LayerType] | None = Field(
+        None, description="Per layer: sliding_attention (RoPE, window) or full_attention (NoPE with a window)."
+    )
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """RoPE on layer `layer_idx`: every layer without a window, else the sliding ones only."""
+        return self.sliding_window is None or self.layer_types is None \
+            or self.layer_types[layer_idx] == "sliding_attention"
+
+
+def layer_types(hf: dict) -> list[str] | None:
+    """HF layer_types, or the pattern Exaone4Config derives: layer i is global when (i + 1) % pattern == 0."""
+    if hf.get("sliding_window") is None:
+        return None
+    if hf.get("layer_types"):
+        return hf["layer_types"]
+    pattern = hf.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str):  # "LLLG": L local, G global, repeated
+        pattern = len(pattern)
+    n = first_present(hf, ("num_hidden_layers",))
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+
+
+def max_positions(hf: dict) -> int:
+    """max_position_embeddings (not capped by sliding_window: the sliding layers attend through it)."""
+    return first_present(hf, ("max_position_embeddings",)) or 2048
+
+
+from_hf_config = hf_config_reader(
+    Exaone4Config, defaults={"norm_epsilon": 1e-5}, max_position_embeddings=max_positions,
+    sliding_window=lambda hf: hf.get("sliding_window"), layer_types=layer_types)
+
+
+class Exaone4ForCausalLM(DecoderLM):
+    """EXAONE 4.0 1.2B / 32B."""
+
+    config: Exaone4Config
+
+    def make_layer(self, layer_idx: int, device) -> nn.Module:
+        c, place = self.config, self.placement(device)
+        qk_norm = partial(RMSNorm, eps=c.norm_epsilon, dtype=self.dtype, device=device)
+        attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
+                                  rotary=self.make_rotary() if c.uses_rope(layer_idx) else None, qk_norm=qk_norm,
+                                  **place)
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, False, **place)
+        return OutputNormDecoderLayer(attention, self.make_final_norm(device), mlp, self.make_final_norm(device))
+
+    def make_final_norm(self, device) -> nn.Module:
+        return RMSNorm(self.config.hidden_size, self.config.norm_epsilon, self.dtype, device)

@@ -1,0 +1,38 @@
+"""Qwen2's config and model: the shared RMSNorm / RoPE / GQA / SwiGLU layer with q/k/v biases.
+
+    h   = x + o(attention(q, k, v of RMSNorm(x)))     q, k, v with biases, o without
+    out = h + down(silu(gate(RMSNorm(h))) * up(RMSNorm(h)))
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
+from bestiary.core.layers.standard_layer import rms_norm, standard_layer
+from bestiary.core.runtime.model import DecoderLM
+from torch import nn
+
+
+class Qwen2Config(DecoderConfig):
+    """DecoderConfig with Qwen2's name and its fixed biases (q/k/v only)."""
+
+    architecture: Literal["Qwen2ForCausalLM"] = "Qwen2ForCausalLM"
+    qkv_bias: bool = True
+
+
+# use_sliding_window is false in every published Qwen2 config (sliding_window is then unused).
+from_hf_config = hf_config_reader(Qwen2Config, defaults={"norm_epsilon": 1e-6, "max_position_embeddings": 32768},
+                                  unsupported={"use_sliding_window": False}, qkv_bias=True, dense_bias=False)
+
+
+class Qwen2ForCausalLM(DecoderLM):
+    """Qwen1.5 / Qwen2 / Qwen2.5 dense decoders."""
+
+    config: Qwen2Config
+
+    def make_layer(self, layer_idx: int, device) -> nn.Module:
+        return standard_layer(self, device)
+
+    def make_final_norm(self, device) -> nn.Module:
+        return rms_norm(self, device)

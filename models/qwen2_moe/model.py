@@ -1,0 +1,57 @@
+"""Qwen2-MoE's config and model: the shared RMSNorm / RoPE / GQA layer with a shared-expert MoE.
+
+    h   = x + attention(RMSNorm(x))                     q, k, v with biases
+    out = h + MoE(y) + sigmoid(w_s . y) shared(y),  y = RMSNorm(h)   (core.layers.moe.SharedExpertMoE)
+
+Routing: softmax over the E router logits, the top-k kept, renormalised only with norm_topk_prob.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
+from bestiary.core.layers.moe import SharedExpertMoE
+from bestiary.core.layers.standard_layer import rms_norm, standard_layer
+from bestiary.core.runtime.model import DecoderLM
+from pydantic import Field
+from torch import nn
+
+
+class Qwen2MoeConfig(DecoderConfig):
+    """DecoderConfig + Qwen2-MoE's experts; intermediate_size is the FFN dim of one routed expert."""
+
+    architecture: Literal["Qwen2MoeForCausalLM"] = "Qwen2MoeForCausalLM"
+    qkv_bias: bool = True
+    num_local_experts: int = Field(60, ge=1, description="Routed experts per layer (E, HF num_experts).")
+    num_experts_per_tok: int = Field(4, ge=1, description="Experts each token is routed to (top-k).")
+    shared_expert_intermediate_size: int = Field(5632, ge=1, description="FFN dim of the shared expert.")
+    norm_topk_prob: bool = Field(False, description="Renormalise the top-k routing weights to sum to 1.")
+
+
+# Every published Qwen2-MoE is sparse in every layer (decoder_sparse_step 1, no mlp_only_layers).
+from_hf_config = hf_config_reader(
+    Qwen2MoeConfig, defaults={"norm_epsilon": 1e-6, "max_position_embeddings": 32768},
+    unsupported={"use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    qkv_bias=lambda hf: hf.get("qkv_bias", True), dense_bias=False,
+    intermediate_size=lambda hf: hf.get("moe_intermediate_size", 1408),
+    num_local_experts=lambda hf: hf.get("num_experts", 60),
+    num_experts_per_tok=lambda hf: hf.get("num_experts_per_tok", 4),
+    shared_expert_intermediate_size=lambda hf: hf.get("shared_expert_intermediate_size", 5632),
+    norm_topk_prob=lambda hf: hf.get("norm_topk_prob", False))
+
+
+class Qwen2MoeForCausalLM(DecoderLM):
+    """Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B."""
+
+    config: Qwen2MoeConfig
+
+    def make_layer(self, layer_idx: int, device) -> nn.Module:
+        c = self.config
+        moe = SharedExpertMoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
+                              c.shared_expert_intermediate_size, c.hidden_act, renormalize=c.norm_topk_prob,
+                              **self.placement(device))
+        return standard_layer(self, device, mlp=moe)
+
+    def make_final_norm(self, device) -> nn.Module:
+        return rms_norm(self, device)

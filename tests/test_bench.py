@@ -1,0 +1,177 @@
+"""`bestiary bench` on a tiny engine: the report's figures, peers skipped (never a crash), errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bestiary.core.bench.config import BenchConfig
+from bestiary.core.bench.workload import (
+    Timed,
+    decode_rate,
+    median_of,
+    mixed_workload,
+    percentile,
+    prompt_ids,
+)
+from cli_errors import one_line
+from tiny_llama import make_tiny_engine
+
+SMALL = ["--new_tokens", "24", "--repeats", "3", "--prompt_lens", "8", "40", "--mixed_requests", "5",
+         "--mixed_prompt_lens", "3", "12", "--mixed_output_lens", "2", "6", "--num_threads", "1", "--bandwidth_mib", "64"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_engine(tmp_path_factory.mktemp("bench"))
+
+
+def bench_json(capsys, *argv: str) -> dict:
+    from bestiary.core.cli.main import main
+
+    assert main(["bench", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_mixed_workload_is_seeded_and_in_range():
+    a = mixed_workload(40, 1000, (16, 384), (16, 128), seed=3)
+    assert a == mixed_workload(40, 1000, (16, 384), (16, 128), seed=3)
+    assert a != mixed_workload(40, 1000, (16, 384), (16, 128), seed=4)
+    assert all(16 <= len(p) <= 384 for p in a.prompts) and all(16 <= n <= 128 for n in a.max_new)
+    assert all(100 <= t < 1000 for p in a.prompts for t in p)
+    assert a.asked == sum(a.max_new)
+    assert all(0 <= t < 96 for t in prompt_ids(50, 96, 0))  # a tiny vocabulary keeps its ids in range
+
+
+def test_percentile_and_decode_rate():
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 99) == 5.0
+    # 0.5 s to the first token then 10 ms a token: prefill is not counted
+    assert decode_rate(lambda n: Timed(0.5 + 0.01 * (n - 1), n), 64) == pytest.approx(100.0)
+    # a system that stopped at an end id after 33 tokens: the 32 after the first count
+    assert decode_rate(lambda n: Timed(0.5 + 0.01 * (min(n, 33) - 1), min(n, 33)), 64) == pytest.approx(100.0)
+    # the longer run no faster than the short one (a busy machine): no figure rather than a wild one
+    assert decode_rate(lambda n: Timed(2.0 if n == 1 else 1.5, n), 64) is None
+    assert median_of(3, iter([None, 2.0, 4.0]).__next__) == 3.0 and median_of(2, lambda: None) is None
+
+
+def test_config_refuses_bad_ranges():
+    with pytest.raises(ValueError, match="mixed_prompt_lens 9..3"):
+        BenchConfig(mixed_prompt_lens=(9, 3))
+    with pytest.raises(ValueError, match="unknown workload 'train'"):
+        BenchConfig(workloads=["train"])
+
+
+def test_engine_and_hf_measured_missing_peers_skipped(tiny, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # None in sys.modules: ImportError on import
+    monkeypatch.setitem(sys.modules, "ftllm", None)
+    report = bench_json(capsys, "--engine_dir", str(tiny / "engine"), "--compare", "hf,llama.cpp,fastllm",
+                        "--hf_model", str(tiny / "hf"), "--hf_dtypes", "float32", *SMALL)
+    rows = {r["name"]: r for r in report["rows"]}
+    assert set(rows) == {"engine", "hf", "llama.cpp", "fastllm"}
+    assert "llama-cpp-python is not installed" in rows["llama.cpp"]["skipped"]
+    assert "ftllm is not installed" in rows["fastllm"]["skipped"]
+    for name in ("engine", "hf"):
+        row = rows[name]
+        assert row["skipped"] is None and row["decode_tokens_per_second"] > 0
+        assert row["ttft_seconds"]["8"] > 0 and row["ttft_seconds"]["40"] > 0
+        assert row["mixed"]["generated"] == sum(mixed_workload(5, 96, (3, 12), (2, 6), 0).max_new)
+        assert 0 < row["mixed"]["p50_seconds"] <= row["mixed"]["p99_seconds"] <= row["mixed"]["seconds"]
+    assert report["machine"]["read_gbps"] > 0 and report["machine"]["threads"] == 1
+
+
+def test_prompts_over_the_engine_limit_are_not_timed(tiny, capsys):
+    """The tiny engine takes prompts of at most 95 tokens: TTFT 200 is reported as not measured."""
+    report = bench_json(capsys, "--engine_dir", str(tiny / "engine"), "--workloads", "prefill",
+                        *SMALL[:4], "--prompt_lens", "8", "200", "--num_threads", "1", "--bandwidth_mib", "0")
+    (row,) = report["rows"]
+    assert row["ttft_seconds"]["200"] is None and row["ttft_seconds"]["8"] > 0
+    assert row["decode_tokens_per_second"] is None and row["mixed"] is None
+    assert report["machine"]["read_gbps"] is None  # --bandwidth_mib 0
+
+
+def test_bytes_per_token_leaves_out_an_untied_embedding(tiny):
+    from bestiary.core.bench.systems import engine_bytes_per_token
+
+    engine = tiny / "engine"
+    files = sum(f.stat().st_size for f in engine.glob("rank*.safetensors"))
+    tied, untied = engine_bytes_per_token(engine, True), engine_bytes_per_token(engine, False)
+    assert tied - untied == 96 * 64 * 4  # the fp32 embedding table [vocab, hidden]
+    assert files - 10_000 < tied <= files  # every tensor, less the file's header
+
+
+def test_tables_and_skipped_lines(tiny, capsys, monkeypatch):
+    from bestiary.core.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    argv = ["bench", "--engine_dir", str(tiny / "engine"), "--compare", "llama.cpp,hf", *SMALL]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "batch-1 decode" in out and "prefill" in out and "mixed" in out
+    assert "skipped llama.cpp: llama-cpp-python is not installed" in out
+    assert "skipped hf: no --hf_model" in out
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--compare", "vllm"], ["--compare vllm", "'vllm' is not a peer"]),
+    (["--mixed_prompt_lens", "9", "3"], ["bench flags", "mixed_prompt_lens"]),
+    (["--reference", "fastllm"], ["--reference fastllm", "expected engine or a --compare peer"]),
+])
+def test_user_errors_are_one_line(tiny, capsys, flags, words):
+    one_line(capsys, ["bench", "--engine_dir", str(tiny / "engine"), "--workloads", "decode", *SMALL[:4], *flags],
+             2, *words)
+
+
+def test_not_an_engine_dir(tmp_path, capsys):
+    one_line(capsys, ["bench", "--engine_dir", str(tmp_path)], 2, f"--engine_dir {tmp_path}", "no config.json")
+
+
+@pytest.mark.slow
+def test_dense_hf_dir_is_the_ggufs_own_dequantization(smollm2_gguf, tmp_path, monkeypatch):
+    """The dense baseline computes what transformers computes on the GGUF itself (it dequantizes per
+    matmul); made once into the cache; the untied copy for FastLLM holds lm_head = the embedding."""
+    import torch
+    import transformers
+    from bestiary.core.bench.dense_hf import dense_hf_dir
+    from safetensors import safe_open
+
+    monkeypatch.setenv("BESTIARY_CACHE", str(tmp_path))
+    dense = dense_hf_dir(smollm2_gguf)
+    stamp = (dense / "model.safetensors").stat().st_mtime_ns
+    assert dense_hf_dir(smollm2_gguf) == dense and (dense / "model.safetensors").stat().st_mtime_ns == stamp
+    ids = torch.tensor([[1, 504, 3458, 314, 5549, 30]])
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                            dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+    untied = dense_hf_dir(smollm2_gguf, torch.float16, untied=True)
+    assert json.loads((untied / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(str(untied / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
+        assert f.get_tensor("lm_head.weight").dtype == torch.float16
+
+
+def test_what_systems_print_does_not_reach_stdout(tiny, capfd, monkeypatch):
+    """ftllm prints its loading to file descriptor 1: --json output must stay parseable."""
+    import os
+
+    from bestiary.core.bench import systems
+    from bestiary.core.cli.main import main
+
+    opened = systems.EngineSystem.__init__
+
+    def noisy(self, *args, **kwargs):
+        os.write(1, b"Load 0 Load 1\n")  # as a C library would, below sys.stdout
+        opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(systems.EngineSystem, "__init__", noisy)
+    assert main(["bench", "--engine_dir", str(tiny / "engine"), "--workloads", "decode", *SMALL, "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["rows"][0]["decode_tokens_per_second"] > 0
+    assert "Load 0 Load 1" in err

@@ -1,0 +1,104 @@
+"""Faults of a multi-rank engine: a rank killed mid-generation, the driver killed, Ctrl-C.
+
+Each test runs tests/tp_fault_driver.py (LLM on a tiny tp 2 checkpoint, generating without
+end) in its own process session and checks that every process of it is gone within 30 s,
+with one line naming the rank and the cause where a rank failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from bestiary.core.convert.source_to_checkpoint import convert
+from tiny_llama import make_tiny_llama
+
+DRIVER = Path(__file__).with_name("tp_fault_driver.py")
+LIMIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tp_faults")
+    return convert(make_tiny_llama(root), root / "tp2", tp_size=2, show_progress=False)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start(ckpt: Path) -> tuple[subprocess.Popen, int]:
+    """The driver (in its own session) once it generates; (process, rank 1's pid)."""
+    proc = subprocess.Popen([sys.executable, str(DRIVER), str(ckpt)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    assert line.startswith("ranks "), line + proc.stderr.read()
+    rank1 = int(line.split()[1])
+    for _ in range(3):  # generating
+        assert proc.stdout.readline().strip() == "token"
+    return proc, rank1
+
+
+def wait_all_gone(proc: subprocess.Popen, pids: list[int]) -> tuple[int, str, float]:
+    """(exit status, stderr, seconds) of the driver; asserts every pid is gone within LIMIT_S."""
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the driver still runs after {LIMIT_S} s") from None
+    while any(alive(p) for p in pids) and time.monotonic() - t0 < LIMIT_S:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"orphan rank processes {left}"
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def test_rank_killed_mid_generation_stops_everything(tp2):
+    proc, rank1 = start(tp2)
+    os.kill(rank1, signal.SIGKILL)
+    code, err, seconds = wait_all_gone(proc, [proc.pid, rank1])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and seconds < LIMIT_S
+    assert lines == [f"bestiary: rank 1 (pid {rank1}) was killed by SIGKILL; stopping all 2 ranks"], err
+
+
+def test_driver_killed_takes_its_ranks_with_it(tp2):
+    proc, rank1 = start(tp2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=LIMIT_S)
+    wait_all_gone(proc, [rank1])
+
+
+def test_ctrl_c_stops_all_ranks(tp2):
+    proc, rank1 = start(tp2)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
+    code, err, _ = wait_all_gone(proc, [proc.pid, rank1])
+    assert code != 0 and "KeyboardInterrupt" in err
+
+
+@pytest.mark.slow
+def test_hung_rank_is_named_within_30_s(tp2):
+    """SIGSTOP (a rank that hangs): the driver's collective times out (BESTIARY_DIST_TIMEOUT, 20 s)."""
+    proc, rank1 = start(tp2)
+    os.kill(rank1, signal.SIGSTOP)
+    try:
+        code, err, seconds = wait_all_gone(proc, [proc.pid, rank1])
+    finally:
+        if alive(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    assert code != 0 and seconds < LIMIT_S
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"bestiary: rank 1 (pid {rank1}) did not answer within 20 s (process state T); stopping all 2 ranks"], err
