@@ -37,9 +37,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start(ckpt: Path) -> tuple[subprocess.Popen, int]:
+def start(ckpt: Path, *flags: str) -> tuple[subprocess.Popen, int]:
     """The driver (in its own session) once it generates; (process, rank 1's pid)."""
-    proc = subprocess.Popen([sys.executable, str(DRIVER), str(ckpt)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(DRIVER), str(ckpt), *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     line = proc.stdout.readline()
     assert line.startswith("ranks "), line + proc.stderr.read()
@@ -87,6 +87,15 @@ def test_ctrl_c_stops_all_ranks(tp2):
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
     code, err, _ = wait_all_gone(proc, [proc.pid, rank1])
     assert code != 0 and "KeyboardInterrupt" in err
+
+
+def test_ctrl_c_with_cleanup_that_hangs_still_stops_all_ranks(tp2):
+    """A driver whose unwinding never ends after Ctrl-C: the deadline kills the ranks and exits 130."""
+    proc, rank1 = start(tp2, "--hang_on_interrupt")
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err, seconds = wait_all_gone(proc, [proc.pid, rank1])
+    assert code == 130 and seconds < LIMIT_S
+    assert "bestiary: KeyboardInterrupt: the ranks did not stop within 10 s; killing all 2 ranks" in err
 
 
 @pytest.mark.slow

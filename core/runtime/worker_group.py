@@ -40,6 +40,7 @@ import torch.distributed as dist
 from bestiary.core.format.errors import BestiaryError
 
 STEP_TIMEOUT_S = float(os.environ.get("BESTIARY_DIST_TIMEOUT", "20"))
+CTRL_C_DEADLINE_S = 10.0  # after Ctrl-C the driver and its ranks are gone within this (WorkerGroup._bound_ctrl_c)
 IDLE_TIMEOUT = timedelta(days=365)  # the control group: ranks wait for the driver's next message
 
 
@@ -163,6 +164,7 @@ class WorkerGroup:
             spawned.append(SpawnedRank(rank, process, driver_end))
         group = cls(world_size, rank_device(device, 0), None, spawned)  # type: ignore[arg-type]
         group._watch()
+        group._bound_ctrl_c()
         torch.set_num_threads(threads)
         group.control = join_world(0, world_size, group.device, init_method)
         atexit.register(group.close)
@@ -235,6 +237,35 @@ class WorkerGroup:
             if s.process.is_alive():
                 s.process.kill()
                 s.process.join(timeout=5)
+
+    def _bound_ctrl_c(self) -> None:
+        """Ctrl-C (SIGINT) raises KeyboardInterrupt as usual, and also arms a deadline: if the
+        driver has not exited CTRL_C_DEADLINE_S later (its unwinding or atexit cleanup waits on a
+        rank that is inside a collective), the ranks are killed and the driver exits with status
+        130 and one line. Only the main thread can install signal handlers; elsewhere nothing
+        changes."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame) -> None:
+            threading.Thread(target=self._exit_after_deadline, name="bestiary-ctrl-c", daemon=True).start()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_sigint)
+
+    def _exit_after_deadline(self) -> None:
+        time.sleep(CTRL_C_DEADLINE_S)
+        with self._lock:  # the watch thread must not report the ranks killed below as failures
+            self.closing = True
+        sys.stderr.write(f"bestiary: KeyboardInterrupt: the ranks did not stop within {CTRL_C_DEADLINE_S:g} s; "
+                         f"killing all {self.world_size} ranks\n")
+        sys.stderr.flush()
+        self._terminate(graceful=False)
+        os._exit(130)
 
     # --- the step in flight ------------------------------------------------------------------
     def step_begins(self) -> None:
