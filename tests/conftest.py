@@ -1,4 +1,5 @@
-"""Test-wide settings: deterministic, few threads, no network; the real SmolLM2 GGUF as a fixture."""
+"""Test-wide settings: deterministic, few threads, no network; the real SmolLM2 GGUF and the
+builds of the compiled CPU kernels as fixtures."""
 
 import os
 from pathlib import Path
@@ -24,3 +25,27 @@ def smollm2_gguf() -> Path:
         return demo_model_path()
     except BestiaryError as err:
         pytest.skip(str(err))
+
+
+def _cpu_isas() -> list[str]:
+    from bestiary.core.cpu import build
+
+    return list(build.ISAS)
+
+
+@pytest.fixture(params=_cpu_isas())
+def cpu_build(request, monkeypatch) -> str:
+    """A test runs once per build of the compiled CPU kernels (core.cpu.build.ISAS: avx512bf16,
+    avx512, avx2, scalar), skipped where this CPU lacks the ISA: core.cpu.ops runs the library
+    built for that ISA during the test. Returns the ISA's name."""
+    from bestiary.core.cpu import build, ops
+
+    isa = request.param
+    if isa not in build.supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    lib = build.library_for(isa)
+    if lib is None:
+        pytest.skip("no compiled CPU kernels")
+    assert lib.bst_isa() == build.ISAS[isa].code
+    monkeypatch.setattr(ops, "library", lambda: lib)
+    return isa

@@ -330,33 +330,139 @@ def test_interleaved_layers_release_nothing(llama):
             attn.window = 0
 
 
+# --- the window on the command line and in serve requests ------------------------------------
+
+CLI_PROMPT = [(5 * i + 1) % 300 for i in range(30)]
+CLI_SETTINGS = [(None, None), (8, 0), (8, 2)]  # (max_attention_window, sink_token_length); None: the engine's
+
+
+@pytest.fixture(scope="module")
+def window_engine(tmp_path_factory):
+    """A tiny LLaMA with a tokenizer, built by `bestiary build --max_attention_window 16 --sink_token_length 0`."""
+    from bestiary.core.cli.main import main
+    from tiny_chat import make_tiny_chat_hf
+
+    base = tmp_path_factory.mktemp("window_cli")
+    convert(make_tiny_chat_hf(base), base / "ckpt", show_progress=False)
+    assert main(["build", "--checkpoint_dir", str(base / "ckpt"), "--output_dir", str(base / "engine"),
+                 "--max_seq_len", "128", "--tokens_per_block", "8", "--max_attention_window", "16",
+                 "--sink_token_length", "0"]) == 0
+    build = Engine.load(base / "engine").build
+    assert (build.max_attention_window, build.sink_token_length) == (16, 0)
+    return base / "engine"
+
+
+def window_sampling(window: int | None, sinks: int | None) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=12, max_attention_window=window, sink_token_length=sinks, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def api_outputs(window_engine) -> list[list[int]]:
+    """LLM.generate's ids of CLI_PROMPT under each of CLI_SETTINGS (each setting changes them)."""
+    from bestiary.core.runtime.llm import LLM
+
+    llm = LLM(window_engine)
+    outputs = [llm.generate([CLI_PROMPT], window_sampling(w, s))[0].output_ids for w, s in CLI_SETTINGS]
+    assert len({tuple(ids) for ids in outputs}) == len(CLI_SETTINGS), outputs  # every setting matters here
+    return outputs
+
+
+def window_flags(window: int | None, sinks: int | None) -> list[str]:
+    return [*(["--max_attention_window", str(window)] if window else []),
+            *(["--sink_token_length", str(sinks)] if sinks is not None else [])]
+
+
+def test_run_window_flags_equal_the_python_api(window_engine, api_outputs, capsys):
+    """`bestiary run --max_attention_window W --sink_token_length S` (0 accepted) prints the ids of
+    LLM.generate with SamplingConfig(max_attention_window=W, sink_token_length=S)."""
+    from bestiary.core.cli.main import main
+
+    for (window, sinks), expected in zip(CLI_SETTINGS, api_outputs, strict=True):
+        argv = ["run", "--engine_dir", str(window_engine), "--input_ids", ",".join(map(str, CLI_PROMPT)),
+                "--max_output_len", "12", "--ignore_eos", "--output_ids", *window_flags(window, sinks)]
+        assert main(argv) == 0
+        assert [int(t) for t in capsys.readouterr().out.split()] == expected, (window, sinks)
+
+
+@pytest.mark.parametrize("command, flags, words", [
+    ("run", ["--sink_token_length", "-1"], "argument --sink_token_length: '-1': expected an integer >= 0"),
+    ("run", ["--max_attention_window", "0"], "argument --max_attention_window: '0': expected a positive integer"),
+    ("build", ["--sink_token_length", "-1"], "argument --sink_token_length: '-1': expected an integer >= 0"),
+    ("build", ["--max_attention_window", "0"], "argument --max_attention_window: '0': expected a positive integer"),
+])
+def test_window_flag_values_are_argparse_errors(window_engine, capsys, command, flags, words):
+    """Out-of-range flag values: exit 2, argparse's usage line and one error line naming the flag."""
+    from bestiary.core.cli.main import main
+
+    where = ["--engine_dir", str(window_engine), "--input_ids", "1,2"] if command == "run" else \
+        ["--checkpoint_dir", str(window_engine), "--output_dir", str(window_engine.parent / "unused")]
+    with pytest.raises(SystemExit) as exit_:
+        main([command, *where, *flags])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert words in err.splitlines()[-1], err
+    assert not (window_engine.parent / "unused").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max_attention_window", "32"], "max_attention_window 32 exceeds the engine's max_attention_window 16"),
+    (["--max_attention_window", "8", "--sink_token_length", "8"],
+     "sink_token_length 8 must be smaller than the attention window 8"),
+])
+def test_run_window_limits_are_one_line_errors(window_engine, capsys, flags, words):
+    from cli_errors import one_line
+
+    one_line(capsys, ["run", "--engine_dir", str(window_engine), "--input_ids", "1,2,3", *flags], 2, words)
+
+
+def test_serve_requests_take_window_fields(window_engine, api_outputs):
+    """`max_attention_window` / `sink_token_length` as extra request fields (in-process app): the text of
+    LLM.generate's ids under the same settings; out-of-range values are 400s naming the problem."""
+    from bestiary.core.runtime.llm import LLM
+    from bestiary.core.serve.app import ServeSettings, create_app
+
+    testclient = pytest.importorskip("fastapi.testclient")
+    llm = LLM(window_engine)
+    body = dict(model="tiny", prompt=CLI_PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True)
+    with testclient.TestClient(create_app(llm, ServeSettings(served_model_name="tiny"))) as client:
+        for (window, sinks), expected in zip(CLI_SETTINGS, api_outputs, strict=True):
+            extra = {k: v for k, v in (("max_attention_window", window), ("sink_token_length", sinks)) if v is not None}
+            reply = client.post("/v1/completions", json=body | extra)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == llm.tokenizer.decode(expected), (window, sinks)
+        for extra, words in (({"max_attention_window": 32}, "exceeds the engine's max_attention_window 16"),
+                             ({"sink_token_length": -1}, "sink_token_length: Input should be greater than or equal to 0"),
+                             ({"max_attention_window": 8, "sink_token_length": 8}, "must be smaller than the attention window 8")):
+            reply = client.post("/v1/completions", json=body | extra)
+            assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
+
+
 # --- the compiled CPU decode attention -------------------------------------------------------
 
 
-def test_cpu_decode_attention_with_windows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_attention_with_windows(cpu_build, dtype):
     """kernels.c's decode attention == its torch reference under windows and sinks, with every block
-    outside the windows holding NaN (never read)."""
+    outside the windows holding NaN (never read); on every build (cpu_build), float32 and bfloat16
+    q and pools (float32 out: the bf16 dot products sum in float32 too)."""
     from bestiary.core.cpu import ops
-    from bestiary.core.cpu.build import library
 
-    if library() is None:
-        pytest.skip("no compiled CPU kernels")
     torch.manual_seed(0)
     bs, h, kvh, d = 5, 4, 2, 24
     lens, windows, sinks = [63, 5, 40, 29, 7], [16, 60, 8, 0, 3], [4, 4, 0, 0, 1]
     width = max(-(-n // bs) for n in lens)
     order = torch.randperm(len(lens) * width)
     tables = order.view(len(lens), width)
-    k_pool = torch.randn(len(lens) * width, bs, kvh, d)
+    k_pool = torch.randn(len(lens) * width, bs, kvh, d).to(dtype)
     v_pool = torch.randn_like(k_pool)
-    q = torch.randn(len(lens), h, d)
+    q = torch.randn(len(lens), h, d).to(dtype)
     bounds = (windows, sinks)
     kv_lens = torch.tensor(lens)
-    ref = ops.decode_attention_ref(q, k_pool, v_pool, tables, kv_lens, d**-0.5, None, None, bounds)
-    plain = ops.decode_attention_ref(q, k_pool, v_pool, tables, kv_lens, d**-0.5)
+    ref = ops.decode_attention_ref(q.float(), k_pool, v_pool, tables, kv_lens, d**-0.5, None, None, bounds)
+    plain = ops.decode_attention_ref(q.float(), k_pool, v_pool, tables, kv_lens, d**-0.5)
     assert (ref - plain).abs().max() > 1e-2  # the windows matter here
     for i, (n, w, s) in enumerate(zip(lens, windows, sinks)):
         for b in releasable_blocks(n - 1, w, s, bs):
             k_pool[tables[i, b]], v_pool[tables[i, b]] = float("nan"), float("nan")
-    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5, None, None, bounds)
+    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5, None, None, bounds, torch.float32)
     assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())

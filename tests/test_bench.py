@@ -117,6 +117,60 @@ def test_tables_and_skipped_lines(tiny, capsys, monkeypatch):
     assert "skipped hf: no --hf_model" in out
 
 
+def test_speculative_rows_report_acceptance(tiny, capsys):
+    """--speculative ngram: a second engine row that decodes speculatively, with the decode and mixed
+    workloads' drafted / accepted counts in --json and a line each under the tables."""
+    from bestiary.core.cli.main import main
+
+    spec = ["--speculative", "ngram", "--num_draft_tokens", "3"]
+    argv = ["--engine_dir", str(tiny / "engine"), "--workloads", "decode", "mixed", *SMALL, *spec]
+    report = bench_json(capsys, *argv)
+    plain, fast = report["rows"]
+    assert plain["label"] == "bestiary engine" and plain["speculative"] is None
+    assert fast["label"] == "bestiary engine + ngram k=3" and fast["decode_tokens_per_second"] > 0
+    assert set(fast["speculative"]) == {"decode", "mixed"}
+    decode = fast["speculative"]["decode"]
+    # the random model's greedy output loops, so prompt lookup finds drafts and some are right
+    assert 0 < decode["accepted_tokens"] <= decode["drafted_tokens"] <= 3 * decode["steps"]
+    assert decode["acceptance_rate"] == decode["accepted_tokens"] / decode["drafted_tokens"]
+    assert decode["tokens_per_step"] == (decode["accepted_tokens"] + decode["steps"]) / decode["steps"]
+    # the timed runs only (not the warm-up): 3 repeats of 1 + 24 tokens, the first from the prompt step
+    assert decode["accepted_tokens"] + decode["steps"] <= 3 * 24
+    assert fast["mixed"]["generated"] == plain["mixed"]["generated"]
+    assert main(["bench", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "bestiary engine + ngram k=3" in out
+    rate = decode["acceptance_rate"]
+    assert (f"bestiary engine + ngram k=3, decode: accepted {decode['accepted_tokens']} of "
+            f"{decode['drafted_tokens']} draft tokens ({rate:.0%})") in out  # greedy: the same counts again
+
+
+def test_report_names_the_cpu_kernel_build(tiny, capsys, monkeypatch):
+    """Header and JSON say which build of the compiled CPU kernels the engines ran: the best this
+    CPU runs, or the one BESTIARY_CPU_ISA forces (avx2 here: the engine then ran the AVX2 build)."""
+    from bestiary.core.cli.main import main
+    from bestiary.core.cpu import build
+
+    if build.library() is None or "avx2" not in build.supported_isas():
+        pytest.skip("no compiled AVX2 kernels on this machine")
+    argv = ["--engine_dir", str(tiny / "engine"), "--workloads", "decode", "--new_tokens", "4",
+            "--repeats", "1", "--num_threads", "1", "--bandwidth_mib", "0"]
+    monkeypatch.delenv(build.ISA_ENV_VAR, raising=False)
+    build.library.cache_clear()
+    try:
+        machine = bench_json(capsys, *argv)["machine"]
+        best = build.supported_isas()[0]
+        assert (machine["cpu_isa"], machine["cpu_kernels"]) == (best, "best the CPU runs")
+        monkeypatch.setenv(build.ISA_ENV_VAR, "avx2")
+        build.library.cache_clear()
+        assert main(["bench", *argv]) == 0
+        assert f"CPU kernels: avx2 (forced by {build.ISA_ENV_VAR})" in capsys.readouterr().out
+        assert build.library().bst_isa() == build.ISAS["avx2"].code  # what the engine ran
+        assert bench_json(capsys, *argv)["machine"]["cpu_isa"] == "avx2"
+    finally:
+        build.library.cache_clear()
+
+
 @pytest.mark.parametrize(("flags", "words"), [
     (["--compare", "vllm"], ["--compare vllm", "'vllm' is not a peer"]),
     (["--mixed_prompt_lens", "9", "3"], ["bench flags", "mixed_prompt_lens"]),

@@ -60,6 +60,21 @@ def test_inspect_and_list(tiny):
     assert listing.returncode == 0 and "LlamaForCausalLM" in listing.stdout
 
 
+# The zoo's families (issue 25), by the names their plugins register (models/*/__init__.py SPEC.name).
+ZOO_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "QWenLMHeadModel",
+                     "GPT2LMHeadModel", "BloomForCausalLM", "BaichuanForCausalLM", "Exaone4ForCausalLM")
+
+
+def test_list_shows_the_zoo(capsys):
+    """`bestiary list` has a row for each zoo family, named in its architecture column, from package bestiary."""
+    assert main(["list"]) == 0
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("│")]
+    packages = {row[0]: row[1] for row in rows if row[0]}
+    for name in ZOO_ARCHITECTURES:
+        assert packages.get(name) == "bestiary", f"{name} is not listed: {sorted(packages)}"
+
+
 def assert_user_error(result: subprocess.CompletedProcess, *words: str) -> None:
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr

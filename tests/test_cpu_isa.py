@@ -14,6 +14,7 @@ from bestiary.core.format.errors import BestiaryError
 
 AVX2_LAPTOP = frozenset({"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "fma", "f16c", "avx2", "bmi1", "bmi2"})
 AVX512_SERVER = AVX2_LAPTOP | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+BF16_SERVER = AVX512_SERVER | {"avx512_bf16"}  # Cooper Lake, Sapphire Rapids, Zen 4
 
 
 @pytest.fixture
@@ -40,11 +41,30 @@ def test_best_isa_the_flags_allow(cpu):
     assert build.chosen_isa() == "avx2"
 
 
+def test_avx512_bf16_selects_the_dot_product_build(cpu, monkeypatch):
+    """avx512_bf16 present: the avx512bf16 build (vdpbf16ps); forced avx512 still loads the plain
+    AVX-512 one; a CPU without the flag refuses avx512bf16 naming it. describe() lists the extras
+    the chosen build does not use."""
+    cpu(BF16_SERVER)
+    assert build.supported_isas() == ["avx512bf16", "avx512", "avx2", "scalar"]
+    assert build.chosen_isa() == "avx512bf16"
+    assert build.describe()["cpu extras"] == "avx512_vnni"  # avx512_bf16 is in use
+    monkeypatch.setenv(build.ISA_ENV_VAR, "avx512")
+    assert build.chosen_isa() == "avx512" and build.describe()["cpu extras"] == "avx512_vnni, avx512_bf16"
+    cpu(AVX512_SERVER)
+    monkeypatch.setenv(build.ISA_ENV_VAR, "avx512bf16")
+    with pytest.raises(BestiaryError, match=r"ISA=avx512bf16: this CPU lacks avx512_bf16 \(/proc"):
+        build.chosen_isa()
+    cpu(BF16_SERVER - {"avx512vl"})  # BF16 without VL: neither AVX-512 build
+    monkeypatch.delenv(build.ISA_ENV_VAR)
+    assert build.supported_isas() == ["avx2", "scalar"]
+
+
 def test_no_cpuinfo_falls_back_on_torch_capability(cpu):
     cpu(frozenset(), "AVX2")
     assert build.supported_isas() == ["avx2", "scalar"]
     cpu(frozenset(), "AVX512")
-    assert build.chosen_isa() == "avx512"
+    assert build.chosen_isa() == "avx512"  # torch cannot tell avx512_bf16: the plain AVX-512 build
     cpu(frozenset(), "DEFAULT")
     assert build.supported_isas() == ["scalar"]
 
@@ -73,7 +93,7 @@ def test_forcing_an_isa_the_cpu_lacks_is_refused_in_one_line(cpu, monkeypatch):
         build.library()  # what every op asks first: the refusal reaches the user
     assert build.describe()["isa"] == "refused"
     monkeypatch.setenv(build.ISA_ENV_VAR, "sse9")
-    with pytest.raises(BestiaryError, match="expected one of auto, avx512, avx2, scalar"):
+    with pytest.raises(BestiaryError, match="expected one of auto, avx512bf16, avx512, avx2, scalar"):
         build.chosen_isa()
     with pytest.raises(BestiaryError, match="this CPU runs avx2, scalar"):
         build.library_for("avx512")

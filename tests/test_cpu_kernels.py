@@ -1,6 +1,7 @@
 """The compiled CPU kernels (core/cpu/kernels.c) against their torch references (core.cpu.ops).
 
-Each test runs on every build this CPU runs (AVX-512, AVX2, scalar; core.cpu.build.ISAS).
+Each test runs on every build this CPU runs (AVX-512 + BF16, AVX-512, AVX2, scalar;
+core.cpu.build.ISAS; the cpu_build fixture of tests/conftest.py).
 Odd shapes on purpose: K not a multiple of 16 or 32 (masked tails), N not a multiple of the
 row / column tiles, batches across the 4-row input tiles, GQA groups, blocks not dividing the
 lengths, non-contiguous block tables.
@@ -18,16 +19,10 @@ pytestmark = pytest.mark.skipif(build.library() is None, reason="no C compiler: 
 FLOAT = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True, params=list(build.ISAS))
-def kernels(request, monkeypatch):
+@pytest.fixture(autouse=True)
+def kernels(cpu_build):
     """Every test runs on each ISA's build (skipped where this CPU lacks the ISA)."""
-    isa = request.param
-    if isa not in build.supported_isas():
-        pytest.skip(f"this CPU does not run {isa}")
-    lib = build.library_for(isa)
-    assert lib.bst_isa() == build.ISAS[isa].code
-    monkeypatch.setattr(ops, "library", lambda: lib)
-    return isa
+    return cpu_build
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -84,6 +79,38 @@ def test_linear_t_is_linear_on_a_transposed_weight():
     x = torch.randn(3, 70, generator=gen).bfloat16()
     ref = (x.float() @ wt.float()).bfloat16()
     torch.testing.assert_close(ops.linear_t(x, wt), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 3, 6])
+@pytest.mark.parametrize("n,k", [(200, 576), (1000, 71), (47, 2)])
+def test_bf16_inputs_and_weights_sum_in_float32(m, n, k):
+    """bf16 x and W, float32 out: each product is exact and the sums are float32 on every build
+    (avx512bf16's vdpbf16ps too: the inputs are bf16 already, nothing is rounded that the float32
+    reference keeps), so y is the reference to float32 rounding (1e-5), not to bf16's (4e-3).
+    Odd k (a last half pair), n past whole 32-column groups, batch-invariant rows."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    pw = _weight("bf16", n, k, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    y = ops.linear(x, pw, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert _rel_err(y, ops.linear_ref(x, pw, out_dtype=torch.float32)) < 1e-5
+    torch.testing.assert_close(ops.linear(x[-1:], pw, out_dtype=torch.float32), y[-1:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("d", [24, 64, 80])
+def test_bf16_decode_attention_sums_in_float32(d):
+    """bf16 q and pools, float32 out: q . k products exact, float32 sums on every build (avx512bf16:
+    vdpbf16ps, with a masked tail where D is not a multiple of 32), so the output is the float32
+    reference's to 1e-5."""
+    gen = torch.Generator().manual_seed(d)
+    blocks, bs, kvh, h = 10, 4, 2, 6
+    k_pool = (torch.randn(blocks, bs, kvh, d, generator=gen) * 2).bfloat16()
+    v_pool = torch.randn(blocks, bs, kvh, d, generator=gen).bfloat16()
+    tables, kv_lens = torch.tensor([[3, 8, 1, 5], [0, 9, 2, 7]]), torch.tensor([15, 6])
+    q = torch.randn(2, h, d, generator=gen).bfloat16()
+    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5, out_dtype=torch.float32)
+    ref = ops.decode_attention_ref(q.float(), k_pool, v_pool, tables, kv_lens, d**-0.5)  # float32
+    assert out.dtype == torch.float32 and _rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", FLOAT)

@@ -40,6 +40,17 @@ def test_llm_on_cuda_generates_cpu_greedy_text(ckpts):
     assert llm.generate([PROMPT], GREEDY)[0].output_ids == expected
 
 
+def test_sampling_on_cuda_is_seeded_like_the_cpu(ckpts):
+    """Sampled requests on a CUDA engine draw with the request's CPU generator (a CUDA
+    multinomial would refuse it): a seed gives the same tokens on both devices, and the
+    speculative acceptance rule samples there too."""
+    sampled = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=12, ignore_eos=True, random_seed=7)
+    expected = LLM(ckpts[0]).generate([PROMPT], sampled)[0].output_ids
+    assert LLM(ckpts[0], device="cuda").generate([PROMPT], sampled)[0].output_ids == expected
+    spec = LLM(ckpts[0], device="cuda", speculative={"method": "ngram", "num_draft_tokens": 3})
+    assert len(spec.generate([PROMPT * 3], sampled)[0].output_ids) == 12
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tp 2 on nccl needs two GPUs")
 def test_tp2_on_two_gpus_over_nccl(ckpts):
     expected = LLM(ckpts[0]).generate([PROMPT], GREEDY)[0].output_ids

@@ -101,6 +101,29 @@ def test_each_level_keeps_its_own_budget(ckpt, sizes):
     cache.check_accounting()
 
 
+def test_device_budget_defaults(monkeypatch):
+    """The device level's budget: device_cache_size when given; on CUDA, device_cache_percent of
+    the free memory torch.cuda.mem_get_info reports after load; on the CPU, the host budget."""
+    from bestiary.core.lora.cache import LoraCache, LoraCacheConfig
+
+    class OnDevice(torch.nn.Module):  # parameters() reports `device`, allocates nothing there
+        def __init__(self, device: str) -> None:
+            super().__init__()
+            self.device = torch.device(device)
+
+        def parameters(self, recurse: bool = True):
+            yield type("P", (), {"device": self.device})()
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: asked.append(d) or (8 << 30, 80 << 30))
+    config = LoraCacheConfig(host_cache_size=1 << 20, device_cache_percent=0.05)
+    assert LoraCache(OnDevice("cuda:1"), config=config).device.budget == int(0.05 * (8 << 30))
+    assert asked == [torch.device("cuda:1")]
+    assert LoraCache(OnDevice("cpu"), config=config).device.budget == 1 << 20
+    sized = LoraCacheConfig(host_cache_size=1 << 20, device_cache_size=12345)
+    assert LoraCache(OnDevice("cuda:0"), config=sized).device.budget == 12345 and len(asked) == 1
+
+
 def test_an_unknown_task_id_fails_only_its_request(ckpt):
     llm = LLM(ckpt)
     want = {i: llm.generate([PROMPT], GREEDY, lora=seed_adapter(i))[0].output_ids for i in (1, 2)}

@@ -267,16 +267,46 @@ def test_draft_engine_with_another_vocabulary_is_refused(engines, tmp_path):
         make_executor(engines["float32"], spec)
 
 
+def replay_ngram(prompt: list[int], output: list[int], k: int) -> AcceptanceStats:
+    """The counts greedy prompt lookup must report for a batch-1 request whose plain output is
+    `output`: after the prompt step, each step drafts ngram_draft(tokens, k') (k' = k cut to the
+    length left), accepts the drafts that equal the next output tokens and emits them plus one."""
+    stats, done, max_len = AcceptanceStats(), 1, len(prompt) + len(output)  # token 1: the prompt step
+    while done < len(output):
+        tokens = prompt + output[:done]
+        draft = ngram_draft(tokens, min(k, max_len - len(tokens) - 1))
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == output[done + accepted]:
+            accepted += 1
+        if draft:
+            stats.add(AcceptanceStats(1, len(draft), accepted))
+        done += accepted + 1
+    return stats
+
+
 def test_llm_reports_acceptance(dirs):
+    """Repetitive prompts, where prompt lookup must find drafts: Completion.speculative holds exactly
+    the steps, drafted and accepted counts that replaying the drafter over the plain output gives."""
     from bestiary.core.runtime.llm import LLM
 
     llm = LLM(dirs["float32"], speculative={"method": "ngram", "num_draft_tokens": 4})
-    prompt = prompts_20()[1]
-    done = llm.generate([prompt], SamplingConfig(max_new_tokens=20, **GREEDY))[0]
-    assert isinstance(done.speculative, AcceptanceStats) and done.speculative.steps > 0
-    assert 0.0 <= done.speculative.acceptance_rate <= 1.0
-    plain = LLM(dirs["float32"]).generate([prompt], SamplingConfig(max_new_tokens=20, **GREEDY))[0]
-    assert plain.output_ids == done.output_ids and plain.speculative is None
+    plain_llm = LLM(dirs["float32"])
+    sampling = SamplingConfig(max_new_tokens=20, **GREEDY)
+    total = AcceptanceStats()
+    for prompt in ([5, 6, 7, 8, 9] * 4, list(range(10, 20)) * 3, prompts_20()[1]):
+        done = llm.generate([prompt], sampling)[0]
+        plain = plain_llm.generate([prompt], sampling)[0]
+        assert plain.output_ids == done.output_ids and plain.speculative is None
+        s = done.speculative
+        assert isinstance(s, AcceptanceStats)
+        assert s == replay_ngram(prompt, done.output_ids, 4)
+        assert s.steps > 0 and 0 <= s.accepted <= s.drafted <= 4 * s.steps
+        assert s.acceptance_rate == s.accepted / s.drafted
+        assert s.tokens_per_step == (s.accepted + s.steps) / s.steps
+        assert s.accepted + s.steps <= len(done.output_ids) - 1  # the first token comes from the prompt step
+        total.add(s)
+    assert total.accepted > 0 and total.drafted > total.accepted  # drafts both accepted and rejected
+    assert llm.executor.speculator.stats == total
 
 
 def test_cli_run_flags(dirs, capsys):

@@ -147,11 +147,15 @@ BAICHUAN = dict(architectures=["BaichuanForCausalLM"], model_type="baichuan", hi
 # Baichuan2-7B's config has max_position_embeddings (RoPE); 13B's only model_max_length (ALiBi). NormHead is
 # Baichuan2's 125,696-token vocabulary (test_baichuan_position_scheme_and_norm_head_from_published_fields); here
 # a 96-token vocabulary with `norm_head` set keeps the case fast. 6 heads: non-power-of-two ALiBi slopes.
+# baichuan2_13b_alibi_normhead: Baichuan2-13B, ALiBi and NormHead together; 10 heads, non-power-of-two like
+# its 40 (8 power-of-two slopes + 2 interleaved), and even, so the tp 2 run (test_zoo_tp) splits them.
 BAICHUAN_CASES = {
     "baichuan2_7b_rope": baichuan(BAICHUAN | dict(vocab_size=96, norm_head=True, max_position_embeddings=128,
                                                   model_max_length=128)),
     "13b_alibi": baichuan(BAICHUAN | dict(vocab_size=96, hidden_size=48, num_attention_heads=6,
                                           model_max_length=128)),
+    "baichuan2_13b_alibi_normhead": baichuan(BAICHUAN | dict(vocab_size=96, norm_head=True, hidden_size=160,
+                                                             num_attention_heads=10, model_max_length=128)),
 }
 TestBaichuan = conformance("BaichuanForCausalLM", BAICHUAN_CASES)
 
@@ -238,5 +242,7 @@ def test_baichuan_position_scheme_and_norm_head_from_published_fields():
 
     b7 = from_hf_config(BAICHUAN | dict(vocab_size=125696, max_position_embeddings=4096), "float32", Mapping())
     b13 = from_hf_config(BAICHUAN | dict(vocab_size=64000, model_max_length=4096), "float32", Mapping())
+    b2_13 = from_hf_config(BAICHUAN | dict(vocab_size=125696, model_max_length=4096), "float32", Mapping())
     assert (b7.position_embedding_type, b7.norm_head) == ("rope_gpt_neox", True)
     assert (b13.position_embedding_type, b13.norm_head, b13.max_position_embeddings) == ("alibi", False, 4096)
+    assert (b2_13.position_embedding_type, b2_13.norm_head) == ("alibi", True)  # Baichuan2-13B: both

@@ -1,4 +1,5 @@
-"""What a figure depends on besides the code: CPU flags, threads, load, memory read bandwidth."""
+"""What a figure depends on besides the code: CPU flags, the CPU kernel build, threads, load, memory
+read bandwidth."""
 
 from __future__ import annotations
 
@@ -21,6 +22,24 @@ def cpu_flags() -> list[str]:
     except OSError:
         return []
     return [flag for flag in CPU_FLAGS if flag in listed]
+
+
+def cpu_kernels() -> tuple[str, str]:
+    """The build of the compiled CPU kernels (core.cpu.build) the engines run: its ISA (avx512bf16,
+    avx512, avx2, scalar; "off" when the torch references run instead) and why. Builds the library
+    if needed; BestiaryError for a BESTIARY_CPU_ISA this CPU refuses (the engines would refuse it)."""
+    from bestiary.core.cpu import build
+    from bestiary.core.kernels import dispatch
+
+    if dispatch.mode() != "auto":
+        return "off", f"{dispatch.ENV_VAR}={dispatch.mode()}: no compiled CPU kernels"
+    if not build.enabled():
+        return "off", f"{build.ENV_VAR}=off: torch references"
+    isa = build.chosen_isa()
+    if build.library() is None:
+        return "off", "not built (no C compiler, or the build failed): torch references"
+    forced = os.environ.get(build.ISA_ENV_VAR, "auto").strip().lower() not in ("", "auto")
+    return isa, f"forced by {build.ISA_ENV_VAR}" if forced else "best the CPU runs"
 
 
 def load_average() -> str:
@@ -54,13 +73,17 @@ class Machine:
     load_before: str
     load_after: str = ""
     read_gbps: float | None = None
+    cpu_isa: str = ""  # the CPU kernel build the engines run (cpu_kernels), "off" for none
+    cpu_kernels: str = ""  # why that build: "best the CPU runs", "forced by BESTIARY_CPU_ISA", why off
 
     @classmethod
     def now(cls, bandwidth_mib: int) -> Machine:
         """This machine now; the read bandwidth over `bandwidth_mib` MiB (0: not measured)."""
+        isa, why = cpu_kernels()
         return cls(platform.processor() or platform.machine(), cpu_flags(), os.cpu_count() or 1,
                    torch.get_num_threads(), torch.__version__, load_average(),
-                   read_gbps=read_bandwidth_gbps(bandwidth_mib) if bandwidth_mib else None)
+                   read_gbps=read_bandwidth_gbps(bandwidth_mib) if bandwidth_mib else None, cpu_isa=isa,
+                   cpu_kernels=why)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -9,6 +9,8 @@ spin while its model lives). A peer that cannot run is a row with the reason, no
   the time to the first token; prompt tokens/s = L / TTFT.
 - mixed: the workload once; generated tokens/s, p50 / p99 latency (submit -> last token).
 - fraction of the bandwidth limit (decode): tok/s x bytes read per token / read bandwidth.
+- speculative rows (an engine with --speculative): the drafted / accepted tokens of the decode
+  workload's timed runs and of the mixed workload, each on its own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from bestiary.core.bench.workload import (
     mixed_workload,
     prompt_ids,
 )
+from bestiary.core.runtime.speculative import AcceptanceStats
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Row:
     mixed: MixedResult | None = None
     mixed_note: str = ""
     bytes_per_token: int | None = None
+    speculative: dict[str, AcceptanceStats] = field(default_factory=dict)  # workload -> its speculative counts
 
     def bandwidth_fraction(self, read_gbps: float | None) -> float | None:
         """Decode tok/s over the bandwidth limit read_gbps / bytes per token."""
@@ -58,7 +62,14 @@ class Row:
                 self.decode_tps, "bytes_per_token": self.bytes_per_token,
                 "bandwidth_fraction": self.bandwidth_fraction(read_gbps),
                 "ttft_seconds": {str(k): v for k, v in self.ttft.items()}, "mixed": mixed,
-                "mixed_note": self.mixed_note or None}
+                "mixed_note": self.mixed_note or None,
+                "speculative": {w: speculative_json(s) for w, s in self.speculative.items()} or None}
+
+
+def speculative_json(s: AcceptanceStats) -> dict:
+    """A workload's speculative counts; acceptance_rate = accepted / drafted (0 without drafts)."""
+    return {"steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
+            "acceptance_rate": s.acceptance_rate, "tokens_per_step": s.tokens_per_step}
 
 
 @dataclass
@@ -75,12 +86,15 @@ class BenchReport:
 def measure(system: System, row: Row, config: BenchConfig, vocab: int, on_step: Callable[[str], None]) -> None:
     """Run the asked workloads on an open system, filling `row`."""
     row.bytes_per_token = system.bytes_per_token
+    spec = getattr(system, "speculative_since", lambda: None)  # counts since its last call; None: plain
     if "decode" in config.workloads:
         on_step(f"{row.label}: decode")
         prompt = prompt_ids(config.decode_prompt_len, vocab, config.seed)
         system.generate(prompt, 4)  # warm-up
+        spec()
         row.decode_tps = median_of(config.repeats,
                                    lambda: decode_rate(lambda n: system.generate(prompt, n), config.new_tokens))
+        _keep_speculative(row, "decode", spec())
     if "prefill" in config.workloads:
         for length in config.prompt_lens:
             on_step(f"{row.label}: prefill {length}")
@@ -93,8 +107,15 @@ def measure(system: System, row: Row, config: BenchConfig, vocab: int, on_step: 
         on_step(f"{row.label}: mixed")
         work = mixed_workload(config.mixed_requests, vocab, config.mixed_prompt_lens, config.mixed_output_lens,
                               config.seed)
+        spec()
         row.mixed = system.mixed(work)
         row.mixed_note = system.mixed_note if row.mixed is None else ""
+        _keep_speculative(row, "mixed", spec())
+
+
+def _keep_speculative(row: Row, workload: str, stats: AcceptanceStats | None) -> None:
+    if stats is not None:
+        row.speculative[workload] = stats
 
 
 def run_bench(config: BenchConfig, systems: list[Candidate], vocab: int,

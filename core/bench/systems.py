@@ -64,6 +64,7 @@ class EngineSystem:
 
         self.llm = LLM(engine_dir, num_threads=num_threads, kv_cache_config=KvCacheConfig(enable_block_reuse=False),
                        speculative=speculative)
+        self._spec_seen = (0, 0, 0)  # the speculator's (steps, drafted, accepted) at the last speculative_since
         engine = self.llm.engine
         self.max_prompt_len = engine.build.max_input_len
         self.bytes_per_token = engine_bytes_per_token(engine.directory, engine.model.shares_embedding)
@@ -93,6 +94,20 @@ class EngineSystem:
                     done[r.id] = now
         seconds = time.perf_counter() - start
         return MixedResult(seconds, [done[r.id] for r in reqs], sum(len(r.output) for r in reqs))
+
+    def speculative_since(self):
+        """The speculative steps, drafted and accepted tokens since the last call, as an AcceptanceStats
+        (core.runtime.speculative); None when this engine decodes plainly."""
+        from bestiary.core.runtime.speculative import AcceptanceStats
+
+        speculator = self.llm.executor.speculator
+        if speculator is None:
+            return None
+        s = speculator.stats
+        now = (s.steps, s.drafted, s.accepted)
+        since = AcceptanceStats(*(a - b for a, b in zip(now, self._spec_seen)))
+        self._spec_seen = now
+        return since
 
     def close(self) -> None:
         self.llm.close()

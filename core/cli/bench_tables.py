@@ -87,6 +87,7 @@ def print_report(report: BenchReport, ref_name: str | None) -> None:
     out, m = stdout_console(), report.machine
     out.print(f"CPU {m.cpu} ({m.cores} cores; flags: {', '.join(m.cpu_flags) or 'unknown'}), {m.threads} threads, "
               f"torch {m.torch}; load average {m.load_before} before, {m.load_after} after", highlight=False)
+    out.print(f"CPU kernels: {m.cpu_isa} ({m.cpu_kernels})", highlight=False)
     work = report.config.workloads
     for name, make in (("decode", decode_table), ("prefill", prefill_table), ("mixed", mixed_table)):
         if name in work:
@@ -99,3 +100,5 @@ def print_report(report: BenchReport, ref_name: str | None) -> None:
         for n, t in r.ttft.items():
             if t is None:
                 out.print(f"no TTFT {n} for {r.label}: longer than its longest prompt", highlight=False)
+        for workload, stats in r.speculative.items():  # e.g. "bestiary engine + ngram k=4, decode: accepted ..."
+            out.print(f"{r.label}, {workload}: {stats.summary()}", highlight=False)

@@ -122,7 +122,8 @@ def _sampling(args: argparse.Namespace):
 
     same = ("temperature", "top_k", "top_p", "random_seed", "length_penalty", "beam_search_diversity_rate",
             "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "top_p_decay", "top_p_min",
-            "top_p_reset_ids", "end_id", "ignore_eos", "output_log_probs")
+            "top_p_reset_ids", "end_id", "ignore_eos", "output_log_probs", "max_attention_window",
+            "sink_token_length")
     fields = {name: getattr(args, name) for name in same}
     fields.update(max_new_tokens=args.max_output_len, beam_width=args.num_beams)
     if args.early_stopping is not None:

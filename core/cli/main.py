@@ -31,13 +31,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
+    return value
+
+
 def add_model_flags(parser: argparse.ArgumentParser, model) -> None:
-    """One --flag per field of a pydantic model (the schema is the single source of the options)."""
+    """One --flag per field of a pydantic model (the schema is the single source of the options); an
+    int field is a positive_int flag, or a non_negative_int one where the field allows 0 (ge=0)."""
     for name, field in model.model_fields.items():
         annotation = field.annotation
         args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
         kind = args[0] if args[0] in (int, float, str) else str
-        parser.add_argument(f"--{name}", type=positive_int if kind is int else kind, default=None,
+        if kind is int:
+            kind = non_negative_int if any(getattr(m, "ge", None) == 0 for m in field.metadata) else positive_int
+        parser.add_argument(f"--{name}", type=kind, default=None,
                             help=f"{field.description or ''} (default: {field.default})")
 
 
@@ -68,6 +78,11 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore_eos", action="store_true", help="Generate until --max_output_len.")
     g.add_argument("--output_log_probs", action="store_true",
                    help="After each output, print a JSON line with log probs (and beams).")
+    w = parser.add_argument_group("attention window (docs/attention-window.md)")
+    w.add_argument("--max_attention_window", type=positive_int, default=None,
+                   help="Attend to at most this many recent keys, sinks included (default: the engine's; at most that).")
+    w.add_argument("--sink_token_length", type=non_negative_int, default=None,
+                   help="First tokens every windowed query keeps attending to (default: the engine's; 0 = none).")
 
 
 def add_quant_flags(parser: argparse.ArgumentParser) -> None:

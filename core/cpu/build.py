@@ -1,9 +1,11 @@
 """Compile kernels.c for this CPU's instruction set, and load it with ctypes.
 
-kernels.c is one source for three builds: AVX-512 (F, BW, VL with FMA and F16C), AVX2 (+ FMA,
-F16C) and scalar C. At load the best ISA whose flags the CPU lists (/proc/cpuinfo; torch's CPU
-capability where there is no such file) is chosen; BESTIARY_CPU_ISA=avx512|avx2|scalar forces
-one (a BestiaryError, one line, for an ISA this CPU lacks or an unknown name). Each ISA's
+kernels.c is one source for four builds: AVX-512 with AVX512_BF16 (vdpbf16ps where both
+operands are bfloat16), AVX-512 (F, BW, VL with FMA and F16C), AVX2 (+ FMA, F16C) and scalar C.
+At load the best ISA whose flags the CPU lists (/proc/cpuinfo; torch's CPU capability where
+there is no such file, which cannot tell avx512_bf16: avx512 then) is chosen;
+BESTIARY_CPU_ISA=avx512bf16|avx512|avx2|scalar forces one (a BestiaryError, one line, for an
+ISA this CPU lacks or an unknown name). Each ISA's
 library is built once per source text, compiler and flags into <cache>/cpu-kernels/<key>/
 ($BESTIARY_CACHE or ~/.cache/bestiary), through a temporary file renamed into place, so
 concurrent processes never load half a library. `describe()` says what was chosen and why
@@ -47,14 +49,18 @@ class Isa(NamedTuple):
     code: int
 
 
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c")
+AVX512_CC = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c")
 ISAS = {  # best first
-    "avx512": Isa(("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"),
-                  ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"), 2),
+    "avx512bf16": Isa((*AVX512, "avx512_bf16"), (*AVX512_CC, "-mavx512bf16"), 3),
+    "avx512": Isa(AVX512, AVX512_CC, 2),
     "avx2": Isa(("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 1),
     "scalar": Isa((), (), 0),
 }
 TORCH_CAPABILITY_ISA = {"AVX512": "avx512", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
-EXTRA_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16")  # shown by describe(); no kernel needs them
+# shown by describe() when present and not used by the chosen build (VNNI, AMX: no kernel uses them;
+# docs/runtime.md says why)
+EXTRA_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16")
 
 P, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # name -> argument types (all return void except bst_has_avx512)
@@ -124,7 +130,8 @@ def chosen_isa() -> str:
 
 def describe() -> dict[str, str]:
     """What the CPU kernels run on, for `bestiary inspect`: the chosen ISA and why, the ISAs
-    this CPU runs, extra flags present, torch's capability, and whether the kernels are on."""
+    this CPU runs, extra flags present that the chosen build does not use, torch's capability,
+    and whether the kernels are on."""
     try:
         isa = chosen_isa()
         forced = os.environ.get(ISA_ENV_VAR, "auto").strip().lower() not in ("", "auto")
@@ -137,7 +144,8 @@ def describe() -> dict[str, str]:
         state = "off: no C compiler ($CC, cc, gcc): torch references"
     else:
         state = f"on ({compiler()})"
-    extras = [f for f in EXTRA_FLAGS if f in cpu_flags()]
+    used = ISAS[isa].cpu_flags if isa in ISAS else ()
+    extras = [f for f in EXTRA_FLAGS if f in cpu_flags() and f not in used]
     return {"kernels": state, "isa": isa, "chosen": how, "cpu runs": ", ".join(supported_isas()),
             "cpu extras": ", ".join(extras) or "-", "torch capability": torch_capability() or "unknown"}
 

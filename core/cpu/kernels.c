@@ -1,14 +1,22 @@
-/* bestiary CPU kernels: the batch-1 / small-batch decode ops, one source for three builds.
+/* bestiary CPU kernels: the batch-1 / small-batch decode ops, one source for four builds.
  *
  * Built by bestiary.core.cpu.build (gcc -O3 -fopenmp and one ISA's flags) the first time they
  * are needed, loaded with ctypes. The ISA follows from the compiler's predefined macros:
  *
+ *   BST_ISA 3  AVX-512 + AVX512_BF16                 BST_ISA 2, and where both operands are
+ *                                                    bfloat16 (bf16 weights x bf16 inputs,
+ *                                                    bf16 q . bf16 keys) vdpbf16ps dot products
  *   BST_ISA 2  AVX-512 (F, BW, VL; with FMA, F16C)   16-float vectors, masked tails
  *   BST_ISA 1  AVX2 + FMA + F16C                     8-float vectors
  *   BST_ISA 0  scalar C (what the compiler makes of it for the baseline target)
  *
  * The vector code is written once against the thin `vf` / `vi` layer below (intrinsics per
  * ISA); where the two ISAs want different algorithms (the int4 GEMV), each has its own.
+ * vdpbf16ps (BST_ISA 3) multiplies pairs of bfloat16 exactly (8-bit significands: the product
+ * fits a float) and adds them to float32 accumulators, rounding each add (denormals flushed):
+ * the sums the widening + FMA path forms, in another order. It runs only where both operands
+ * already are bfloat16 (a bf16 engine's activations and weights / q and keys), so nothing is
+ * rounded that the other builds keep: float32 inputs take the FMA path on every build.
  * Each op has a torch reference in bestiary.core.cpu.ops, and the tests compare every build
  * with it. Tensors are passed as raw pointers, contiguous, in these dtypes:
  *
@@ -27,7 +35,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__AVX512BF16__)
+#define BST_ISA 3
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
 #define BST_ISA 2
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define BST_ISA 1
@@ -37,13 +47,14 @@
 #if BST_ISA
 #include <immintrin.h>
 #endif
-#define BST_AVX512 (BST_ISA == 2)
+#define BST_AVX512 (BST_ISA >= 2)
+#define BST_BF16DOT (BST_ISA == 3) /* vdpbf16ps: bf16 pairs multiplied exactly, summed in float32 */
 #define BST_SIMD (BST_ISA > 0)
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4 };
 #define INLINE static inline __attribute__((always_inline))
 
-/* the ISA this library was built for: 2 AVX-512, 1 AVX2 + FMA + F16C, 0 scalar */
+/* the ISA this library was built for: 3 AVX-512 + BF16, 2 AVX-512, 1 AVX2 + FMA + F16C, 0 scalar */
 int bst_isa(void) { return BST_ISA; }
 int bst_has_avx512(void) { return BST_AVX512; }
 
@@ -77,7 +88,7 @@ INLINE void store_f(void *p, int dt, int64_t i, float v) {
 /* the vector layer: VW floats per vector, the same names on AVX-512 and AVX2               */
 /* ---------------------------------------------------------------------------------------- */
 
-#if BST_ISA == 2
+#if BST_AVX512
 #define VW 16
 typedef __m512 vf;
 typedef __m512i vi;
@@ -593,23 +604,116 @@ INLINE void cols_block_bf16_pairs(const float *x, int64_t k, int64_t k0, int64_t
 }
 #endif
 
-/* Columns [c_begin, c_end) of y for all m inputs; out: a [m, c_end - c_begin] float scratch. */
-static void cols_range(const float *xf, int64_t m, int64_t k, const void *wt, int wdt, const float *bias, void *y,
-                       int ydt, int64_t n, int64_t c_begin, int64_t c_end) {
+#if BST_BF16DOT
+/* bfloat16 weights x bfloat16 inputs, vdpbf16ps: x2 [M, kh]: the inputs as pairs (x[2p] in the
+ * low half, x[2p + 1] in the high half; 0 past k). Rows kk, kk + 1 of Wt (32 columns each) are
+ * interleaved by 16-bit unpacks: in each 128-bit lane (8 columns) the low unpack holds columns
+ * 0-3 and the high one columns 4-7 as (kk, kk + 1) pairs, one per 32-bit lane, and vdpbf16ps
+ * adds W[kk] x[kk] + W[kk + 1] x[kk + 1] to each. C32 groups of 32 columns from col0, M inputs;
+ * out holds each group as [16 low, 16 high] (cols_range puts them back in order). Adds to out
+ * unless k0 == 0 (k0 even). */
+INLINE void cols_block_dpbf16(const uint32_t *x2, int64_t kh, int64_t k, int64_t k0, int64_t k1, const uint16_t *wt,
+                              int64_t n, int64_t col0, int C32, int M, float *out, int64_t out_stride) {
+    __m512 acc[MT][TCOLS];
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < 2 * C32; c++)
+            acc[i][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * out_stride + 16 * c);
+    for (int64_t kk = k0; kk < k1; kk += 2) {
+        __m512i lo[TCOLS / 2], hi[TCOLS / 2];
+        /* rows are n apart (a page or more): fetch these rows' next block (the next tile's) now */
+        for (int r = 0; r < 2; r++) _mm_prefetch((const char *)(wt + (kk + r) * n + col0 + 32 * C32), _MM_HINT_T0);
+        for (int c = 0; c < C32; c++) {
+            const uint16_t *row = wt + kk * n + col0 + 32 * c;
+            __m512i a = _mm512_loadu_si512(row), b = kk + 1 < k ? _mm512_loadu_si512(row + n) : _mm512_setzero_si512();
+            lo[c] = _mm512_unpacklo_epi16(a, b);
+            hi[c] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int i = 0; i < M; i++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x2[i * kh + kk / 2]);
+            for (int c = 0; c < C32; c++) {
+                acc[i][2 * c] = _mm512_dpbf16_ps(acc[i][2 * c], (__m512bh)lo[c], xb);
+                acc[i][2 * c + 1] = _mm512_dpbf16_ps(acc[i][2 * c + 1], (__m512bh)hi[c], xb);
+            }
+        }
+    }
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < 2 * C32; c++) _mm512_storeu_ps(out + i * out_stride + 16 * c, acc[i][c]);
+}
+
+/* cols_range's columns [c_begin, c_end) (a multiple of 32 of them) with cols_block_dpbf16: k in
+ * chunks of 32 rows, column blocks of 128 (one input) or 64; out [m, width] from c_begin. Every
+ * column sums its pairs in the same order whatever m is (batch-invariant). */
+static void cols_dpbf16(const uint32_t *x2, int64_t m, int64_t k, const uint16_t *wt, int64_t n, int64_t c_begin,
+                        int64_t c_end, float *out, int64_t width) {
+    const int64_t KCHUNK = 32, block = m == 1 ? 16 * TCOLS : 64, kh = (k + 1) / 2;
+    for (int64_t k0 = 0; k0 < k; k0 += KCHUNK) {
+        int64_t k1 = k0 + KCHUNK < k ? k0 + KCHUNK : k;
+        for (int64_t col = c_begin; col < c_end; col += block) {
+            int G = (int)((c_end - col) / 32);
+            if (G > block / 32) G = (int)(block / 32);
+            for (int64_t i0 = 0; i0 < m; i0 += MT) {
+                int M = m - i0 >= MT ? MT : (int)(m - i0);
+                const uint32_t *xi = x2 + i0 * kh;
+                float *o = out + i0 * width + (col - c_begin);
+#define DOT_M(C32, g)                                                                                  \
+    if (M == 1) cols_block_dpbf16(xi, kh, k, k0, k1, wt, n, col + 32 * (g), C32, 1, o + 32 * (g), width);      \
+    else if (M == 2) cols_block_dpbf16(xi, kh, k, k0, k1, wt, n, col + 32 * (g), C32, 2, o + 32 * (g), width); \
+    else if (M == 3) cols_block_dpbf16(xi, kh, k, k0, k1, wt, n, col + 32 * (g), C32, 3, o + 32 * (g), width); \
+    else cols_block_dpbf16(xi, kh, k, k0, k1, wt, n, col + 32 * (g), C32, 4, o + 32 * (g), width);
+                if (M == 1 && G == TCOLS / 2) {
+                    cols_block_dpbf16(xi, kh, k, k0, k1, wt, n, col, TCOLS / 2, 1, o, width);
+                } else {
+                    int g = 0;
+                    for (; M > 1 && g + 2 <= G; g += 2) { DOT_M(2, g) }
+                    for (; g < G; g++) { DOT_M(1, g) }
+                }
+#undef DOT_M
+            }
+        }
+    }
+}
+
+/* a . b over n bfloat16 (float32 sum; vdpbf16ps, masked tail) */
+INLINE float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 32 <= n; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
+    if (d < n) {
+        __mmask32 mask = (__mmask32)((1ull << (n - d)) - 1);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mask, a + d),
+                               (__m512bh)_mm512_maskz_loadu_epi16(mask, b + d));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+/* Columns [c_begin, c_end) of y for all m inputs; out: a [m, c_end - c_begin] float scratch.
+ * x2: the inputs as bfloat16 pairs (bst_linear; only with the vdpbf16ps build, bf16 x and W) or NULL. */
+static void cols_range(const float *xf, const uint32_t *x2, int64_t m, int64_t k, const void *wt, int wdt,
+                       const float *bias, void *y, int ydt, int64_t n, int64_t c_begin, int64_t c_end) {
     int64_t width = c_end - c_begin;
     if (width <= 0) return;
     float *out = (float *)malloc(sizeof(float) * (size_t)(m * width));
-    int64_t col = c_begin;
+    int64_t dot_end = c_begin; /* [c_begin, dot_end): vdpbf16ps, groups of 32 columns */
+    (void)x2;
+#if BST_BF16DOT
+    if (x2 && wdt == DT_BF16) {
+        dot_end = c_begin + width / 32 * 32;
+        cols_dpbf16(x2, m, k, (const uint16_t *)wt, n, c_begin, dot_end, out, width);
+    }
+#endif
+    int64_t col = dot_end;
     const int pairs = BST_ISA == 1 && wdt == DT_BF16; /* cols_block_bf16_pairs' column order in out */
     (void)pairs;
 #if BST_SIMD
-    int64_t vec_end = c_begin + width / (pairs ? 16 : VW) * (pairs ? 16 : VW);
+    int64_t vec_end = dot_end + (c_end - dot_end) / (pairs ? 16 : VW) * (pairs ? 16 : VW);
     /* k in chunks of KCHUNK rows: each chunk streams KCHUNK rows of the thread's columns
      * (sequential within a row), partial sums kept in `out` (L1/L2) between chunks. */
     const int64_t KCHUNK = 32, block = m == 1 ? VW * TCOLS : 64;
     for (int64_t k0 = 0; k0 < k; k0 += KCHUNK) {
         int64_t k1 = k0 + KCHUNK < k ? k0 + KCHUNK : k;
-        for (col = c_begin; col < vec_end; col += block) {
+        for (col = dot_end; col < vec_end; col += block) {
             int C = (int)((vec_end - col) / VW);
             if (C > block / VW) C = (int)(block / VW);
             for (int64_t i0 = 0; i0 < m; i0 += MT) {
@@ -672,6 +776,7 @@ static void cols_range(const float *xf, int64_t m, int64_t k, const void *wt, in
             int64_t j = c - c_begin;
 #if BST_SIMD
             if (pairs && c < vec_end) j = j / 16 * 16 + (j & 1) * 8 + (j % 16) / 2; /* [8 even, 8 odd] */
+            if (c < dot_end) j = j / 32 * 32 + (j % 8 >= 4) * 16 + (j % 32) / 8 * 4 + j % 4; /* [16 low, 16 high] */
 #endif
             store_f(y, ydt, i * n + c, out[i * width + j] + (bias ? bias[c] : 0.f));
         }
@@ -694,7 +799,18 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
                 int threads) {
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) * (wdt == DT_I4 ? 2 : 1) + 64);
     float *xp = NULL, *xsum = NULL;
+    uint32_t *x2 = NULL;
     to_f32(x, xdt, m * k, xf);
+#if BST_BF16DOT
+    if (wdt == DT_BF16 && xdt == DT_BF16) { /* bf16 x as the pairs vdpbf16ps reads (cols_dpbf16): no rounding */
+        int64_t kh = (k + 1) / 2;
+        const uint16_t *xs = (const uint16_t *)x;
+        x2 = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(m * kh));
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t p = 0; p < kh; p++)
+                x2[i * kh + p] = xs[i * k + 2 * p] | (2 * p + 1 < k ? (uint32_t)xs[i * k + 2 * p + 1] << 16 : 0u);
+    }
+#endif
     if (wdt == DT_I4) { /* x permuted per I4B-block: [even features, odd features] (int4_rows) */
         xp = xf + m * k;
         for (int64_t i = 0; i < m; i++)
@@ -717,13 +833,15 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
         int64_t b, e;
         row_range(n, part, parts, &b, &e);
         if (wdt == DT_F32 || wdt == DT_BF16) {
-            int64_t vecs = (n + 15) / 16, cb = vecs * part / parts * 16, ce = vecs * (part + 1) / parts * 16;
-            cols_range(xf, m, k, w, wdt, bias, y, ydt, n, cb < n ? cb : n, ce < n ? ce : n);
+            int64_t unit = x2 ? 32 : 16; /* columns split on whole vectors (vdpbf16ps: groups of 32) */
+            int64_t vecs = (n + unit - 1) / unit, cb = vecs * part / parts * unit, ce = vecs * (part + 1) / parts * unit;
+            cols_range(xf, x2, m, k, w, wdt, bias, y, ydt, n, cb < n ? cb : n, ce < n ? ce : n);
         } else if (wdt == DT_I4)
             int4_rows(xf, xp, xsum, m, k, (const uint8_t *)w, scale, sz, group, bias, y, ydt, n, b, e);
         else
             dense_rows(xf, m, k, w, wdt, wdt == DT_I8 ? scale : NULL, bias, y, ydt, n, b, e);
     }
+    free(x2);
     free(xsum);
     free(xf);
 }
@@ -900,6 +1018,11 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         memset(qf + D, 0, sizeof(float) * PAD);
         memset(acc, 0, sizeof(float) * (size_t)(D + PAD));
         float mx = -INFINITY;
+#if BST_BF16DOT
+        /* bf16 q . bf16 keys: vdpbf16ps (exact products, float32 sums) */
+        const int dot = qdt == DT_BF16 && kvdt == DT_BF16 && !kv_scales;
+        const uint16_t *q16 = (const uint16_t *)q + b * q_stride + h * D;
+#endif
         for (int64_t t = 0; t < n; t++) {
             int64_t j = J_OF(t), off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
             const void *kp = k_pool;
@@ -909,12 +1032,19 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
                 kp = row, kdt = DT_F32, off = 0;
             }
             float s = 0.f;
+#if BST_BF16DOT
+            if (dot) {
+                s = dot_bf16(q16, (const uint16_t *)k_pool + off, D);
+            } else
+#endif
 #if BST_SIMD
-            vf a = vzero();
-            int64_t d = 0;
-            for (; d + VW <= D; d += VW) a = vfmadd(vloadu(qf + d), vload_any(kp, kdt, off + d), a);
-            if (d < D) a = vfmadd(vloadu(qf + d), vload_any_part(kp, kdt, off + d, D - d), a);
-            s = vsum(a);
+            {
+                vf a = vzero();
+                int64_t d = 0;
+                for (; d + VW <= D; d += VW) a = vfmadd(vloadu(qf + d), vload_any(kp, kdt, off + d), a);
+                if (d < D) a = vfmadd(vloadu(qf + d), vload_any_part(kp, kdt, off + d, D - d), a);
+                s = vsum(a);
+            }
 #else
             for (int64_t d = 0; d < D; d++) s += qf[d] * load_f(kp, kdt, off + d);
 #endif

@@ -11,7 +11,9 @@
     rotary          RoPE in place with the step's cos / sin
     act_and_mul     act(fg[:, :I]) * fg[:, I:] for the fused gated-MLP output
 
-Every op computes in float32 and rounds its output once. `supports(*tensors)` says whether
+Every op computes in float32 and rounds its output once (on the avx512bf16 build, dot products
+of two bfloat16 operands run vdpbf16ps: exact products, float32 sums; nothing is rounded that
+the other builds keep, so the same references and tolerances hold). `supports(*tensors)` says whether
 the compiled op can take them (CPU, float32 / bfloat16, library built); callers fall back to
 the torch reference otherwise. Tensors must be contiguous unless a docstring says otherwise.
 """
@@ -148,11 +150,12 @@ def linear_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = No
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None,
                      kv_scales: torch.Tensor | None = None,
-                     bounds: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+                     bounds: tuple[list[int], list[int]] | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """softmax(q K^T * scale + slope_h (j - (L_b - 1))) V per sequence b over its kv_lens[b] keys.
 
     q [B, H, D]; pools [blocks, block_size, KVH, D]; tables int64 [B, max_blocks]; kv_lens int64 [B];
-    slopes float32 [H] or None -> [B, H * D] in q's dtype. INT8 / FP8 pools (core.quant.kv) hold
+    slopes float32 [H] or None -> [B, H * D] in out_dtype (default q's). INT8 / FP8 pools (core.quant.kv) hold
     codes with K = code * kv_scales[0], V = code * kv_scales[1]. bounds: per-sequence (windows, sinks)
     (core.layers.attention_window): only the keys in each window are read."""
     b, h, d = q.shape
@@ -162,7 +165,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()  # rows may be strided (q heads of a qkv tensor), heads must not
     tables, kv_lens = tables.contiguous(), kv_lens.contiguous()
-    out = torch.empty(b, h * d, dtype=q.dtype)
+    out = torch.empty(b, h * d, dtype=out_dtype or q.dtype)
     slopes = None if slopes is None else slopes.float().contiguous()
     kv_dt = kv_dtype_code(k_pool, kv_scales)
     kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
@@ -170,7 +173,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     library().bst_decode_attention(
         q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_dt,
         tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
-        out.data_ptr(), DTYPES[q.dtype], _ptr(kv_scales), _ptr(windows), _threads())
+        out.data_ptr(), DTYPES[out.dtype], _ptr(kv_scales), _ptr(windows), _threads())
     return out
 
 

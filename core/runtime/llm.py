@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -149,6 +149,7 @@ class Delta:
     finish_reason: None until the sample's last delta: "stop", "length" or "cancelled".
     index: which of the request's n samples the delta belongs to.
     log_probs / top_log_probs: of the new tokens, with output_log_probs / top_log_probs.
+    speculative: the sample's drafted / accepted tokens, on its last delta (LLM(speculative=...) only).
     """
 
     token_ids: list[int]
@@ -157,6 +158,7 @@ class Delta:
     index: int = 0
     log_probs: list[float] | None = None
     top_log_probs: list[list[tuple[int, float]]] | None = None
+    speculative: AcceptanceStats | None = None
 
 
 @dataclass
@@ -445,7 +447,10 @@ class LLM:
                     self._worker.submit(self._stop_sample, req.group[index])
                 if reason is not None:
                     running.discard(index)
-                yield Delta(tokens, piece, reason, index, log_probs, top)
+                spec = None  # a copy of the sample's acceptance counts, on its last delta
+                if reason is not None and self.executor.speculator is not None:
+                    spec = replace(req.group[index].spec)
+                yield Delta(tokens, piece, reason, index, log_probs, top, spec)
         finally:
             if any(not s.finished or s.id in self._streams for s in req.group):
                 self._worker.submit(self._drop_stream, req)

@@ -130,13 +130,22 @@ class SamplingConfig(BaseModel):
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded by `seed` (a random seed when None)."""
+    """A CPU generator seeded by `seed` (a random seed when None).
+
+    Generators stay on the CPU whatever device the model runs on: `draw` brings the
+    probabilities to them, so a seed gives the same tokens on every device.
+    """
     gen = torch.Generator()
     if seed is None:
         gen.seed()
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id drawn from probs [V] (any device) with a CPU generator."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -168,8 +177,7 @@ def sample(logits: torch.Tensor, params: list[SamplingConfig], generators: list[
             out.append(g)
             continue
         filtered = filter_logits(row / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+        out.append(draw(torch.softmax(filtered, dim=-1), gen))
     return out
 
 
@@ -213,7 +221,7 @@ class TokenChooser:
             dist = x
         else:
             dist = filter_logits(x / cfg.temperature, cfg.top_k, self.top_p)
-            token = int(torch.multinomial(torch.softmax(dist, dim=-1), 1, generator=self.generator))
+            token = draw(torch.softmax(dist, dim=-1), self.generator)
         if cfg.output_log_probs or cfg.top_log_probs:
             log_p = torch.log_softmax(dist, dim=-1)  # [V]
             self.log_probs.append(float(log_p[token]))
@@ -243,6 +251,7 @@ __all__ = [
     "TokenChooser",
     "decayed_top_p",
     "filter_logits",
+    "draw",
     "make_generator",
     "pad_outputs",
     "sample",

@@ -37,7 +37,7 @@ import torch
 from bestiary.core.cpu.plan import MAX_BATCH
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.layers.attention import AttentionMetadata
-from bestiary.core.runtime.sampling import SamplingConfig, filter_logits
+from bestiary.core.runtime.sampling import SamplingConfig, draw, filter_logits
 from bestiary.core.runtime.speculative_config import SpeculativeConfig, speculative_config  # noqa: F401 - re-exported
 
 
@@ -117,8 +117,8 @@ def accept_drafts(logits: torch.Tensor, draft: list[int], sampling: SamplingConf
             continue
         residual = probs[j].clone()
         residual[d] = 0.0  # norm(max(0, p - q)) for q one-hot at d
-        return out + [int(torch.multinomial(residual, 1, generator=generator))]
-    return out + [int(torch.multinomial(probs[len(draft)], 1, generator=generator))]
+        return out + [draw(residual, generator)]
+    return out + [draw(probs[len(draft)], generator)]
 
 
 @dataclass

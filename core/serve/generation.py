@@ -3,6 +3,14 @@
 Choice i * n + j is sample j of prompt i (OpenAI's order). Every prompt runs as one
 `LLM.generate_async` call; their deltas are merged as they come. Log probs of tokens that
 top-k / top-p filtered out are -inf, sent as -9999.0 (OpenAI's convention; JSON has no -inf).
+
+A server that decodes speculatively (`bestiary serve --speculative`) adds the request's
+acceptance counts to `usage` (summed over its choices), an extension that OpenAI's clients keep
+as an extra field (`usage.model_extra["speculative"]` in the `openai` package):
+
+    "speculative": {"steps": S, "drafted_tokens": D, "accepted_tokens": A, "acceptance_rate": A / D}
+
+steps: verification forwards that checked at least one draft; acceptance_rate 0 when D = 0.
 """
 
 from __future__ import annotations
@@ -12,12 +20,13 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from bestiary.core.lora.store import LoraRequest
 from bestiary.core.runtime.llm import LLM, Delta
 from bestiary.core.runtime.sampling import SamplingConfig
+from bestiary.core.runtime.speculative import AcceptanceStats
 from bestiary.core.serve.metrics import RequestTimer
 
 NO_LOG_PROB = -9999.0
@@ -70,6 +79,7 @@ class Choice:
     log_probs: list[float] = field(default_factory=list)
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    speculative: AcceptanceStats | None = None  # on its last delta, when the server speculates
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text or "")
@@ -77,6 +87,7 @@ class Choice:
         self.log_probs += delta.log_probs or []
         self.top_log_probs += delta.top_log_probs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.speculative = delta.speculative or self.speculative
 
 
 def _finite(value: float) -> float:
@@ -101,9 +112,13 @@ class Formatter:
     def _token(self, token: int) -> str:
         return self.llm.tokenizer.decode([token], skip_special_tokens=False)
 
-    def usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+    def usage(self, completion_tokens: int, speculative: Iterable[AcceptanceStats | None] = ()) -> dict:
+        """OpenAI's usage object; with a speculating server, also the choices' acceptance counts summed."""
+        usage: dict = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                       "total_tokens": self.prompt_tokens + completion_tokens}
+        if self.llm.executor.speculator is not None:
+            usage["speculative"] = speculative_usage(speculative)
+        return usage
 
     def logprobs(self, ids: list[int], log_probs: list[float], top: list[list[tuple[int, float]]]) -> dict | None:
         """OpenAI's logprobs object of these tokens (chat: content entries; completions: parallel lists)."""
@@ -137,7 +152,8 @@ class Formatter:
                 item["text"] = text
             out.append(item)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": out, "usage": self.usage(sum(len(c.ids) for c in choices))}
+                "choices": out, "usage": self.usage(sum(len(c.ids) for c in choices),
+                                                    [c.speculative for c in choices])}
 
     def chunk(self, choices: list[dict], usage: dict | None = None, include_usage: bool = False) -> str:
         """One server-sent event with these choice deltas (and a usage field when asked for)."""
@@ -158,6 +174,17 @@ class Formatter:
         return item
 
 
+def speculative_usage(stats: Iterable[AcceptanceStats | None]) -> dict:
+    """The `usage.speculative` object: steps, drafted and accepted tokens summed over `stats`
+    (None: a choice without counts), acceptance_rate = accepted / drafted (0 without drafts)."""
+    total = AcceptanceStats()
+    for s in stats:
+        if s is not None:
+            total.add(s)
+    return {"steps": total.steps, "drafted_tokens": total.drafted, "accepted_tokens": total.accepted,
+            "acceptance_rate": total.acceptance_rate}
+
+
 async def collect(deltas: AsyncIterator[tuple[int, Delta]], num_choices: int, timer: RequestTimer) -> list[Choice]:
     """Every choice of the request, finished."""
     choices = [Choice() for _ in range(num_choices)]
@@ -174,7 +201,7 @@ async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncIterator[tupl
     `first` is the delta already taken from `deltas` (the server waits for it before answering,
     so limit errors still get their status code). Closing this stream closes `deltas`.
     """
-    generated = 0
+    generated, speculative = 0, []
     try:
         if fmt.chat:
             for i in range(fmt.num_choices):
@@ -191,9 +218,11 @@ async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncIterator[tupl
                     break
             timer.tokens_arrived(index, len(delta.token_ids))
             generated += len(delta.token_ids)
+            if delta.speculative is not None:  # a sample's last delta
+                speculative.append(delta.speculative)
             yield fmt.chunk([fmt.delta_choice(index, delta)], include_usage=include_usage)
         if include_usage:
-            yield fmt.chunk([], usage=fmt.usage(generated), include_usage=True)
+            yield fmt.chunk([], usage=fmt.usage(generated, speculative), include_usage=True)
         yield "data: [DONE]\n\n"
     finally:
         timer.done()

@@ -2,7 +2,8 @@
 
 Field names, types, ranges and defaults follow OpenAI's API reference for
 `/v1/completions` and `/v1/chat/completions`; `top_k`, `repetition_penalty`, `min_tokens`
-and `ignore_eos` are vLLM's extensions. Unknown fields are refused (400 naming the field),
+and `ignore_eos` are vLLM's extensions, `max_attention_window` and `sink_token_length` bestiary's
+(extra request fields, as vLLM's). Unknown fields are refused (400 naming the field),
 so a typo never passes silently. Responses are plain dicts built in `generation`.
 """
 
@@ -41,6 +42,8 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[int, float] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    max_attention_window: int | None = Field(None, ge=1)  # bestiary's (docs/attention-window.md)
+    sink_token_length: int | None = Field(None, ge=0)
     user: str | None = None  # accepted, changes nothing (as metadata, store, service_tier)
     metadata: dict | None = None
     store: bool | None = None
@@ -70,7 +73,8 @@ class SamplingRequest(BaseModel):
             random_seed=self.seed, n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             embedding_bias=self.logit_bias or None, output_log_probs=top_log_probs is not None,
-            top_log_probs=top_log_probs or 0,
+            top_log_probs=top_log_probs or 0, max_attention_window=self.max_attention_window,
+            sink_token_length=self.sink_token_length,
         )
 
     @property

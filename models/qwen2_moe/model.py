@@ -4,22 +4,27 @@
     out = h + MoE(y) + sigmoid(w_s . y) shared(y),  y = RMSNorm(h)   (core.layers.moe.SharedExpertMoE)
 
 Routing: softmax over the E router logits, the top-k kept, renormalised only with norm_topk_prob.
+
+Sliding window (HF `use_sliding_window: true`): as Qwen2's (models.qwen2.model), but without an
+explicit `layer_types` transformers' Qwen2MoeConfig windows the even layers below max_window_layers:
+layer i when (i + 1) % 2 and i < max_window_layers (default 28).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
+from bestiary.core.format.hf_config import hf_config_reader
 from bestiary.core.layers.moe import SharedExpertMoE
 from bestiary.core.layers.standard_layer import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
+from bestiary.models.qwen2.model import WindowFields, max_window_layers, sliding_window, window_layer_types
 from pydantic import Field
 from torch import nn
 
 
-class Qwen2MoeConfig(DecoderConfig):
-    """DecoderConfig + Qwen2-MoE's experts; intermediate_size is the FFN dim of one routed expert."""
+class Qwen2MoeConfig(WindowFields):
+    """DecoderConfig + Qwen2-MoE's experts and sliding window; intermediate_size is the FFN dim of one routed expert."""
 
     architecture: Literal["Qwen2MoeForCausalLM"] = "Qwen2MoeForCausalLM"
     qkv_bias: bool = True
@@ -29,10 +34,16 @@ class Qwen2MoeConfig(DecoderConfig):
     norm_topk_prob: bool = Field(False, description="Renormalise the top-k routing weights to sum to 1.")
 
 
+def qwen2_moe_windowed(i: int, hf: dict) -> bool:
+    """transformers' Qwen2MoeConfig: layer i is windowed when it is even and i < max_window_layers."""
+    return bool((i + 1) % 2) and i < max_window_layers(hf)
+
+
 # Every published Qwen2-MoE is sparse in every layer (decoder_sparse_step 1, no mlp_only_layers).
 from_hf_config = hf_config_reader(
     Qwen2MoeConfig, defaults={"norm_epsilon": 1e-6, "max_position_embeddings": 32768},
-    unsupported={"use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    unsupported={"decoder_sparse_step": 1, "mlp_only_layers": []},
+    sliding_window=sliding_window, layer_types=window_layer_types(qwen2_moe_windowed),
     qkv_bias=lambda hf: hf.get("qkv_bias", True), dense_bias=False,
     intermediate_size=lambda hf: hf.get("moe_intermediate_size", 1408),
     num_local_experts=lambda hf: hf.get("num_experts", 60),
