@@ -262,10 +262,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("flags,message", [
     (["--fp8", "--use_weight_only"], "pick one"),
     (["--smoothquant", "1.5"], "--smoothquant 1.5"),
-    (["--w4a8_awq", "--tp_size", "2"], "single rank"),
+    (["--w4a8_awq", "--pp_size", "2"], "calibrated quantization is not available with pipeline parallelism "
+                                       "(--pp_size 2)"),
+    (["--w4a8_awq", "--tp_size", "2"], "--group_size 128: transformer.layers.0.attention.dense has 32 input "
+                                       "features per tensor-parallel rank"),
 ])
 def test_cli_refusals_exit_2_with_one_line(flags, message, tmp_path):
-    src = make_tiny_llama(tmp_path)  # intermediate 80: mlp.proj has 40 input features per rank at tp 2
+    src = make_tiny_llama(tmp_path)  # hidden 64: attention.dense has 32 input features per rank at tp 2
     bad = _cli("--model_dir", str(src), "--output_dir", str(tmp_path / "bad"), *flags)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and message in bad.stderr, bad.stderr
     assert not (tmp_path / "bad").exists()

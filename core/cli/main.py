@@ -107,7 +107,7 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
                    help="W4A8_AWQ: int4 group-wise weights with AWQ scales, FP8 activations.")
     q.add_argument("--weight_quantizer", default=None, choices=["rtn", "gptq"],
                    help="How weights are rounded: rtn (round to nearest) or gptq (calibrated error "
-                        "compensation, int4 only). Default: gptq for weight-only int4 on one rank, else rtn.")
+                        "compensation, int4 only). Default: gptq for weight-only int4 with --pp_size 1, else rtn.")
     q.add_argument("--tune_steps", type=int, default=None, metavar="N",
                    help="int4 GPTQ: steps of end-to-end scale tuning towards the float model's outputs "
                         "on the calibration text (0 = none; default: a short tuning).")

@@ -164,18 +164,18 @@ def convert(
         check_calibratable(config)
     check_supported(spec, tp_size, pp_size, config.quantization.quant_algo, config.quantization.kv_cache_quant_algo)
     from bestiary.core.quant.calibrated import (
-        check_single_rank,
+        check_calibrated_mapping,
         check_tune_steps,
         check_weight_quantizer,
         needs_activation_stats,
     )
 
     method = check_weight_quantizer(quantization, weight_quantizer, prequantized=hf_quant is not None,
-                                    world_size=config.mapping.world_size)
+                                    pp_size=config.mapping.pp_size)
     tune_steps = check_tune_steps(quantization, method, tune_steps)
     calibrated = needs_activation_stats(quantization, method)
     if calibrated:
-        check_single_rank(config, method)
+        check_calibrated_mapping(config, method)  # tp ranks: quantized once at tp 1, then cut; pp refused
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
     weights = source.weights if hf_quant is None else import_hf.prequantized_weights(source, hf_quant)
@@ -192,7 +192,20 @@ def convert(
         import_hf.check_plans(plans, loader, config)
     with atomic_directory(Path(output_dir), "checkpoint", [model_dir]) as tmp, progress(show_progress) as bar:
         task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
-        if calibrated:
+        whole = None  # calibrated on tp ranks: the tp 1 checkpoint they are cut from
+        if calibrated and tp_size > 1:  # quantize once on the whole model, then shard (core.quant.calibrated)
+            from bestiary.core.quant.calibrated import write_sharded_rank
+
+            bar.update(task, visible=False)
+            bar.stop()  # the tp 1 convert shows its own bars
+            whole = convert(model_dir, tmp / "calibrated_tp1", dtype, 1, 1, architecture, customized_key_dict,
+                            registry, show_progress, quantization, calib_text, method, smoothquant_alpha,
+                            tune_steps, allow_nonfinite, use_parallel_embedding, embedding_sharding_dim)
+            bar.start()
+            bar.update(task, total=sum(len(p.targets) for p in plans), visible=True)
+            for plan in plans:
+                write_sharded_rank(tmp, plan, whole, config, resolve(spec.model_class), bar, task)
+        elif calibrated:
             from bestiary.core.quant.calibrated import weight_calibration_ids, write_calibrated_rank
 
             ids = weight_calibration_ids(source.tokenizer, config.vocab_size, calib_text)
@@ -200,7 +213,9 @@ def convert(
                                   tune_steps)
         for plan in plans if not calibrated else ():
             write_rank(tmp, plan, loader, config, bar, task)
-        if config.quantization.kv_cache_quant_algo and tp_size > 1:  # calibrated on the whole model
+        if whole is not None:
+            shutil.rmtree(whole)  # its KV scales, calibrated on the whole model, were cut with the rest
+        elif config.quantization.kv_cache_quant_algo and tp_size > 1:  # calibrated on the whole model
             from bestiary.core.quant.calibrate import copy_kv_scales
 
             tp1 = convert(model_dir, tmp / "kv_calibration_tp1", dtype, 1, 1, architecture, customized_key_dict,

@@ -19,9 +19,24 @@ what the layer's inputs look like, so the rank is written in four steps instead:
    (`slot.quantize(w, scale_dtype, stats)`), or from its tuned codes, everything else is written
    as read.
 
-Calibration runs the whole model on one process: multi-rank conversions are refused.
-Memory: the rank's float weights (float32 for the quantized linears) and, for GPTQ, one
-[K, K] float32 Hessian per quantized linear.
+Calibration runs the whole model in one process. A tensor-parallel checkpoint is made the way
+TensorRT-LLM's quantize-then-shard flow makes it: the tp 1 checkpoint is converted first (these
+steps, and its KV scales, on the whole model), then `write_sharded_rank` cuts every one of its
+tensors into the ranks with the float weights' split rules (core.quant.convert.rank_part):
+
+    column-parallel   weight rows and the per-row scales / zero points / bias with them;
+                      attention.qkv as [Q_r; K_r; V_r], whole kv heads replicated when KVH < tp
+    row-parallel      the weight's input columns, group-wise scales / zero points along their
+                      groups (in_features / tp must be a multiple of the group size: refused in
+                      one line when the tp model is built), SmoothQuant / AWQ prequant scales [K]
+                      along the inputs they scale; per-row int8 scales replicated
+    per tensor        activation scales, FP8 weight scales, KV cache scales: replicated
+
+so the ranks re-assemble bit for bit to the tp 1 tensors (statistics and scales come from the
+whole rows and the whole input, never from one rank's part). Pipeline stages are refused
+(`check_calibrated_mapping`). Memory: the rank's float weights (float32 for the quantized
+linears) and, for GPTQ, one [K, K] float32 Hessian per quantized linear; the tp 1 checkpoint is
+read back one tensor at a time.
 """
 
 from __future__ import annotations
@@ -44,17 +59,17 @@ WEIGHT_CALIB_TOKENS = 24576
 RANDOM_CALIB_TOKENS = 1024  # no text to read (a source without a tokenizer): seeded random ids
 
 
-def default_weight_quantizer(quant: QuantConfig | None, world_size: int = 1) -> str:
-    """gptq for int4 weight-only on one rank (RTN int4 loses too much: docs/quantization.md), rtn
-    otherwise (int8; multi-rank conversions, which calibration cannot run)."""
+def default_weight_quantizer(quant: QuantConfig | None, pp_size: int = 1) -> str:
+    """gptq for int4 weight-only on one pipeline stage, at any tp (RTN int4 loses too much:
+    docs/quantization.md), rtn otherwise (int8; pipeline stages, which calibration cannot join)."""
     lq = linear_quant_of(quant) if quant is not None else None
-    return "gptq" if lq is not None and lq.bits == 4 and lq.algo not in ACT_ALGOS and world_size == 1 else "rtn"
+    return "gptq" if lq is not None and lq.bits == 4 and lq.algo not in ACT_ALGOS and pp_size == 1 else "rtn"
 
 
 def check_weight_quantizer(quant: QuantConfig | None, method: str | None, prequantized: bool = False,
-                           world_size: int = 1) -> str:
-    """The weight quantizer to use (`method`, or the default for `world_size` ranks); ConfigError for
-    one that does not apply. `prequantized`: the source holds packed AWQ/GPTQ weights
+                           pp_size: int = 1) -> str:
+    """The weight quantizer to use (`method`, or the default for `pp_size` pipeline stages); ConfigError
+    for one that does not apply. `prequantized`: the source holds packed AWQ/GPTQ weights
     (core.quant.import_hf), read as they are."""
     if method is not None and method not in WEIGHT_QUANTIZERS:
         raise ConfigError(f"--weight_quantizer {method!r}: expected one of {', '.join(WEIGHT_QUANTIZERS)}")
@@ -64,7 +79,7 @@ def check_weight_quantizer(quant: QuantConfig | None, method: str | None, prequa
                               "its packed weights are imported as they are")
         return "rtn"  # nothing is quantized at convert
     if method is None:
-        return default_weight_quantizer(quant, world_size)
+        return default_weight_quantizer(quant, pp_size)
     lq = linear_quant_of(quant) if quant is not None else None
     if lq is None:
         raise ConfigError(f"--weight_quantizer {method}: needs a weight quantization mode (--use_weight_only)")
@@ -114,13 +129,15 @@ def check_tune_steps(quant: QuantConfig | None, method: str, steps: int | None) 
     return steps
 
 
-def check_single_rank(config: PretrainedConfig, method: str) -> None:
-    """Calibration runs the whole model in one process: refuse tp/pp > 1 before anything is written."""
-    if config.mapping.world_size > 1:
+def check_calibrated_mapping(config: PretrainedConfig, method: str) -> None:
+    """Calibration runs the whole model in one process and tp ranks are cut from its tp 1 checkpoint
+    (write_sharded_rank); pipeline stages are not: refuse pp > 1 before anything is written."""
+    pp = config.mapping.pp_size
+    if pp > 1:
         algo = config.quantization.quant_algo
         what = f"quant_algo {algo} (activation scales)" if algo in ACT_ALGOS else f"--weight_quantizer {method}"
-        raise ConfigError(f"{what}: calibrated quantization runs on a single rank; "
-                          "convert with --tp_size 1 --pp_size 1")
+        raise ConfigError(f"{what}: calibrated quantization is not available with pipeline parallelism "
+                          f"(--pp_size {pp}); convert with --pp_size 1")
 
 
 def weight_calibration_ids(files, vocab_size: int, text_file) -> list[int]:
@@ -240,3 +257,25 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
             for name, part in parts.items():
                 writer.write(name, part)
             bar.advance(packing)
+
+
+def write_sharded_rank(tmp: Path, plan, whole: Path, config: PretrainedConfig, model_class, bar,
+                       task) -> None:
+    """Write tp rank `plan.rank` as its part of the tp 1 checkpoint at `whole` (quantized and calibrated
+    once, on the whole model): every target of the rank, KV scales included, is its tp 1 tensor cut
+    by core.quant.convert.rank_part; a tied lm_head (absent from a tp 1 file) is cut from the embedding."""
+    from dataclasses import replace
+
+    from bestiary.core.convert.source_to_checkpoint import rank_writer
+    from bestiary.core.format.checkpoint import rank_file
+    from bestiary.core.quant.convert import rank_part
+    from safetensors import safe_open
+
+    aliases = model_class(config, plan.rank, device="meta").source_aliases()
+    plan = replace(plan, later=[])  # the KV scales too are cut from the tp 1 file
+    with safe_open(str(rank_file(whole, 0)), "pt") as tp1, rank_writer(tmp, plan) as writer:
+        keys = set(tp1.keys())
+        for target in plan.targets:
+            key = target.key if target.key in keys else aliases.get(target.key, target.key)
+            writer.write(target.key, rank_part(target, tp1.get_tensor(key), config, plan.tp_rank))
+            bar.advance(task)

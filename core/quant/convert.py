@@ -4,6 +4,11 @@ The loader fills float targets; for a quantized Linear the targets it is asked f
 float weight [N_local, K_local] (float32, so quantization sees the source's precision, not
 the checkpoint dtype's rounding) and the bias. `quantize_loaded` turns that float weight
 into the packed weight + scales the rank file declares (layouts in core.quant.packing).
+
+Calibrated modes on tp ranks are quantized once on the whole model and then cut (`rank_part`,
+core.quant.calibrated.write_sharded_rank), with the split rules the loader applies to the float
+weights, read from each target's tp_dim (the slots' declarations: WeightOnlySlot.tp_dim,
+ActQuantSlot.tp_dim).
 """
 
 from __future__ import annotations
@@ -64,6 +69,38 @@ def needs_row_amax(target: Target, slot: WeightOnlySlot, tp_size: int) -> bool:
     its per-channel scales are replicated (WeightOnlySlot.tp_dim), so they must come from the whole
     rows, as at tp 1, not from the rank's columns."""
     return tp_size > 1 and slot.lq.bits == 8 and target.tp_dim == 1
+
+
+def rank_part(target: Target, whole: torch.Tensor, config, tp_rank: int) -> torch.Tensor:
+    """Rank `tp_rank`'s part of `whole`, the tp 1 checkpoint's tensor of `target` (any tensor: packed
+    weight, scales, zero points, prequant / activation scales, bias, norms), split as the loader
+    splits the float weights:
+
+        tp_dim -1          the whole tensor (replicated)
+        attention.qkv, 0   [Q_r; K_r; V_r] of the whole [Q; K; V] rows (qkv_rank_slice: the rank's
+                           H / tp query heads and kv_heads_of_rank's whole kv heads, replicated on
+                           tp / KVH ranks when KVH < tp, as the q/k/v fan-out reads them)
+        d >= 0             the contiguous part tp_rank of tp along dim d
+
+    ValueError when the part is not the target's shape and dtype."""
+    from bestiary.core.layers.self_attention import qkv_rank_slice
+
+    tp, dim = config.mapping.tp_size, target.tp_dim
+    if dim < 0 or tp == 1:
+        part = whole
+    elif dim == 0 and target.module_path.endswith("attention.qkv"):
+        c = config
+        part = qkv_rank_slice(whole, c.num_attention_heads, c.num_key_value_heads, c.head_size, tp, tp_rank)
+    elif dim < whole.dim() and whole.shape[dim] == target.shape[dim] * tp:
+        size = target.shape[dim]
+        part = whole.narrow(dim, tp_rank * size, size)  # [..., size, ...]
+    else:
+        part = whole  # reported below
+    if tuple(part.shape) != target.shape or part.dtype != target.dtype:
+        raise ValueError(f"{target.key}: the tp 1 tensor {whole.dtype} {tuple(whole.shape)} gives rank "
+                         f"{tp_rank} {part.dtype} {tuple(part.shape)} along dim {dim}, "
+                         f"expected {target.dtype} {target.shape}")
+    return part.contiguous()
 
 
 def checkpoint_names(key: str, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
