@@ -5,6 +5,8 @@ Every method runs the same prompts in one process, interleaved (repeat r runs pl
 then r + 1 ...); the median of the repeats is reported. Decode tok/s = (generated - 1) / (time
 after the first token), as GenerationStats.decode_tokens_per_second; the outputs of the three
 methods are compared (greedy speculative decoding must reproduce plain decoding token for token).
+`bestiary bench --workloads rewrite --speculative ngram|draft` measures the same prompts in the
+bench (docs/speculative.md).
 
     python benchmarks/speculative.py [--num_draft_tokens 8] [--draft_tokens_for_draft 4]
                                      [--new_tokens 256] [--repeats 3] [--texts 3] [--workdir DIR]
@@ -15,24 +17,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from importlib.resources import files
 from pathlib import Path
 
-INSTRUCTION = "Rewrite the following text, keeping its meaning and wording, and fix any typos:\n\n"
-
-
-def source_texts(tokenizer, count: int, tokens: int = 300) -> list[str]:
-    """`count` consecutive ~`tokens`-token passages of the built-in calibration text (cut at lines)."""
-    lines = files("bestiary.core.quant").joinpath("data/weight_calibration.txt").read_text().splitlines()
-    out, current = [], []
-    for line in lines:
-        current.append(line)
-        if len(tokenizer.encode("\n".join(current))) >= tokens:
-            out.append("\n".join(current))
-            current = []
-            if len(out) == count:
-                break
-    return out
+# the prompts of `bestiary bench --workloads rewrite`: INSTRUCTION + a passage, as a user turn
+from bestiary.core.bench.rewrite import rewrite_messages, source_texts
 
 
 def engines(workdir: Path) -> tuple[Path, Path]:
@@ -81,7 +69,7 @@ def main() -> int:
     }
     llms = {name: LLM(target, speculative=spec) for name, spec in methods.items()}
     tok = llms["plain"].tokenizer
-    prompts = [llms["plain"].chat_ids([{"role": "user", "content": INSTRUCTION + t}]) for t in source_texts(tok, args.texts)]
+    prompts = [llms["plain"].chat_ids(rewrite_messages(t)) for t in source_texts(tok, args.texts)]
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.0)
     for llm in llms.values():  # warm up (plans, draft caches)
         llm.generate([prompts[0]], SamplingConfig(max_new_tokens=8, temperature=0.0))

@@ -171,6 +171,88 @@ def test_report_names_the_cpu_kernel_build(tiny, capsys, monkeypatch):
         build.library.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def chat_engine(tmp_path_factory) -> Path:
+    """The tiny LLaMA with a BPE tokenizer and ChatML (tests/tiny_chat.py), built to take the rewrite
+    prompts (~190 tokens with this small vocabulary)."""
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import convert
+    from tiny_chat import make_tiny_chat_hf
+
+    base = tmp_path_factory.mktemp("bench-chat")
+    convert(make_tiny_chat_hf(base), base / "ckpt", show_progress=False)
+    return build_engine(base / "ckpt", base / "engine",
+                        BuildConfig(max_batch_size=4, max_seq_len=320, max_input_len=256, tokens_per_block=8))
+
+
+REWRITE = ["--workloads", "rewrite", "--rewrite_texts", "2", "--rewrite_text_tokens", "40", "--new_tokens", "24",
+           "--repeats", "2", "--num_threads", "1", "--bandwidth_mib", "0"]
+
+
+def test_rewrite_workload_plain_and_prompt_lookup(chat_engine, capsys):
+    """--workloads rewrite: the engine's chat prompt "Rewrite the following text ..." per passage; the
+    ngram row's output is the plain row's token for token, its acceptance is counted and printed,
+    and its speed is divided by the plain row's."""
+    from bestiary.core.bench.rewrite import INSTRUCTION
+    from bestiary.core.cli.main import main
+    from bestiary.core.runtime.tokenizer import Tokenizer
+
+    argv = ["--engine_dir", str(chat_engine), *REWRITE, "--speculative", "ngram", "--num_draft_tokens", "4"]
+    report = bench_json(capsys, *argv)
+    plain, fast = report["rows"]
+    assert report["config"]["workloads"] == ["rewrite"] and plain["decode_tokens_per_second"] is None
+    a, b = plain["rewrite"], fast["rewrite"]
+    tok = Tokenizer.from_dir(chat_engine)
+    assert a["texts"] == b["texts"] == 2 and a["prompt_tokens"] == b["prompt_tokens"]
+    assert a["prompt_tokens"][0] > len(tok.encode(INSTRUCTION)) + 40  # instruction + passage + template
+    assert 1 < a["generated_tokens"][0] <= 25 and a["generated_tokens"] == b["generated_tokens"]
+    assert a["decode_tokens_per_second"] > 0 and b["decode_tokens_per_second"] > 0
+    assert a["output_equals_plain"] is None and b["output_equals_plain"] is True and b["plain_row"] == plain["label"]
+    assert b["vs_plain"] == pytest.approx(b["decode_tokens_per_second"] / a["decode_tokens_per_second"])
+    spec = fast["speculative"]["rewrite"]
+    assert plain["speculative"] is None and set(fast["speculative"]) == {"rewrite"}
+    assert 0 < spec["accepted_tokens"] <= spec["drafted_tokens"] <= 4 * spec["steps"]  # the output loops
+    assert main(["bench", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "rewrite: batch-1 greedy decode of 2" in out and "output = plain" in out
+    rate = spec["acceptance_rate"]
+    assert (f"bestiary engine + ngram k=4, rewrite: accepted {spec['accepted_tokens']} of "
+            f"{spec['drafted_tokens']} draft tokens ({rate:.0%})") in out
+
+
+def test_rewrite_output_check_can_fail(chat_engine, capsys, monkeypatch):
+    """A speculative row whose output is not the plain row's is reported (JSON, red line) and the
+    bench exits 1; first_difference names the text and token."""
+    from bestiary.core.bench import systems
+    from bestiary.core.bench.rewrite import first_difference
+    from bestiary.core.cli.main import main
+
+    assert first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 4, 5]]) is None
+    assert first_difference([[1, 2], [3, 9, 5]], [[1, 2], [3, 4, 5]]) == "text 1, token 1"
+    assert first_difference([[1, 2]], [[1, 2, 7]]) == "text 0, token 2"
+    complete = systems.EngineSystem.complete
+
+    def off_by_one(self, prompt, n):  # a speculative engine that gets its last token wrong
+        timed, ids = complete(self, prompt, n)
+        return timed, ids[:-1] + [ids[-1] + 1] if self.llm.executor.speculator and n > 1 else ids
+
+    monkeypatch.setattr(systems.EngineSystem, "complete", off_by_one)
+    argv = ["bench", "--engine_dir", str(chat_engine), *REWRITE, "--repeats", "1", "--new_tokens", "4",
+            "--speculative", "ngram", "--json"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    fast = json.loads(captured.out)["rows"][1]["rewrite"]
+    assert fast["output_equals_plain"] is False and fast["first_difference"] == "text 0, token 4"
+    assert "bestiary engine + ngram k=4: rewrite output differs from bestiary engine at text 0, token 4" in captured.err
+
+
+def test_rewrite_needs_a_tokenizer(tiny, capsys):
+    """The tiny engine has no tokenizer: one line naming the flag and the engine, exit 2."""
+    engine = tiny / "engine"
+    one_line(capsys, ["bench", "--engine_dir", str(engine), *REWRITE], 2,
+             f"--workloads rewrite: engine {engine} has no tokenizer")
+
+
 @pytest.mark.parametrize(("flags", "words"), [
     (["--compare", "vllm"], ["--compare vllm", "'vllm' is not a peer"]),
     (["--mixed_prompt_lens", "9", "3"], ["bench flags", "mixed_prompt_lens"]),

@@ -53,6 +53,7 @@ class Candidate:
     label: str
     open: Callable[[], System] | None = None
     skipped: str | None = None
+    plain: Candidate | None = None  # a speculative engine row: the same engine's plain row (same output)
 
 
 def require(peer: str):

@@ -9,8 +9,12 @@ spin while its model lives). A peer that cannot run is a row with the reason, no
   the time to the first token; prompt tokens/s = L / TTFT.
 - mixed: the workload once; generated tokens/s, p50 / p99 latency (submit -> last token).
 - fraction of the bandwidth limit (decode): tok/s x bytes read per token / read bandwidth.
+- rewrite (engines only; core.bench.rewrite): per text, t(1) and t(1 + N) of the engine's chat
+  prompt "Rewrite the following text ..."; the decode definition summed over the texts; median.
 - speculative rows (an engine with --speculative): the drafted / accepted tokens of the decode
-  workload's timed runs and of the mixed workload, each on its own.
+  workload's timed runs, of the rewrite workload's and of the mixed workload, each on its own;
+  on rewrite also the speed over the same engine's plain row, and whether the outputs are its
+  outputs token for token (greedy speculative decoding must reproduce plain decoding).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from bestiary.core.bench.config import BenchConfig
 from bestiary.core.bench.machine import Machine, load_average
 from bestiary.core.bench.peers import Candidate, PeerSkipped
+from bestiary.core.bench.rewrite import RewriteResult, compare_to_plain, measure_rewrite
 from bestiary.core.bench.systems import System
 from bestiary.core.bench.workload import (
     MixedResult,
@@ -45,6 +50,8 @@ class Row:
     mixed_note: str = ""
     bytes_per_token: int | None = None
     speculative: dict[str, AcceptanceStats] = field(default_factory=dict)  # workload -> its speculative counts
+    rewrite: RewriteResult | None = None
+    rewrite_note: str = ""  # why there is no rewrite figure
 
     def bandwidth_fraction(self, read_gbps: float | None) -> float | None:
         """Decode tok/s over the bandwidth limit read_gbps / bytes per token."""
@@ -63,6 +70,7 @@ class Row:
                 "bandwidth_fraction": self.bandwidth_fraction(read_gbps),
                 "ttft_seconds": {str(k): v for k, v in self.ttft.items()}, "mixed": mixed,
                 "mixed_note": self.mixed_note or None,
+                "rewrite": self.rewrite.to_json() if self.rewrite else None, "rewrite_note": self.rewrite_note or None,
                 "speculative": {w: speculative_json(s) for w, s in self.speculative.items()} or None}
 
 
@@ -77,6 +85,11 @@ class BenchReport:
     config: BenchConfig
     machine: Machine
     rows: list[Row]
+
+    @property
+    def differing(self) -> list[Row]:
+        """Speculative rows whose rewrite output is not their plain row's (a bug: greedy must match)."""
+        return [r for r in self.rows if r.rewrite is not None and r.rewrite.differs is not None]
 
     def to_json(self) -> dict:
         return {"config": self.config.model_dump(mode="json"), "machine": self.machine.to_json(),
@@ -103,6 +116,9 @@ def measure(system: System, row: Row, config: BenchConfig, vocab: int, on_step: 
                 continue
             prompt = prompt_ids(length, vocab, config.seed + length)
             row.ttft[length] = median_of(config.repeats, lambda p=prompt: system.generate(p, 1).seconds)
+    if "rewrite" in config.workloads:
+        on_step(f"{row.label}: rewrite")
+        _rewrite(system, row, config, spec)
     if "mixed" in config.workloads:
         on_step(f"{row.label}: mixed")
         work = mixed_workload(config.mixed_requests, vocab, config.mixed_prompt_lens, config.mixed_output_lens,
@@ -111,6 +127,22 @@ def measure(system: System, row: Row, config: BenchConfig, vocab: int, on_step: 
         row.mixed = system.mixed(work)
         row.mixed_note = system.mixed_note if row.mixed is None else ""
         _keep_speculative(row, "mixed", spec())
+
+
+def _rewrite(system: System, row: Row, config: BenchConfig, spec: Callable[[], AcceptanceStats | None]) -> None:
+    if not hasattr(system, "rewrite_prompts"):
+        row.rewrite_note = "bestiary engines only (the prompts are text in the engine's own chat template)"
+        return
+    prompts = system.rewrite_prompts(config.rewrite_texts, config.rewrite_text_tokens)
+    longest, limit = max(map(len, prompts)), system.max_prompt_len
+    if limit is not None and longest > limit:
+        row.rewrite_note = (f"its prompts of up to {longest} tokens exceed max_input_len {limit} "
+                            "(--rewrite_text_tokens)")
+        return
+    system.complete(prompts[0], 4)  # warm-up
+    spec()
+    row.rewrite = measure_rewrite(system.complete, prompts, config.new_tokens, config.repeats)
+    _keep_speculative(row, "rewrite", spec())
 
 
 def _keep_speculative(row: Row, workload: str, stats: AcceptanceStats | None) -> None:
@@ -138,4 +170,8 @@ def run_bench(config: BenchConfig, systems: list[Candidate], vocab: int,
         finally:
             system.close()
     machine.load_after = load_average()
+    for cand, row in zip(systems, rows, strict=True):  # speculative rows against their plain row
+        plain = next((r for c, r in zip(systems, rows, strict=True) if c is cand.plain), None)
+        if plain is not None and row.rewrite is not None and plain.rewrite is not None:
+            compare_to_plain(row.rewrite, plain.rewrite, plain.label)
     return BenchReport(config, machine, rows)

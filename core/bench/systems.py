@@ -3,7 +3,10 @@
 `generate(prompt, n)` times one greedy generation of n new tokens (EOS ignored where the
 system allows it; the tokens really produced are counted) from a cold cache: no prefix of an
 earlier call reused. The prefill workload is `generate(prompt, 1)`. `mixed(work)` runs a workload's
-requests, all submitted at once, however the system batches them; None when it cannot.
+requests, all submitted at once, however the system batches them; None when it cannot. The
+rewrite workload needs two more calls that only engines have: `rewrite_prompts(count, tokens)`
+(text prompts in the system's own chat template) and `complete(prompt, n)` (stops at EOS, returns
+the ids too).
 """
 
 from __future__ import annotations
@@ -79,6 +82,24 @@ class EngineSystem:
         start = time.perf_counter()
         (done,) = self.llm.generate([prompt], self._sampling(n))
         return Timed(time.perf_counter() - start, len(done.output_ids))
+
+    def rewrite_prompts(self, count: int, tokens: int) -> list[list[int]]:
+        """The rewrite workload's prompts (core.bench.rewrite) in this engine's chat template."""
+        from bestiary.core.bench.rewrite import rewrite_messages, source_texts
+        from bestiary.core.format.errors import BestiaryError
+
+        if self.llm.tokenizer is None:
+            raise BestiaryError(f"--workloads rewrite: engine {self.llm.engine.directory} has no tokenizer")
+        texts = source_texts(self.llm.tokenizer, count, tokens)
+        return [self.llm.chat_ids(rewrite_messages(t)) for t in texts]
+
+    def complete(self, prompt: list[int], n: int) -> tuple[Timed, list[int]]:
+        """One greedy generation of at most n new tokens that stops at an end id: its time and ids."""
+        from bestiary.core.runtime.sampling import SamplingConfig
+
+        start = time.perf_counter()
+        (done,) = self.llm.generate([prompt], SamplingConfig(max_new_tokens=n, temperature=0.0))
+        return Timed(time.perf_counter() - start, len(done.output_ids)), list(done.output_ids)
 
     def mixed(self, work: Workload) -> MixedResult:
         """Every request to the executor at once (in-flight batching); latency = submit -> last token."""

@@ -3,7 +3,8 @@
 Prompts are token ids drawn with a fixed seed (no tokenizer needed, the same ids for every
 system). Decode speed is (t(1 + N) - t(1)) / N: the N tokens after the first, over the time
 they added, so the prompt's prefill is not counted. Prefill speed is the time to the first
-token (TTFT) of a prompt of L tokens, and L / TTFT prompt tokens/s.
+token (TTFT) of a prompt of L tokens, and L / TTFT prompt tokens/s. (The rewrite workload's
+prompts are text, core.bench.rewrite; its speed is the same decode definition.)
 """
 
 from __future__ import annotations
@@ -82,8 +83,14 @@ def decode_rate(generate: Callable[[int], Timed], n: int) -> float | None:
     """Decode tokens/s: the tokens after the first over the time they added, (t(1 + n) - t(1)) / n
     (a system that stopped early at an end id counts what it produced). None when the longer run
     was not slower (a machine too busy to measure on)."""
-    first, full = generate(1), generate(1 + n)
-    extra, seconds = full.tokens - first.tokens, full.seconds - first.seconds
+    return added_rate([(generate(1), generate(1 + n))])
+
+
+def added_rate(pairs: list[tuple[Timed, Timed]]) -> float | None:
+    """Over (1-token run, longer run) pairs of the same prompts: sum of the tokens the longer runs
+    added over sum of the seconds they added; None when that is not positive (a busy machine)."""
+    extra = sum(full.tokens - first.tokens for first, full in pairs)
+    seconds = sum(full.seconds - first.seconds for first, full in pairs)
     return extra / seconds if extra > 0 and seconds > 0 else None
 
 

@@ -1,4 +1,5 @@
-"""`bestiary bench`: batch-1 decode, prefill (TTFT) and a mixed workload on engines, beside peers.
+"""`bestiary bench`: batch-1 decode, prefill (TTFT) and a mixed workload on engines, beside peers;
+on request (--workloads rewrite) an input-grounded rewrite task on engines.
 
     bestiary bench --engine_dir ENGINE [ENGINE ...] [--compare hf,llama.cpp,fastllm]
                    [--hf_model DIR_OR_GGUF] [--gguf FILE ...] [--json]
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from bestiary.core.bench.config import BenchConfig
+from bestiary.core.bench.config import ALL_WORKLOADS, BenchConfig
 from bestiary.core.cli.main import command, positive_int
 from bestiary.core.cli.speculative_flags import add_speculative_flags, speculative_from_args
 from bestiary.core.format.errors import BestiaryError
@@ -27,7 +28,8 @@ from bestiary.core.format.errors import BestiaryError
 def add_bench_parser(sub) -> None:
     """The `bench` subcommand's flags (defaults and help from BenchConfig)."""
     f = BenchConfig.model_fields
-    p = sub.add_parser("bench", help="decode / prefill / mixed-workload speed of engines, beside peers (docs/bench.md)")
+    p = sub.add_parser("bench", help="decode / prefill / mixed-workload (and rewrite) speed of engines, beside peers "
+                                       "(docs/bench.md)")
     p.add_argument("--engine_dir", nargs="+", required=True, help="One or more engine dirs (a row each).")
     p.add_argument("--compare", default="", metavar="PEERS",
                    help="Comma-separated peers run in the same process: hf, llama.cpp, fastllm.")
@@ -37,10 +39,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="Print the report as JSON on stdout instead of tables.")
     p.add_argument("--num_threads", type=positive_int, default=None, help="CPU threads of every system.")
     g = p.add_argument_group("workloads")
-    g.add_argument("--workloads", nargs="+", choices=["decode", "prefill", "mixed"], default=f["workloads"].default,
+    g.add_argument("--workloads", nargs="+", choices=ALL_WORKLOADS, default=f["workloads"].default,
                    help=f["workloads"].description)
-    for name in ("new_tokens", "repeats", "decode_prompt_len", "mixed_requests", "static_batch", "seed",
-                 "bandwidth_mib"):
+    for name in ("new_tokens", "repeats", "decode_prompt_len", "mixed_requests", "rewrite_texts",
+                 "rewrite_text_tokens", "static_batch", "seed", "bandwidth_mib"):
         g.add_argument(f"--{name}", type=int if name in ("seed", "bandwidth_mib") else positive_int, default=f[name].default,
                        help=f"{f[name].description} (default: {f[name].default})")
     g.add_argument("--prompt_lens", nargs="+", type=positive_int, default=f["prompt_lens"].default,
@@ -83,7 +85,8 @@ def engine_candidates(dirs: list[str], threads: int | None, speculative=None) ->
     if speculative is not None:
         tag = f"{speculative.method} k={speculative.num_draft_tokens}"
         rows += [Candidate("engine", f"bestiary {Path(d).name} + {tag}",
-                           lambda d=d: EngineSystem(d, threads, speculative)) for d in dirs]
+                           lambda d=d: EngineSystem(d, threads, speculative), plain=plain)
+                 for d, plain in zip(dirs, rows, strict=True)]
     return rows
 
 
@@ -132,6 +135,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for d in args.engine_dir:
         if not (Path(d) / "config.json").is_file():
             raise BestiaryError(f"--engine_dir {d}: no config.json (not an engine dir)")
+    if "rewrite" in config.workloads:
+        from bestiary.core.bench.rewrite import rewrite_problem
+
+        for d in args.engine_dir:
+            if (problem := rewrite_problem(d)) is not None:
+                raise BestiaryError(f"--workloads rewrite: engine {d} {problem}")
     vocab = engine_vocab(args.engine_dir[0])
     longest = max(max(config.prompt_lens), config.mixed_prompt_lens[1] + config.mixed_output_lens[1],
                   config.decode_prompt_len + config.new_tokens + 1)
@@ -148,4 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=1))
     else:
         print_report(report, args.reference)
-    return 0
+    for r in report.differing:  # greedy speculative decoding must reproduce plain decoding: a failed check
+        err.print(f"{r.label}: rewrite output differs from {r.rewrite.plain_label} at {r.rewrite.differs}",
+                  style="red", markup=False, highlight=False, soft_wrap=True)
+    return 1 if report.differing else 0

@@ -1,4 +1,5 @@
-"""The rich tables of `bestiary bench`: decode, prefill and mixed, with ratios to one reference row."""
+"""The rich tables of `bestiary bench`: decode, prefill, mixed and rewrite, with ratios to one reference
+row (and, on rewrite, a speculative row's ratio to its own engine's plain row)."""
 
 from __future__ import annotations
 
@@ -83,13 +84,38 @@ def mixed_table(report: BenchReport, ref_name: str | None) -> Table:
     return table
 
 
+def rewrite_table(report: BenchReport, ref_name: str | None) -> Table:
+    c = report.config
+    ref = reference_row(report.rows, ref_name, lambda r: r.rewrite and r.rewrite.tokens_per_second)
+    measured = [r for r in report.rows if r.skipped is None and r.rewrite is not None]
+    lens = sorted({n for r in measured for n in r.rewrite.prompt_tokens})
+    prompts = f"prompts {lens[0]}..{lens[-1]} tokens" if lens else "no prompts"
+    texts = max((len(r.rewrite.prompt_tokens) for r in measured), default=c.rewrite_texts)
+    table = Table(title=f"rewrite: batch-1 greedy decode of {texts} x \"Rewrite the following text ...\" "
+                        f"(~{c.rewrite_text_tokens}-token passages, chat template, {prompts}), up to "
+                        f"{c.new_tokens} new tokens (stop at EOS), tok/s = (t(1 + N) - t(1)) / N, median of {c.repeats}")
+    for col in ("system", "tok/s", f"vs {ref.label if ref else '-'}", "x plain", "acceptance",
+                "tokens / verify step", "output = plain"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in measured:
+        w, s = r.rewrite, r.speculative.get("rewrite")
+        table.add_row(r.label, f"{w.tokens_per_second:.1f}" if w.tokens_per_second else "unstable",
+                      ratio(w.tokens_per_second, ref and ref.rewrite and ref.rewrite.tokens_per_second),
+                      f"{w.vs_plain:.2f}x" if w.vs_plain else "-",
+                      f"{s.acceptance_rate:.0%} ({s.accepted}/{s.drafted})" if s and s.drafted else "-",
+                      f"{s.tokens_per_step:.2f}" if s and s.steps else "-",
+                      "-" if w.plain_label is None else "yes" if w.differs is None else f"NO ({w.differs})")
+    return table
+
+
 def print_report(report: BenchReport, ref_name: str | None) -> None:
     out, m = stdout_console(), report.machine
     out.print(f"CPU {m.cpu} ({m.cores} cores; flags: {', '.join(m.cpu_flags) or 'unknown'}), {m.threads} threads, "
               f"torch {m.torch}; load average {m.load_before} before, {m.load_after} after", highlight=False)
     out.print(f"CPU kernels: {m.cpu_isa} ({m.cpu_kernels})", highlight=False)
     work = report.config.workloads
-    for name, make in (("decode", decode_table), ("prefill", prefill_table), ("mixed", mixed_table)):
+    for name, make in (("decode", decode_table), ("prefill", prefill_table), ("mixed", mixed_table),
+                       ("rewrite", rewrite_table)):
         if name in work:
             out.print(make(report, ref_name))
     for r in report.rows:
@@ -97,6 +123,8 @@ def print_report(report: BenchReport, ref_name: str | None) -> None:
             out.print(f"skipped {r.label}: {r.skipped}", highlight=False)
         elif r.mixed is None and r.mixed_note and "mixed" in work:
             out.print(f"no mixed row for {r.label}: {r.mixed_note}", highlight=False)
+        if r.skipped is None and r.rewrite_note and "rewrite" in work:
+            out.print(f"no rewrite row for {r.label}: {r.rewrite_note}", highlight=False)
         for n, t in r.ttft.items():
             if t is None:
                 out.print(f"no TTFT {n} for {r.label}: longer than its longest prompt", highlight=False)
