@@ -91,7 +91,10 @@ def test_tp3_equals_tp1_with_an_adapter(models, smollm2_gguf, tmp_path):
     forced = [c.prompt_ids + c.output_ids for c in first]
     logits = SamplingConfig(temperature=0, max_new_tokens=1, output_context_logits=True)
     want = llm.generate(forced, logits, lora=lora)
-    got = tp3.generate(forced, logits, lora=lora)
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g.context_logits, w.context_logits, rtol=0, atol=1e-3)
-    check_mirror(tp3.engine)
+    try:
+        got = tp3.generate(forced, logits, lora=lora)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.context_logits, w.context_logits, rtol=0, atol=1e-3)
+        check_mirror(tp3.engine)
+    finally:
+        tp3.close()

@@ -1,5 +1,6 @@
-"""Slow tensor-parallel checks: SmolLM2-135M (9 heads, 3 kv heads) at tp 3, and the mixed
-in-flight workload (prompts of 4..400 tokens, staggered arrivals) on a tp 2 engine."""
+"""Slow tensor-parallel checks: SmolLM2-135M (9 heads, 3 kv heads) at tp 3, the mixed in-flight
+workload (prompts of 4..400 tokens, staggered arrivals) on a tp 2 engine, and worker groups of
+two sizes in one process."""
 
 from __future__ import annotations
 
@@ -60,3 +61,32 @@ def test_mixed_inflight_workload_on_tp2_equals_each_alone_on_tp1(tmp_path):
         llm.close()
 
 
+
+
+def test_an_llm_dropped_without_close_does_not_pin_its_worker_group(tmp_path):
+    """A 3-rank LLM left for the garbage collector (no close()) must not refuse a 2-rank one
+    later in the process (it did: "this process runs a 3-rank engine"), and a live one must."""
+    import gc
+
+    from bestiary.core.format.errors import BestiaryError
+    from bestiary.core.runtime import worker_group
+
+    src = make_tiny_llama(tmp_path, hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=1)
+    tp1 = LLM(convert(src, tmp_path / "tp1", show_progress=False))
+    sampling = SamplingConfig(max_new_tokens=6, **GREEDY)
+    expected = tp1.generate([[5, 9, 14]], sampling)[0].output_ids
+    tp3 = LLM(convert(src, tmp_path / "tp3", tp_size=3, show_progress=False), num_threads=1)
+    assert tp3.generate([[5, 9, 14]], sampling)[0].output_ids == expected
+    tp2_dir = convert(src, tmp_path / "tp2", tp_size=2, show_progress=False)
+    with pytest.raises(BestiaryError, match="runs a 3-rank engine"):
+        LLM(tp2_dir, num_threads=1)  # tp3 is alive: refused, tp3 still runs
+    assert tp3.generate([[5, 9, 14]], sampling)[0].output_ids == expected
+    del tp3
+    gc.collect()
+    tp2 = LLM(tp2_dir, num_threads=1)
+    try:
+        assert worker_group._CURRENT.world_size == 2
+        assert tp2.generate([[5, 9, 14]], sampling)[0].output_ids == expected
+        check_mirror(tp2.engine)
+    finally:
+        tp2.close()

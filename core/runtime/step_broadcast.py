@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from bestiary.core.runtime.kv_cache import KVCache
 from bestiary.core.runtime.worker_group import (
     WorkerGroup,
     join_world,
+    live_engines,
     rank_device,
     torchrun_env,
     worker_group,
@@ -148,6 +150,9 @@ def load_on_ranks(group: WorkerGroup, directory: str | Path, allow_nonfinite: bo
     """Every rank loads its rank file of `directory`; rank 0's Engine, its model driving the ranks."""
     from bestiary.core.runtime.engine import Engine
 
+    for gone in loaded_engines(group) - live_engines(group):  # dropped without close(): free their ranks' copies
+        loaded_engines(group).discard(gone)
+        send(group, Release(gone))
     key = _next_key(group)
     send(group, Load(key, str(directory), allow_nonfinite))
     error, unexpected = None, None
@@ -169,6 +174,7 @@ def load_on_ranks(group: WorkerGroup, directory: str | Path, allow_nonfinite: bo
         raise BestiaryError(message if rank == 0 else f"rank {rank}: {message}")
     drive(engine.model, group, key)
     engine.group = group
+    group.engine_refs[key] = weakref.ref(engine)
     return engine
 
 

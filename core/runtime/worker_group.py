@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -130,6 +132,7 @@ class WorkerGroup:
     spawned: list[SpawnedRank] = field(default_factory=list)
     closing: bool = False
     engine_keys: set[int] = field(default_factory=set)  # engines the ranks hold (step_broadcast.Load)
+    engine_refs: dict[int, weakref.ref] = field(default_factory=dict)  # key -> rank 0's Engine (held or gone)
     in_step: bool = False  # between a step's control message and the end of its forward
     sending_since: float | None = None  # monotonic time the driver began sending a step's message
     _watchdog: threading.Thread | None = None
@@ -329,14 +332,24 @@ def worker_group(world_size: int, device: str = "cpu", num_threads: int | None =
     if _CURRENT is not None and not _CURRENT.closing:
         if _CURRENT.world_size == world_size and _CURRENT.device == rank_device(device, 0):
             return _CURRENT
-        from bestiary.core.runtime.step_broadcast import loaded_engines
-
-        if loaded_engines(_CURRENT):
+        if live_engines(_CURRENT):
             raise BestiaryError(f"this process runs a {_CURRENT.world_size}-rank engine on {_CURRENT.device}; "
                                 f"close that LLM before loading one with {world_size} ranks on {device}")
         _CURRENT.close()
     _CURRENT = WorkerGroup.start(world_size, device, num_threads)
     return _CURRENT
+
+
+def live_engines(group: WorkerGroup) -> set[int]:
+    """Keys of the engines the group's ranks hold whose rank-0 Engine is still referenced here.
+
+    An LLM dropped without close() leaves its key loaded; once its Engine is garbage (collected
+    here: the driven model's forward refers back to the model, a cycle), it no longer counts, so
+    its ranks can drop it and a group of another size can replace this one."""
+    if not group.engine_keys:
+        return set()
+    gc.collect()
+    return {k for k in group.engine_keys if (ref := group.engine_refs.get(k)) is None or ref() is not None}
 
 
 def _spawned_rank_main(rank: int, world_size: int, init_method: str, device: str, threads: int,
