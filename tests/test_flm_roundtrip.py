@@ -126,3 +126,18 @@ def test_export_never_replaces_a_file_that_is_not_flm_and_is_atomic(llama_src, t
         export_flm(ck, good, "int8", show_progress=False)
     assert good.read_bytes() == before  # the old file is untouched, no temporary file is left
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_int4_groups_that_would_end_partial_are_split(tmp_path, capsys):
+    """K = 96 at g64 would leave a partial last group, which FastLLM's grouped int4 matmul miscomputes
+    (docs/fastllm.md): written as int4g32 (gcd), codes unchanged, the same values read back."""
+    from bestiary.core.sources.flm_reader import read_flm
+
+    src = make_tiny_llama(tmp_path / "src", hidden_size=96, intermediate_size=128, vocab_size=128)
+    quant = QuantConfig(quant_algo="W4A16", group_size=64, has_zero_point=True)
+    first, back = round_trip(src, tmp_path, quantization=quant, weight_quantizer="rtn")
+    tensors = read_flm(tmp_path / "model.flm").tensors
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].group_size == 32  # K = 96
+    assert tensors["model.layers.0.mlp.down_proj.weight"].group_size == 64  # K = 128
+    assert "written as int4g32" in capsys.readouterr().err
+    torch.testing.assert_close(logits_of(back, PROMPT), logits_of(first, PROMPT), rtol=1e-5, atol=1e-5)

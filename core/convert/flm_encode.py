@@ -10,6 +10,7 @@ row's / group's (min, max); q = trunc(w / s + z + 0.5) clamped), printing the er
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -89,16 +90,35 @@ def exact_int4(bundle, group: int | None):
         return None
     s = bundle["weights_scaling_factor"].float().numpy()
     z = bundle["zeros"].float().numpy() if "zeros" in bundle else np.full_like(s, 8.0)
-    have = _group(bundle)
+    have, k = _group(bundle), _k(bundle)
     if group is None:
         if not (np.all(s == s[:, :1]) and np.all(z == z[:, :1])):
             return None
         s, z = s[:, :1], z[:, :1]
-    elif -(-_k(bundle) // group) != s.shape[1] or (group != have and s.shape[1] != 1):
-        return None  # other group boundaries (one group per row is every group size)
+    else:
+        if s.shape[1] != 1 and group != have and (have % group or k % group):
+            return None  # other group boundaries (one group per row is every group size)
+        per = 1 if s.shape[1] == 1 else have // group if group < have else 1  # new groups per old one
+        groups = -(-k // group)
+        s, z = np.repeat(s, per, axis=1), np.repeat(z, per, axis=1)  # sub-groups of one grid: exact
+        s, z = np.broadcast_to(s, (s.shape[0], max(groups, s.shape[1])))[:, :groups], \
+            np.broadcast_to(z, (z.shape[0], max(groups, z.shape[1])))[:, :groups]
     if not _integral(z, 15) or not _same_grid(s, z, 4):
         return None
     return packing.unpack_int4(bundle["weight"]).numpy(), s, z
+
+
+def divisor_group(name: str, k: int, group: int | None) -> int | None:
+    """The int4g group size to write for K = k inputs: `group`, or gcd(group, k) when a last group
+    would be partial. FastLLM's grouped int4 matmul (CPU, ftllm 1.9.0) scales a partial last group's
+    zero-point term by the full group size, so its output is wrong (SmolLM2, K = 576, int4g128: logits
+    off by hundreds); groups that divide K keep bestiary's codes exactly, each (s, z) repeated."""
+    if group is None or k <= group or k % group == 0:
+        return group
+    sub = math.gcd(group, k)
+    print(f"{name}: int4g{group} written as int4g{sub} ({k} inputs: FastLLM miscomputes a partial last "
+          "group)", file=sys.stderr)
+    return sub
 
 
 def _same_grid(s: np.ndarray, z: np.ndarray, bits: int) -> bool:
@@ -181,6 +201,7 @@ def tensor_parts(name: str, bundle, dtype: str) -> list:
     if dtype not in ("int8", "int4") and group is None:
         raise ValueError(f"--flm_dtype {dtype!r}")
     bits = 8 if dtype == "int8" else 4
+    group = divisor_group(name, _k(bundle) if "weight" in bundle else bundle["value"].shape[-1], group)
     codes, mins, maxs = codes_and_bounds(name, bundle, dtype, bits, group)
     n, k = codes.shape
     if bits == 8:

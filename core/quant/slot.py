@@ -208,7 +208,7 @@ class WeightOnlySlot:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         if self.lq.act_quant is not None:  # quantization.activation_quant: x2 <- its uint8 reading, float32
-            x2 = online_act.fastllm_uint8(x2, self.lq.act_group)
+            x2 = online_act.fastllm_uint8(x2, self.lq.act_group, min_code=1 if self.lq.bits == 8 else 0)
         zero_term = getattr(linear, "zeros", None) if self.lq.bits == 8 else None  # int8 kernels have no z
         perm = self.input_perm(linear, x.device)
         if perm is not None:
