@@ -33,8 +33,8 @@ demo: $(INSTALLED)
 	$(SAY_VENV)
 	$(VENV)/bin/bestiary demo
 
-# The whole suite except the tests marked slow (real-model quality and parity runs, ~10 min
-# on 2 cores): about 4 minutes. CI (.ci/run) runs both.
+# The whole suite except the tests marked slow (real-model quality and parity runs, ~31 min
+# on 2 cores): about 5 minutes. CI (.ci/run) runs both.
 test: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -m "not slow" tests
