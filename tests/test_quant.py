@@ -290,3 +290,29 @@ def test_cli_convert_int4_and_refusal(tmp_path):
                        "pre_quant_scale": False, "activation_quant": None, "activation_group_size": None,
                        "exclude_modules": ["lm_head", "*.layers.1.*"]}
     shutil.rmtree(tmp_path / "ok")
+
+
+def test_packing_grids_equal_hand_computed_values():
+    """The int8 / int4 grids of core.quant.packing on values worked out by hand (mutation testing:
+    a ratio applied as a division, a min/max over all groups instead of each, a range that leaves
+    out 0, a zero point clamped from 1, a row-parallel amax ignored, (q - z) / s all survived the
+    round trips of this file)."""
+    g = torch.tensor([[[0.2, 0.5, 0.1, 0.3], [-3.0, 1.5, 0.0, 0.0]], [[-0.6, -0.3, -0.9, -0.1], [0.0, 0.0, 0.0, 0.0]]])
+    s, z = packing.int4_grid(g, zero_point=True)  # range [min(lo, 0), max(hi, 0)] / 15, z = round(-lo / s)
+    torch.testing.assert_close(s, torch.tensor([[0.5 / 15, 4.5 / 15], [0.9 / 15, 1e-12]]))
+    torch.testing.assert_close(z, torch.tensor([[0.0, 10.0], [15.0, 0.0]]))
+    s, z = packing.int4_grid(g, zero_point=True, ratio=0.5)  # the range shrunk by the ratio
+    torch.testing.assert_close(s, torch.tensor([[0.25 / 15, 2.25 / 15], [0.45 / 15, 1e-12]]))
+    torch.testing.assert_close(z, torch.tensor([[0.0, 10.0], [15.0, 0.0]]))
+    s, z = packing.int4_grid(g, zero_point=False, ratio=0.5)  # symmetric: max |w| r / 7
+    assert z is None
+    torch.testing.assert_close(s, torch.tensor([[0.25 / 7, 1.5 / 7], [0.45 / 7, 1e-12]]))
+
+    w = torch.tensor([[0.0, 0.5, -1.0, 1.0], [2.0, -2.0, 0.5, 0.0]])
+    q, s = packing.quantize_int8_per_channel(w, amax=torch.tensor([2.0, 4.0]))  # a row-parallel part: whole rows' amax
+    torch.testing.assert_close(s, torch.tensor([2.0, 4.0]) / 127)
+    assert q.tolist() == [[0, 32, -64, 64], [64, -64, 16, 0]]  # round(w / s): 0.5 / (2 / 127) = 31.75 -> 32
+    torch.testing.assert_close(packing.dequantize_int8(q, s, torch.tensor([1, -2])),
+                               (q.float() - torch.tensor([[1.0], [-2.0]])) * s[:, None])
+    torch.testing.assert_close(packing.dequantize_int8(torch.tensor([[10, -3]], dtype=torch.int8), torch.tensor([0.5]),
+                                                       torch.tensor([2])), torch.tensor([[4.0, -2.5]]))
