@@ -316,3 +316,33 @@ def test_packing_grids_equal_hand_computed_values():
                                (q.float() - torch.tensor([[1.0], [-2.0]])) * s[:, None])
     torch.testing.assert_close(packing.dequantize_int8(torch.tensor([[10, -3]], dtype=torch.int8), torch.tensor([0.5]),
                                                        torch.tensor([2])), torch.tensor([[4.0, -2.5]]))
+
+
+def test_packing_layouts_and_round_trips_by_hand():
+    """More packing survivors: a small row amax (s floor), int4 round trips with zero points, the
+    aten CPU int4 layout with a remainder block and its shape check, the symmetric scale table."""
+    q, s = packing.quantize_int8_per_channel(torch.tensor([[0.5, -0.25]]))  # amax 0.5 < 1: s = 0.5 / 127
+    torch.testing.assert_close(s, torch.tensor([0.5 / 127]))
+    assert q.tolist() == [[127, -64]]  # -63.5 rounds to even
+
+    w = torch.tensor([[0.9, 0.1, -0.2, 0.4], [1.5, 0.0, 0.3, 0.6]])
+    codes, s, z = packing.quantize_int4_groupwise(w, 4, zero_point=True)
+    expected = (codes.float() - z) * s  # one group per row
+    torch.testing.assert_close(packing.int4_roundtrip(w, 4, True), expected)
+    assert not torch.equal(expected, codes.float() * s)  # the zero point matters here
+
+    codes = torch.randint(0, 16, (80, 6), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    packed = packing.pack_int4_cpu(codes)  # 64-row block + a 16-row remainder block
+    assert torch.equal(packing.unpack_int4_cpu(packed), codes)
+    tail = packed.reshape(-1)[64 * 6 // 2:].view(6, -1)  # remainder, k-major: byte j = rows 2j | 2j + 1
+    assert tail[0, 0].item() == int(codes[64, 0]) | (int(codes[65, 0]) << 4)
+    for shape in ((16, 3), (8, 4)):
+        with pytest.raises(ValueError, match="out_features % 16 == 0 and even in_features"):
+            packing.pack_int4_cpu(torch.zeros(shape, dtype=torch.uint8))
+
+    s = torch.tensor([[0.5, 0.25]], dtype=torch.bfloat16)  # [N 1, groups 2]
+    table = packing.int4_cpu_scale_zeros(s, None, torch.bfloat16)  # symmetric: offset 0
+    assert table.dtype == torch.bfloat16 and table.shape == (2, 1, 2)
+    assert table[:, 0].tolist() == [[0.5, 0.0], [0.25, 0.0]]
+    table = packing.int4_cpu_scale_zeros(s.float(), torch.tensor([[10.0, 8.0]]), torch.float32)
+    assert table[:, 0].tolist() == [[0.5, -1.0], [0.25, 0.0]]  # offset (8 - z) s
