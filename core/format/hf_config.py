@@ -15,11 +15,11 @@ every HF name tried.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
 from bestiary.core.format.errors import ConfigError
-from pydantic import Field
+from pydantic import Field, model_validator
 
 # bestiary field -> the HF config.json names it is read from, first present wins.
 COMMON_NAMES: dict[str, tuple[str, ...]] = {
@@ -107,6 +107,42 @@ class DecoderConfig(PretrainedConfig):
     def rotary_dim(self) -> int:
         """Rotated dims per head: head_size * rotary_pct (even)."""
         return int(self.head_size * self.rotary_pct) // 2 * 2
+
+
+LayerType = Literal["sliding_attention", "full_attention"]
+
+
+class WindowFields(DecoderConfig):
+    """DecoderConfig + a sliding window on some layers (core.layers.attention_window.layer_window):
+    `sliding_window` W and, per layer, whether it attends through it (None: every layer does)."""
+
+    sliding_window: int | None = Field(None, ge=1, description="Attention window W (None: no window layers).")
+    layer_types: list[LayerType] | None = Field(
+        None, description="Per layer: sliding_attention (through the window) or full_attention (every key).")
+
+    @model_validator(mode="after")
+    def _layer_count(self) -> WindowFields:
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        return self
+
+
+def window_layer_types(window: Callable[[dict], int | None],
+                       windowed: Callable[[int, dict], bool]) -> Callable[[dict], list[str] | None]:
+    """A reader of HF layer_types for WindowFields: None when `window(hf)` is None (every layer
+    full), else the config's own `layer_types`, else "sliding_attention" on each layer i where
+    `windowed(i, hf)` (the rule the family's HF config class derives them by)."""
+
+    def read(hf: dict) -> list[str] | None:
+        if window(hf) is None:
+            return None
+        if hf.get("layer_types"):
+            return list(hf["layer_types"])
+        n = first_present(hf, ("num_hidden_layers",))
+        return ["sliding_attention" if windowed(i, hf) else "full_attention" for i in range(n)]
+
+    return read
 
 
 def refuse_unsupported(hf: dict, supported: dict[str, Any], source: str) -> None:

@@ -14,26 +14,25 @@ from __future__ import annotations
 from functools import partial
 from typing import Literal
 
-from bestiary.core.format.hf_config import DecoderConfig, first_present, hf_config_reader
+from bestiary.core.format.hf_config import (
+    WindowFields,
+    first_present,
+    hf_config_reader,
+    window_layer_types,
+)
 from bestiary.core.layers.mlp import GatedMLP
 from bestiary.core.layers.norm import RMSNorm
 from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLayer
 from bestiary.core.layers.self_attention import SelfAttention
 from bestiary.core.runtime.model import DecoderLM
-from pydantic import Field
 from torch import nn
 
-LayerType = Literal["sliding_attention", "full_attention"]
 
-
-class Exaone4Config(DecoderConfig):
-    """DecoderConfig + EXAONE 4.0's window and per-layer attention kinds."""
+class Exaone4Config(WindowFields):
+    """DecoderConfig + EXAONE 4.0's window and per-layer attention kinds (sliding_attention: RoPE and
+    the window; full_attention: NoPE over every key)."""
 
     architecture: Literal["Exaone4ForCausalLM"] = "Exaone4ForCausalLM"
-    sliding_window: int | None = Field(None, ge=1, description="Local attention window W (None: no local layers).")
-    layer_types: list[LayerType] | None = Field(
-        None, description="Per layer: sliding_attention (RoPE, window) or full_attention (NoPE with a window)."
-    )
 
     def uses_rope(self, layer_idx: int) -> bool:
         """RoPE on layer `layer_idx`: every layer without a window, else the sliding ones only."""
@@ -41,17 +40,12 @@ class Exaone4Config(DecoderConfig):
             or self.layer_types[layer_idx] == "sliding_attention"
 
 
-def layer_types(hf: dict) -> list[str] | None:
-    """HF layer_types, or the pattern Exaone4Config derives: layer i is global when (i + 1) % pattern == 0."""
-    if hf.get("sliding_window") is None:
-        return None
-    if hf.get("layer_types"):
-        return hf["layer_types"]
+def exaone4_windowed(i: int, hf: dict) -> bool:
+    """Exaone4Config's pattern: layer i is global (full) when (i + 1) % pattern == 0, else local."""
     pattern = hf.get("sliding_window_pattern", 4)
     if isinstance(pattern, str):  # "LLLG": L local, G global, repeated
         pattern = len(pattern)
-    n = first_present(hf, ("num_hidden_layers",))
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    return (i + 1) % pattern != 0
 
 
 def max_positions(hf: dict) -> int:
@@ -61,7 +55,8 @@ def max_positions(hf: dict) -> int:
 
 from_hf_config = hf_config_reader(
     Exaone4Config, defaults={"norm_epsilon": 1e-5}, max_position_embeddings=max_positions,
-    sliding_window=lambda hf: hf.get("sliding_window"), layer_types=layer_types)
+    sliding_window=lambda hf: hf.get("sliding_window"),
+    layer_types=window_layer_types(lambda hf: hf.get("sliding_window"), exaone4_windowed))
 
 
 class Exaone4ForCausalLM(DecoderLM):

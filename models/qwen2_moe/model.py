@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from bestiary.core.format.hf_config import hf_config_reader
+from bestiary.core.format.hf_config import WindowFields, hf_config_reader, window_layer_types
 from bestiary.core.layers.moe import SharedExpertMoE
 from bestiary.core.layers.standard_layer import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from bestiary.models.qwen2.model import WindowFields, max_window_layers, sliding_window, window_layer_types
+from bestiary.models.qwen2.model import max_window_layers, sliding_window
 from pydantic import Field
 from torch import nn
 
@@ -43,7 +43,7 @@ def qwen2_moe_windowed(i: int, hf: dict) -> bool:
 from_hf_config = hf_config_reader(
     Qwen2MoeConfig, defaults={"norm_epsilon": 1e-6, "max_position_embeddings": 32768},
     unsupported={"decoder_sparse_step": 1, "mlp_only_layers": []},
-    sliding_window=sliding_window, layer_types=window_layer_types(qwen2_moe_windowed),
+    sliding_window=sliding_window, layer_types=window_layer_types(sliding_window, qwen2_moe_windowed),
     qkv_bias=lambda hf: hf.get("qkv_bias", True), dense_bias=False,
     intermediate_size=lambda hf: hf.get("moe_intermediate_size", 1408),
     num_local_experts=lambda hf: hf.get("num_experts", 60),
