@@ -76,8 +76,7 @@ class Row:
 
 def speculative_json(s: AcceptanceStats) -> dict:
     """A workload's speculative counts; acceptance_rate = accepted / drafted (0 without drafts)."""
-    return {"steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
-            "acceptance_rate": s.acceptance_rate, "tokens_per_step": s.tokens_per_step}
+    return s.to_json() | {"tokens_per_step": s.tokens_per_step}
 
 
 @dataclass

@@ -84,6 +84,7 @@ def rank_part(target: Target, whole: torch.Tensor, config, tp_rank: int) -> torc
 
     ValueError when the part is not the target's shape and dtype."""
     from bestiary.core.layers.self_attention import qkv_rank_slice
+    from bestiary.core.sources.base import slice_dim
 
     tp, dim = config.mapping.tp_size, target.tp_dim
     if dim < 0 or tp == 1:
@@ -92,8 +93,7 @@ def rank_part(target: Target, whole: torch.Tensor, config, tp_rank: int) -> torc
         c = config
         part = qkv_rank_slice(whole, c.num_attention_heads, c.num_key_value_heads, c.head_size, tp, tp_rank)
     elif dim < whole.dim() and whole.shape[dim] == target.shape[dim] * tp:
-        size = target.shape[dim]
-        part = whole.narrow(dim, tp_rank * size, size)  # [..., size, ...]
+        part = whole[slice_dim(tuple(whole.shape), tp, dim, tp_rank)]  # the loader's contiguous 1/tp part
     else:
         part = whole  # reported below
     if tuple(part.shape) != target.shape or part.dtype != target.dtype:

@@ -65,6 +65,11 @@ class AcceptanceStats:
         return (f"accepted {self.accepted} of {self.drafted} draft tokens ({self.acceptance_rate:.0%}), "
                 f"{self.tokens_per_step:.2f} tokens per verification step")
 
+    def to_json(self) -> dict:
+        """{steps, drafted_tokens, accepted_tokens, acceptance_rate} (serve's usage.speculative, bench --json)."""
+        return {"steps": self.steps, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "acceptance_rate": self.acceptance_rate}
+
     def add(self, other: AcceptanceStats) -> None:
         self.steps += other.steps
         self.drafted += other.drafted

@@ -181,8 +181,7 @@ def speculative_usage(stats: Iterable[AcceptanceStats | None]) -> dict:
     for s in stats:
         if s is not None:
             total.add(s)
-    return {"steps": total.steps, "drafted_tokens": total.drafted, "accepted_tokens": total.accepted,
-            "acceptance_rate": total.acceptance_rate}
+    return total.to_json()
 
 
 async def collect(deltas: AsyncIterator[tuple[int, Delta]], num_choices: int, timer: RequestTimer) -> list[Choice]:
