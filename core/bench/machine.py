@@ -35,11 +35,10 @@ def cpu_kernels() -> tuple[str, str]:
         return "off", f"{dispatch.ENV_VAR}={dispatch.mode()}: no compiled CPU kernels"
     if not build.enabled():
         return "off", f"{build.ENV_VAR}=off: torch references"
-    isa = build.chosen_isa()
+    isa, why = build.isa_choice()
     if build.library() is None:
         return "off", "not built (no C compiler, or the build failed): torch references"
-    forced = os.environ.get(build.ISA_ENV_VAR, "auto").strip().lower() not in ("", "auto")
-    return isa, f"forced by {build.ISA_ENV_VAR}" if forced else "best the CPU runs"
+    return isa, why
 
 
 def load_average() -> str:

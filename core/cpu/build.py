@@ -128,14 +128,20 @@ def chosen_isa() -> str:
     return forced
 
 
+def isa_choice() -> tuple[str, str]:
+    """(chosen_isa(), why): "forced by BESTIARY_CPU_ISA" or "best the CPU runs"; BestiaryError as
+    chosen_isa's for an ISA this CPU refuses."""
+    isa = chosen_isa()
+    forced = os.environ.get(ISA_ENV_VAR, "auto").strip().lower() not in ("", "auto")
+    return isa, f"forced by {ISA_ENV_VAR}" if forced else "best the CPU runs"
+
+
 def describe() -> dict[str, str]:
     """What the CPU kernels run on, for `bestiary inspect`: the chosen ISA and why, the ISAs
     this CPU runs, extra flags present that the chosen build does not use, torch's capability,
     and whether the kernels are on."""
     try:
-        isa = chosen_isa()
-        forced = os.environ.get(ISA_ENV_VAR, "auto").strip().lower() not in ("", "auto")
-        how = f"forced by {ISA_ENV_VAR}" if forced else "best the CPU runs"
+        isa, how = isa_choice()
     except BestiaryError as err:
         isa, how = "refused", str(err)
     if not enabled():

@@ -66,7 +66,8 @@ class AcceptanceStats:
                 f"{self.tokens_per_step:.2f} tokens per verification step")
 
     def to_json(self) -> dict:
-        """{steps, drafted_tokens, accepted_tokens, acceptance_rate} (serve's usage.speculative, bench --json)."""
+        """{steps, drafted_tokens, accepted_tokens, acceptance_rate}: serve's usage.speculative and
+        bench --json."""
         return {"steps": self.steps, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": self.acceptance_rate}
 
