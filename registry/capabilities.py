@@ -32,13 +32,16 @@ def sources(spec: ArchitectureSpec) -> tuple[str, ...]:
 
 
 def refusal(spec: ArchitectureSpec, tp_size: int = 1, pp_size: int = 1, quant_algo: str | None = None,
-            kv_cache_quant_algo: str | None = None) -> str | None:
+            kv_cache_quant_algo: str | None = None, moe_ep_size: int = 1) -> str | None:
     """Why `spec` cannot be converted with these options (one line naming the flag), or None."""
     s = spec.supports
     if tp_size > 1 and not s.tensor_parallel:
         return f"--tp_size {tp_size}: {spec.name} does not support tensor parallelism"
     if pp_size > 1 and not s.pipeline_parallel:
         return f"--pp_size {pp_size}: {spec.name} does not support pipeline parallelism"
+    if moe_ep_size > 1 and not s.expert_parallel:
+        return (f"--moe_ep_size {moe_ep_size}: {spec.name} has no experts to spread "
+                "(expert parallelism is for MoE models)")
     if quant_algo and quant_algo not in quant_algos(spec):
         return f"quantization {quant_algo}: {spec.name} supports {', '.join(quant_algos(spec))}"
     if kv_cache_quant_algo and kv_cache_quant_algo not in kv_cache_quant_algos(spec):
@@ -47,9 +50,9 @@ def refusal(spec: ArchitectureSpec, tp_size: int = 1, pp_size: int = 1, quant_al
 
 
 def check_supported(spec: ArchitectureSpec, tp_size: int = 1, pp_size: int = 1, quant_algo: str | None = None,
-                    kv_cache_quant_algo: str | None = None) -> None:
+                    kv_cache_quant_algo: str | None = None, moe_ep_size: int = 1) -> None:
     """BestiaryError when `refusal` finds an unsupported option."""
-    reason = refusal(spec, tp_size, pp_size, quant_algo, kv_cache_quant_algo)
+    reason = refusal(spec, tp_size, pp_size, quant_algo, kv_cache_quant_algo, moe_ep_size)
     if reason:
         raise BestiaryError(reason)
 

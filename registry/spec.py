@@ -140,7 +140,7 @@ class Supports:
     lora_modules: tuple[str, ...] = ()  # TensorRT-LLM LoRA module names (attn_q, mlp_gate, ...): see `lora`
     tensor_parallel: bool = True
     pipeline_parallel: bool = True
-    expert_parallel: bool = False  # experts spread over ranks (no built-in does: MoE splits each expert's FFN)
+    expert_parallel: bool = False  # MoE experts spread over ranks (mapping moe_ep_size; core.layers.moe)
 
     def summary(self) -> str:
         """Short human-readable list, for `bestiary list`."""
@@ -149,6 +149,8 @@ class Supports:
             parts.append("TP")
         if self.pipeline_parallel:
             parts.append("PP")
+        if self.expert_parallel:
+            parts.append("EP")
         if self.quant_algos:
             parts.append("quant: " + ",".join(self.quant_algos))
         if self.kv_cache_quant_algos:

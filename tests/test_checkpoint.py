@@ -99,7 +99,7 @@ def assert_tp_reassembles(src, tmp_path, tp: int, heads: int, kv_heads: int, **k
     full = load_file(str(tmp_path / "tp1" / "rank0.safetensors"))
     shards = [load_file(str(tmp_path / f"tp{tp}" / f"rank{r}.safetensors")) for r in range(tp)]
     config = read_json(tmp_path / f"tp{tp}" / "config.json")
-    assert config["mapping"] == {"world_size": tp, "tp_size": tp, "pp_size": 1}
+    assert config["mapping"] == {"world_size": tp, "tp_size": tp, "pp_size": 1, "moe_tp_size": tp, "moe_ep_size": 1}
     keys = set(shards[0])
     assert keys - {"lm_head.weight"} == set(full) - {"lm_head.weight"}
     for key in keys:

@@ -307,19 +307,6 @@ def test_gptq_with_tied_lm_head_and_int8_kv_cache(tmp_path):
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "INT8"
 
 
-def test_gptq_refuses_pipeline_stages_before_writing(tiny_src, tmp_path):
-    """tp ranks are cut from the tp 1 GPTQ checkpoint (tests/test_tp_quant.py); pp stages are refused."""
-    quant = QuantConfig(quant_algo="W4A16", group_size=32)
-    with pytest.raises(ConfigError, match=r"^--weight_quantizer gptq: calibrated quantization is not available "
-                                          r"with pipeline parallelism \(--pp_size 2\); convert with --pp_size 1$"):
-        convert(tiny_src, tmp_path / "q", show_progress=False, pp_size=2, quantization=quant,
-                weight_quantizer="gptq")
-    assert not (tmp_path / "q").exists()
-    # without the flag, a pipeline-parallel int4 convert rounds to nearest
-    convert(tiny_src, tmp_path / "q", show_progress=False, pp_size=2, quantization=quant)
-    assert (tmp_path / "q" / "rank1.safetensors").is_file()
-
-
 @pytest.mark.parametrize("quant,method,message", [
     (QuantConfig(quant_algo="W8A16"), "gptq", "only for int4 weights"),
     (None, "gptq", "needs a weight quantization mode"),
@@ -329,16 +316,11 @@ def test_weight_quantizer_refusals(quant, method, message):
     with pytest.raises(ConfigError, match=message):
         check_weight_quantizer(quant, method)
     assert check_weight_quantizer(QuantConfig(quant_algo="W4A16"), None) == "gptq"
-    assert check_weight_quantizer(QuantConfig(quant_algo="W4A16"), None, pp_size=2) == "rtn"
     assert check_weight_quantizer(QuantConfig(quant_algo="W8A16"), None) == "rtn"
 
 
 def test_cli_weight_quantizer(tiny_src, tmp_path):
     base = [sys.executable, "-m", "bestiary.core.cli", "convert", "--model_dir", str(tiny_src)]
-    bad = subprocess.run(base + ["--output_dir", str(tmp_path / "bad"), "--use_weight_only", "--pp_size", "2",
-                                 "--weight_only_precision", "int4", "--group_size", "32", "--weight_quantizer", "gptq"],
-                         capture_output=True, text=True, check=False)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "(--pp_size 2)" in bad.stderr
     bad = subprocess.run(base + ["--output_dir", str(tmp_path / "bad"), "--use_weight_only", "--weight_quantizer", "gptq"],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "only for int4 weights" in bad.stderr

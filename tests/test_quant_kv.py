@@ -12,7 +12,6 @@ pytest.importorskip("transformers")
 
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.config import QuantConfig
-from bestiary.core.format.errors import ConfigError
 from bestiary.core.quant.calibrate import calibration_ids
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.kv_cache import KVCache
@@ -120,11 +119,3 @@ def test_kv_quant_with_weight_only_and_cli(tmp_path):
     engine = Engine.load(tmp_path / "q")
     logits, runner = _feed(engine, [3, 4, 5])
     assert torch.isfinite(logits).all() and runner.kv.k.dtype == torch.int8
-
-
-def test_pipeline_kv_quant_is_refused(tmp_path):
-    """KV scales of tp ranks come from a tp 1 calibration (tests/test_tp_runtime.py); pp stages are refused."""
-    src = make_tiny_llama(tmp_path)
-    with pytest.raises(ConfigError, match="--fp8_kv_cache: KV scales are calibrated on a single pipeline stage"):
-        convert(src, tmp_path / "q", show_progress=False, pp_size=2, quantization=QuantConfig(kv_cache_quant_algo="FP8"))
-    assert not (tmp_path / "q").exists()

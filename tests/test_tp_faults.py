@@ -28,6 +28,13 @@ def tp2(tmp_path_factory) -> Path:
     return convert(make_tiny_llama(root), root / "tp2", tp_size=2, show_progress=False)
 
 
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory) -> Path:
+    """Two pipeline stages of two tp ranks each: ranks 0, 1 run layer 0, ranks 2, 3 layer 1 and the logits."""
+    root = tmp_path_factory.mktemp("pp_faults")
+    return convert(make_tiny_llama(root), root / "tp2pp2", tp_size=2, pp_size=2, show_progress=False)
+
+
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:
@@ -37,16 +44,22 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start(ckpt: Path, *flags: str) -> tuple[subprocess.Popen, int]:
-    """The driver (in its own session) once it generates; (process, rank 1's pid)."""
+def start_ranks(ckpt: Path, *flags: str) -> tuple[subprocess.Popen, list[int]]:
+    """The driver (in its own session) once it generates; (process, pids of ranks 1..N-1)."""
     proc = subprocess.Popen([sys.executable, str(DRIVER), str(ckpt), *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     line = proc.stdout.readline()
     assert line.startswith("ranks "), line + proc.stderr.read()
-    rank1 = int(line.split()[1])
+    pids = [int(pid) for pid in line.split()[1:]]
     for _ in range(3):  # generating
         assert proc.stdout.readline().strip() == "token"
-    return proc, rank1
+    return proc, pids
+
+
+def start(ckpt: Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    """start_ranks of a 2-rank engine: (process, rank 1's pid)."""
+    proc, pids = start_ranks(ckpt, *flags)
+    return proc, pids[0]
 
 
 def wait_all_gone(proc: subprocess.Popen, pids: list[int]) -> tuple[int, str, float]:
@@ -111,3 +124,30 @@ def test_hung_rank_is_named_within_30_s(tp2):
     assert code != 0 and seconds < LIMIT_S
     assert [line for line in err.splitlines() if line.strip()] == [
         f"bestiary: rank 1 (pid {rank1}) did not answer within 20 s (process state T); stopping all 2 ranks"], err
+
+
+def test_pipeline_stage_killed_mid_generation_stops_everything(tp2pp2):
+    """Rank 2 (stage 1's first tp rank) killed while stage 0 sends it hidden states: every rank of both
+    stages and the driver are gone, with one line naming rank 2."""
+    proc, pids = start_ranks(tp2pp2)
+    os.kill(pids[1], signal.SIGKILL)
+    code, err, seconds = wait_all_gone(proc, [proc.pid, *pids])
+    assert code != 0 and seconds < LIMIT_S
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"bestiary: rank 2 (pid {pids[1]}) was killed by SIGKILL; stopping all 4 ranks"], err
+
+
+@pytest.mark.slow
+def test_hung_last_pipeline_stage_is_named_within_30_s(tp2pp2):
+    """SIGSTOP on rank 3 (the last stage's second tp rank): its stage peer's all-reduce and the driver's
+    wait for the logits time out; the driver names rank 3 and everything stops."""
+    proc, pids = start_ranks(tp2pp2)
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        code, err, seconds = wait_all_gone(proc, [proc.pid, *pids])
+    finally:
+        if alive(pids[2]):
+            os.kill(pids[2], signal.SIGKILL)
+    assert code != 0 and seconds < LIMIT_S
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"bestiary: rank 3 (pid {pids[2]}) did not answer within 20 s (process state T); stopping all 4 ranks"], err

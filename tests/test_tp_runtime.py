@@ -211,12 +211,6 @@ def test_beam_search_and_samples_mirror_kv_copies(checkpoints):
         tp2.close()
 
 
-def test_pp_engine_is_refused_in_one_line(sources, tmp_path):
-    out = convert(sources["llama"], tmp_path / "pp2", pp_size=2, show_progress=False)
-    with pytest.raises(BestiaryError, match=r"pipeline parallelism \(pp_size 2\) is not available yet"):
-        LLM(out)
-
-
 def test_parallel_embedding_holds_a_shard(checkpoints):
     """use_parallel_embedding: each rank file holds 1/tp of the embedding (vocab or hidden dim)."""
     for case, dim in (("llama_vocab_parallel", 0), ("opt_hidden_parallel", 1)):

@@ -1,6 +1,6 @@
-"""Slow tensor-parallel checks: SmolLM2-135M (9 heads, 3 kv heads) at tp 3, the mixed in-flight
-workload (prompts of 4..400 tokens, staggered arrivals) on a tp 2 engine, and worker groups of
-two sizes in one process."""
+"""Slow multi-rank checks: SmolLM2-135M (9 heads, 3 kv heads) at tp 3, pp 2 and pp 3, the mixed
+in-flight workload (prompts of 4..400 tokens, staggered arrivals) on tp 2 and tp 2 x pp 2 engines,
+and worker groups of two sizes in one process."""
 
 from __future__ import annotations
 
@@ -20,18 +20,20 @@ pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-def test_smollm2_tp3_equals_tp1(smollm2_gguf, tmp_path):
-    """fp32: logits within 1e-4 (max abs) over the prefill and 16 decode steps, same greedy text."""
+@pytest.mark.parametrize("tp,pp", [(3, 1), (1, 2), (1, 3)])
+def test_smollm2_parallel_equals_tp1(smollm2_gguf, tmp_path, tp, pp):
+    """fp32 at tp 3 (9 heads, 3 kv heads) and on 2 and 3 pipeline stages (30 layers: 15 + 15, 10 x 3):
+    logits within 1e-4 (max abs) over the prefill and 16 decode steps, same greedy text."""
     tp1 = convert(smollm2_gguf, tmp_path / "tp1", dtype="float32", show_progress=False)
-    tp3 = convert(smollm2_gguf, tmp_path / "tp3", dtype="float32", tp_size=3, show_progress=False)
+    other = convert(smollm2_gguf, tmp_path / "other", dtype="float32", tp_size=tp, pp_size=pp, show_progress=False)
     reference = LLM(tp1)
     prompt = reference.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
     ref, tokens = teacher_forced(reference.engine, prompt)
-    llm = LLM(tp3, num_threads=1)
+    llm = LLM(other, num_threads=1)
     try:
         ours, _ = teacher_forced(llm.engine, prompt, tokens)
         worst = (ours - ref).abs().max().item()
-        print(f"SmolLM2 tp 3 vs tp 1: max |logit diff| {worst:.3g} over prefill + {STEPS} decode steps")
+        print(f"SmolLM2 tp {tp} pp {pp} vs tp 1: max |logit diff| {worst:.3g} over prefill + {STEPS} decode steps")
         assert worst <= 1e-4
         sampling = SamplingConfig(max_new_tokens=STEPS, **GREEDY)
         agree = first_near_tie(ref)  # rows: prefill, then decode steps; greedy token i comes from row i
@@ -43,10 +45,13 @@ def test_smollm2_tp3_equals_tp1(smollm2_gguf, tmp_path):
         llm.close()
 
 
-def test_mixed_inflight_workload_on_tp2_equals_each_alone_on_tp1(tmp_path):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_mixed_inflight_workload_equals_each_alone_on_tp1(tmp_path, tp, pp):
+    """Prompts of 4..400 tokens with staggered arrivals on tp 2 and on tp 2 x pp 2 (the in-flight
+    batch cut into micro-batches): every request's tokens equal its run alone on tp 1."""
     src = make_tiny_llama(tmp_path, max_position_embeddings=512, num_key_value_heads=1)
     tp1 = Engine.load(convert(src, tmp_path / "tp1", show_progress=False))
-    llm = LLM(convert(src, tmp_path / "tp2", tp_size=2, show_progress=False), num_threads=1)
+    llm = LLM(convert(src, tmp_path / "other", tp_size=tp, pp_size=pp, show_progress=False), num_threads=1)
     try:
         rng = random.Random(0)
         lengths = [4, 400, 37, 5, 180, 64, 9, 250, 16, 120]

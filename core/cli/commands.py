@@ -50,7 +50,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                   calib_text=args.calib_text, smoothquant_alpha=args.smoothquant,
                   weight_quantizer=args.weight_quantizer, tune_steps=args.tune_steps,
                   allow_nonfinite=args.allow_nonfinite, use_parallel_embedding=args.use_parallel_embedding,
-                  embedding_sharding_dim=args.embedding_sharding_dim)
+                  embedding_sharding_dim=args.embedding_sharding_dim, moe_tp_size=args.moe_tp_size,
+                  moe_ep_size=args.moe_ep_size)
     ERR.print(f"checkpoint written to {out}")
     return 0
 
@@ -72,7 +73,8 @@ def convert_dry_run(args: argparse.Namespace) -> int:
     """`convert --dry_run`: the linter's table on stdout, findings on stderr; 1 when anything is flagged."""
     from bestiary.core.convert.lint import lint
 
-    report = lint(args.model_dir, tp_size=args.tp_size, pp_size=args.pp_size, architecture=args.architecture)
+    report = lint(args.model_dir, tp_size=args.tp_size, pp_size=args.pp_size, architecture=args.architecture,
+                  moe_tp_size=args.moe_tp_size, moe_ep_size=args.moe_ep_size)
     table = Table(title=f"{report.source} -> {report.architecture} (tp {report.tp_size}, pp {report.pp_size}): dry run")
     for col in ("rank", "target", "shape", "source tensor(s)", "postprocess", "TP slice"):
         table.add_column(col)

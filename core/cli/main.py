@@ -107,7 +107,7 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
                    help="W4A8_AWQ: int4 group-wise weights with AWQ scales, FP8 activations.")
     q.add_argument("--weight_quantizer", default=None, choices=["rtn", "gptq"],
                    help="How weights are rounded: rtn (round to nearest) or gptq (calibrated error "
-                        "compensation, int4 only). Default: gptq for weight-only int4 with --pp_size 1, else rtn.")
+                        "compensation, int4 only). Default: gptq for weight-only int4, else rtn.")
     q.add_argument("--tune_steps", type=int, default=None, metavar="N",
                    help="int4 GPTQ: steps of end-to-end scale tuning towards the float model's outputs "
                         "on the calibration text (0 = none; default: a short tuning).")
@@ -132,6 +132,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--tp_size", type=positive_int, default=1)
     p.add_argument("--pp_size", type=positive_int, default=1)
+    p.add_argument("--moe_tp_size", type=positive_int, default=None,
+                   help="MoE models: ranks each expert's FFN dim is split over (default --tp_size / --moe_ep_size).")
+    p.add_argument("--moe_ep_size", type=positive_int, default=None,
+                   help="MoE models: ranks the experts are spread over, whole experts each (expert parallelism; "
+                        "--moe_tp_size * --moe_ep_size = --tp_size; default 1).")
     p.add_argument("--use_parallel_embedding", action="store_true",
                    help="Split the token embedding over the tp ranks instead of replicating it.")
     p.add_argument("--embedding_sharding_dim", type=int, default=0, choices=[0, 1],

@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 from bestiary.core.convert.loader import Target, WeightsLoader, model_targets
-from bestiary.core.convert.source_to_checkpoint import build_config, instantiate, source_dtype
+from bestiary.core.convert.source_to_checkpoint import (
+    build_config,
+    check_expert_parallel,
+    expert_mapping,
+    instantiate,
+    source_dtype,
+)
 from bestiary.core.format.config import Mapping, PretrainedConfig
 from bestiary.core.format.errors import BestiaryError, WeightsError
 from bestiary.core.sources import ModelSource, open_source
@@ -85,11 +91,13 @@ def tp_slice(loader: WeightsLoader, target: Target, source_key: str, tp_size: in
         return "whole"
     if getattr(hook, "slices_itself", False):
         return f"whole; the hook cuts rank {tp_rank}'s part"
-    if target.tp_dim < 0:
-        return "replicated"
+    experts = f"expert group {target.experts[1] + 1} of {target.experts[0]}, " if target.experts else ""
+    tp_size, tp_rank = target.tp_split or (tp_size, tp_rank)
+    if target.tp_dim < 0 or tp_size == 1:
+        return f"{experts}whole" if experts else "replicated"
     flip = getattr(hook, "transposes_source", False)
     dim = loader._slice_dim(target, source_key, tp_size, flip)
-    return f"dim {dim}, part {tp_rank + 1} of {tp_size}"
+    return f"{experts}dim {dim}, part {tp_rank + 1} of {tp_size}"
 
 
 def map_ranks(report: LintReport, loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig) -> None:
@@ -232,7 +240,7 @@ def check_orientation(report: LintReport, loader: WeightsLoader, spec: Architect
 
 def lint(model_dir: str | Path, tp_size: int = 1, pp_size: int = 1, architecture: str | None = None,
          registry: Registry | None = None, customized_key_dict: dict | None = None,
-         reference: bool = True) -> LintReport:
+         reference: bool = True, moe_tp_size: int | None = None, moe_ep_size: int | None = None) -> LintReport:
     """The dry run of `convert(model_dir, ..., tp_size, pp_size, architecture)`: nothing is written.
 
     Configuration errors (unknown architecture, bad config field, unsupported option) raise as
@@ -243,7 +251,9 @@ def lint(model_dir: str | Path, tp_size: int = 1, pp_size: int = 1, architecture
     check_supported(spec, tp_size, pp_size)
     if min(tp_size, pp_size) < 1:
         raise BestiaryError(f"--tp_size {tp_size} --pp_size {pp_size}: expected positive integers")
-    config = build_config(spec, source, source_dtype(source), Mapping(tp_size=tp_size, pp_size=pp_size))
+    mapping = expert_mapping(tp_size, pp_size, moe_tp_size, moe_ep_size)
+    config = build_config(spec, source, source_dtype(source), mapping)
+    check_expert_parallel(spec, config)
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
     loader = WeightsLoader(source.weights, spec, config, customized_key_dict, label=str(source.path),

@@ -16,6 +16,11 @@
    A q/k/v fan-out (three sources of `*.attention.qkv.*`) cuts k and v by kv heads
    (`source_part`): the rank's KVH / tp heads, or with KVH < tp the one whole kv head
    its query heads use, replicated on tp / KVH ranks (core.layers.self_attention).
+   Expert parallelism: a target whose module declares `shard(name)` overrides (core.layers.moe.ExpertLinear
+   under moe_ep_size > 1) carries `experts` (ep, ep_rank): its dim 0 holds experts ep_rank E/ep ..
+   (ep_rank + 1) E/ep - 1 of E, so a fan-out of E per-expert sources keeps only those (`sources_of`)
+   and one stacked [E, ...] source is cut along dim 0; and `tp_split` (moe_tp, moe_tp_rank), the
+   (parts, part) of tp_dim in place of the mapping's (tp_size, tp_rank).
 4. strict: every target filled, every source tensor used (or matched by the spec's
    ignored_source_keys), every shape checked, every float value finite (after the cast to
    the target dtype; `allow_nonfinite` turns that check off).
@@ -39,13 +44,17 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Target:
-    """One tensor a rank's model holds: canonical key, local shape, dtype, slicing dim."""
+    """One tensor a rank's model holds: canonical key, local shape, dtype, slicing dim; under expert
+    parallelism the (parts, part) of tp_dim when not the mapping's tp, and the (ep, ep_rank) expert
+    group its dim 0 holds (module docstring)."""
 
     key: str
     module_path: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     tp_dim: int
+    tp_split: tuple[int, int] | None = None
+    experts: tuple[int, int] | None = None
 
 
 def model_targets(model: nn.Module) -> list[Target]:
@@ -53,13 +62,15 @@ def model_targets(model: nn.Module) -> list[Target]:
     targets = []
     for path, module in model.named_modules():
         tp_dim_fn = getattr(module, "tp_dim", None)
+        shard_fn = getattr(module, "shard", None)
         persistent = set(module.state_dict(keep_vars=True).keys()) if module._buffers else set()
         tensors = list(module.named_parameters(recurse=False))
         tensors += [(n, b) for n, b in module.named_buffers(recurse=False) if n in persistent]
         for name, tensor in tensors:
             key = f"{path}.{name}" if path else name
             tp_dim = tp_dim_fn(name) if callable(tp_dim_fn) else -1
-            targets.append(Target(key, path, tuple(tensor.shape), tensor.dtype, tp_dim))
+            shard = shard_fn(name) if callable(shard_fn) else {}
+            targets.append(Target(key, path, tuple(tensor.shape), tensor.dtype, tp_dim, **shard))
     return targets
 
 
@@ -72,6 +83,15 @@ def nearest(name: str, candidates: list[str], n: int = 3) -> str:
     """' (nearest: a, b)' listing the candidates closest to `name`, or ''."""
     close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
     return f" (nearest: {', '.join(close)})" if close else ""
+
+
+def local_experts(target: Target, sources: list[str]) -> list[str]:
+    """The sources of `target` this rank reads: a fan-out of E per-expert sources of an expert-parallel
+    target keeps experts ep_rank E/ep .. (ep_rank + 1) E/ep - 1 (the target's dim 0 holds E / ep)."""
+    if not target.experts or len(sources) != target.shape[0] * target.experts[0]:
+        return sources
+    ep_rank, local = target.experts[1], target.shape[0]
+    return sources[ep_rank * local:(ep_rank + 1) * local]
 
 
 class WeightsLoader:
@@ -136,7 +156,7 @@ class WeightsLoader:
         if target.key in aliases:  # the aliased key may live on another pipeline stage
             origin_key = aliases[target.key]
             origin_path = by_key[origin_key].module_path if origin_key in by_key else origin_key.rpartition(".")[0]
-        return self.translate(origin_key, origin_path, layer_offset)
+        return local_experts(target, self.translate(origin_key, origin_path, layer_offset))
 
     def unused_source_keys(self) -> list[str]:
         """Source keys no planned target used and no ignored_source_keys glob matches, sorted."""
@@ -220,10 +240,18 @@ class WeightsLoader:
 
     def _load_slice(self, target: Target, sources: list[str], index: int, tp_size: int, tp_rank: int,
                     flip: bool) -> torch.Tensor:
-        """Rank `tp_rank`'s slice of sources[index] (see source_part)."""
+        """Rank `tp_rank`'s slice of sources[index] (see source_part); a stacked [E, ...] source of an
+        expert-parallel target is cut to the rank's experts first."""
         key = sources[index]
         parts, part = self.source_part(target, index, len(sources), tp_size, tp_rank)
-        return self.source.load(key, parts, self._slice_dim(target, key, tp_size, flip), part)
+        dim = self._slice_dim(target, key, tp_size, flip)
+        if target.experts and len(self.source.shape(key)) == len(target.shape):
+            from bestiary.core.sources.base import slice_dim
+
+            ep, ep_rank = target.experts
+            mine = self.source.load(key, ep, 0, ep_rank)  # [E / ep, ...]
+            return mine[slice_dim(tuple(mine.shape), parts, dim, part)]
+        return self.source.load(key, parts, dim, part)
 
     def _wrong_fanout_part(self, target: Target, sources: list[str], tensors: list[torch.Tensor],
                            tp_size: int, tp_rank: int, flip: bool) -> str | None:
@@ -254,6 +282,7 @@ class WeightsLoader:
         hook = self.hook_for(target.key)
         whole = getattr(hook, "slices_itself", False)
         flip = getattr(hook, "transposes_source", False)
+        tp_size, tp_rank = target.tp_split or (tp_size, tp_rank)  # experts under EP: moe_tp
         try:
             tensors = [self.source.load(s) if whole else self._load_slice(target, sources, i, tp_size, tp_rank, flip)
                        for i, s in enumerate(sources)]

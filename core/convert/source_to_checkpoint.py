@@ -59,6 +59,35 @@ def build_config(spec: ArchitectureSpec, source: ModelSource, dtype: str, mappin
     return from_hf(source.hf_config, dtype, mapping, source=str(source.path))
 
 
+def expert_mapping(tp_size: int, pp_size: int, moe_tp_size: int | None = None,
+                   moe_ep_size: int | None = None) -> Mapping:
+    """The Mapping of the convert flags; a bad --moe_tp_size / --moe_ep_size is a one-line error."""
+    from bestiary.core.format.config import moe_split
+
+    for flag, value in (("--moe_tp_size", moe_tp_size), ("--moe_ep_size", moe_ep_size)):
+        if value is not None and value < 1:
+            raise BestiaryError(f"{flag} {value}: expected a positive integer")
+    try:
+        moe_tp, moe_ep = moe_split(tp_size, moe_tp_size, moe_ep_size)
+    except ValueError:
+        given = " ".join(f"{f} {v}" for f, v in (("--moe_tp_size", moe_tp_size), ("--moe_ep_size", moe_ep_size))
+                         if v is not None)
+        raise BestiaryError(f"{given}: moe_tp_size * moe_ep_size must equal --tp_size {tp_size}") from None
+    return Mapping(tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp, moe_ep_size=moe_ep)
+
+
+def check_expert_parallel(spec: ArchitectureSpec, config: PretrainedConfig) -> None:
+    """moe_ep_size > 1 needs an architecture with experts (Supports.expert_parallel) whose
+    num_local_experts it divides; a one-line error naming --moe_ep_size otherwise."""
+    ep = config.mapping.moe_ep_size
+    if ep == 1:
+        return
+    check_supported(spec, moe_ep_size=ep)
+    experts = getattr(config, "num_local_experts", None)
+    if not experts or experts % ep:
+        raise BestiaryError(f"--moe_ep_size {ep}: {spec.name}'s num_local_experts {experts} is not divisible by it")
+
+
 def check_tokenizer(source: ModelSource) -> None:
     """The source's tokenizer must load and its chat template compile (a garbage tokenizer.json or a
     template syntax error is refused before any weight is read; a template's own runtime errors
@@ -125,6 +154,8 @@ def convert(
     allow_nonfinite: bool = False,
     use_parallel_embedding: bool = False,
     embedding_sharding_dim: int = 0,
+    moe_tp_size: int | None = None,
+    moe_ep_size: int | None = None,
 ) -> Path:
     """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path.
 
@@ -135,7 +166,10 @@ def convert(
     `tune_steps`: steps of end-to-end scale tuning after GPTQ (default core.quant.tune.DEFAULT_STEPS
     for GPTQ int4, 0 = none). `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot).
     A source tensor with NaN or inf values is refused unless `allow_nonfinite`. `output_dir` must
-    be new, empty or an earlier checkpoint (core.format.output_dir), never the source."""
+    be new, empty or an earlier checkpoint (core.format.output_dir), never the source.
+    `moe_tp_size` / `moe_ep_size` (MoE architectures; moe_tp_size * moe_ep_size = tp_size, one given
+    derives the other): each rank holds E / moe_ep_size whole experts, their FFN dim split over
+    moe_tp_size ranks (expert parallelism, core.layers.moe)."""
     registry = registry or default_registry()
     check_output_dir(output_dir, "checkpoint", [model_dir])  # before any weight is read
     source = open_source(model_dir)
@@ -146,7 +180,8 @@ def convert(
     for flag, value in (("--tp_size", tp_size), ("--pp_size", pp_size)):
         if value < 1:
             raise BestiaryError(f"{flag} {value}: expected a positive integer")
-    config = build_config(spec, source, dtype, Mapping(tp_size=tp_size, pp_size=pp_size))
+    config = build_config(spec, source, dtype, expert_mapping(tp_size, pp_size, moe_tp_size, moe_ep_size))
+    check_expert_parallel(spec, config)
     if use_parallel_embedding:  # the embedding split over the tp ranks (core.layers.embedding)
         if embedding_sharding_dim not in (0, 1):
             raise BestiaryError(f"--embedding_sharding_dim {embedding_sharding_dim}: expected 0 (vocab) or 1 (hidden)")
@@ -158,24 +193,17 @@ def convert(
     if hf_quant is not None:
         quantization = import_hf.import_quant_config(hf_quant, quantization)
     if quantization is not None:
-        from bestiary.core.quant.calibrate import check_calibratable
-
         config.quantization = quantization
-        check_calibratable(config)
     check_supported(spec, tp_size, pp_size, config.quantization.quant_algo, config.quantization.kv_cache_quant_algo)
     from bestiary.core.quant.calibrated import (
-        check_calibrated_mapping,
         check_tune_steps,
         check_weight_quantizer,
         needs_activation_stats,
     )
 
-    method = check_weight_quantizer(quantization, weight_quantizer, prequantized=hf_quant is not None,
-                                    pp_size=config.mapping.pp_size)
+    method = check_weight_quantizer(quantization, weight_quantizer, prequantized=hf_quant is not None)
     tune_steps = check_tune_steps(quantization, method, tune_steps)
-    calibrated = needs_activation_stats(quantization, method)
-    if calibrated:
-        check_calibrated_mapping(config, method)  # tp ranks: quantized once at tp 1, then cut; pp refused
+    calibrated = needs_activation_stats(quantization, method)  # tp / pp ranks: quantized once at tp 1, then cut
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
     weights = source.weights if hf_quant is None else import_hf.prequantized_weights(source, hf_quant)
@@ -193,7 +221,7 @@ def convert(
     with atomic_directory(Path(output_dir), "checkpoint", [model_dir]) as tmp, progress(show_progress) as bar:
         task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
         whole = None  # calibrated on tp ranks: the tp 1 checkpoint they are cut from
-        if calibrated and tp_size > 1:  # quantize once on the whole model, then shard (core.quant.calibrated)
+        if calibrated and config.mapping.world_size > 1:  # quantize once on the whole model, then shard (core.quant.calibrated)
             from bestiary.core.quant.calibrated import write_sharded_rank
 
             bar.update(task, visible=False)
@@ -215,13 +243,13 @@ def convert(
             write_rank(tmp, plan, loader, config, bar, task)
         if whole is not None:
             shutil.rmtree(whole)  # its KV scales, calibrated on the whole model, were cut with the rest
-        elif config.quantization.kv_cache_quant_algo and tp_size > 1:  # calibrated on the whole model
+        elif config.quantization.kv_cache_quant_algo and config.mapping.world_size > 1:  # calibrated on the whole model
             from bestiary.core.quant.calibrate import copy_kv_scales
 
             tp1 = convert(model_dir, tmp / "kv_calibration_tp1", dtype, 1, 1, architecture, customized_key_dict,
                           registry, False, quantization, calib_text, weight_quantizer, smoothquant_alpha,
                           tune_steps, allow_nonfinite, use_parallel_embedding, embedding_sharding_dim)
-            copy_kv_scales(tp1, tmp, config.mapping.world_size)
+            copy_kv_scales(tp1, tmp, config)
             shutil.rmtree(tp1)
         elif config.quantization.kv_cache_quant_algo:
             from bestiary.core.quant.calibrate import calibrate_kv_scales, calibration_ids

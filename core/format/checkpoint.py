@@ -25,6 +25,16 @@ SAFETENSORS_DTYPES = {
 }
 
 
+def global_layer_key(key: str, layer_offset: int) -> str:
+    """A pipeline stage's canonical key with its local layer index made global:
+    `transformer.layers.{i}.*` -> `transformer.layers.{i + layer_offset}.*` (other keys unchanged)."""
+    prefix = "transformer.layers."
+    if not layer_offset or not key.startswith(prefix):
+        return key
+    index, rest = key[len(prefix):].split(".", 1)
+    return f"{prefix}{int(index) + layer_offset}.{rest}"
+
+
 def rank_file(directory: Path, rank: int) -> Path:
     """Path of rank `rank`'s weights."""
     return Path(directory) / f"rank{rank}.safetensors"

@@ -44,11 +44,21 @@ class StrictModel(BaseModel):
 
 
 class Mapping(StrictModel):
-    """How the model is split over ranks: world_size = tp_size * pp_size."""
+    """How the model is split over ranks: world_size = tp_size * pp_size.
+
+    MoE experts (TensorRT-LLM's fields): the tp_size ranks of a stage hold the experts as
+    moe_ep_size groups of E / moe_ep_size whole experts, each expert's FFN dim split over
+    moe_tp_size ranks, tp_size = moe_tp_size * moe_ep_size. Defaults: moe_tp_size = tp_size,
+    moe_ep_size = 1 (plain TP); giving one derives the other. Everything else stays TP over tp_size.
+    """
 
     world_size: int = Field(1, ge=1, description="Total number of ranks (tp_size * pp_size).")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks.")
     pp_size: int = Field(1, ge=1, description="Pipeline-parallel ranks.")
+    moe_tp_size: int | None = Field(None, ge=1, description="Ranks each MoE expert's FFN dim is split over "
+                                    "(default tp_size / moe_ep_size).")
+    moe_ep_size: int | None = Field(None, ge=1, description="Ranks the MoE experts are spread over, E / moe_ep_size "
+                                    "whole experts each (expert parallelism; default tp_size / moe_tp_size, else 1).")
 
     @model_validator(mode="after")
     def _check_world(self) -> "Mapping":
@@ -58,7 +68,18 @@ class Mapping(StrictModel):
             raise ValueError(
                 f"world_size {self.world_size} != tp_size {self.tp_size} * pp_size {self.pp_size}"
             )
+        moe_tp, moe_ep = moe_split(self.tp_size, self.moe_tp_size, self.moe_ep_size)
+        object.__setattr__(self, "moe_tp_size", moe_tp)
+        object.__setattr__(self, "moe_ep_size", moe_ep)
         return self
+
+    def moe_tp_rank(self, rank: int) -> int:
+        """Which part of each local expert's FFN dim global `rank` holds (TensorRT-LLM: tp_rank // moe_ep_size)."""
+        return self.tp_rank(rank) // self.moe_ep_size
+
+    def moe_ep_rank(self, rank: int) -> int:
+        """Which group of E / moe_ep_size experts global `rank` holds (TensorRT-LLM: tp_rank % moe_ep_size)."""
+        return self.tp_rank(rank) % self.moe_ep_size
 
     def tp_rank(self, rank: int) -> int:
         """Tensor-parallel rank of global `rank` (ranks are tp-major within a pipeline stage)."""
@@ -67,6 +88,21 @@ class Mapping(StrictModel):
     def pp_rank(self, rank: int) -> int:
         """Pipeline stage of global `rank`."""
         return rank // self.tp_size
+
+
+def moe_split(tp_size: int, moe_tp_size: int | None, moe_ep_size: int | None) -> tuple[int, int]:
+    """(moe_tp_size, moe_ep_size) with moe_tp_size * moe_ep_size == tp_size: (tp_size, 1) when neither
+    is given, the other derived when one is; ValueError (one line) when they do not multiply to tp_size."""
+    if moe_tp_size is None and moe_ep_size is None:
+        return tp_size, 1
+    if moe_ep_size is None:
+        moe_ep_size = tp_size // moe_tp_size if tp_size % moe_tp_size == 0 else 0
+    elif moe_tp_size is None:
+        moe_tp_size = tp_size // moe_ep_size if tp_size % moe_ep_size == 0 else 0
+    if moe_tp_size * moe_ep_size != tp_size:  # 0: the given one does not divide tp_size
+        given = ", ".join(f"{n} {v}" for n, v in (("moe_tp_size", moe_tp_size), ("moe_ep_size", moe_ep_size)) if v)
+        raise ValueError(f"{given}: moe_tp_size * moe_ep_size must equal tp_size {tp_size}")
+    return moe_tp_size, moe_ep_size
 
 
 class QuantConfig(StrictModel):

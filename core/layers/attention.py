@@ -70,6 +70,7 @@ class AttentionMetadata:
     # First block of each sequence whose blocks sit one after another in the pool (None
     # otherwise): its keys are then a view of the pool, no gather needed.
     contiguous_from: list[int | None] = field(default_factory=list)
+    micro_batches: int | None = None  # pipeline parallelism: how many micro-batches the driver cut the step into
     _decode_padding: dict = field(default_factory=dict, repr=False)
     _step_cache: dict = field(default_factory=dict, repr=False)  # per-step values shared by all layers
     _kernel_args: dict = field(default_factory=dict, repr=False)  # Triton's per-sequence tensors, by device

@@ -14,7 +14,10 @@ from torch import nn
 
 
 class Embedding(nn.Module):
-    """ids [T] -> [T, H]; `sharding_dim` None: replicated, 0: vocab-parallel, 1: hidden-parallel."""
+    """ids [T] -> [T, H]; `sharding_dim` None: replicated, 0: vocab-parallel, 1: hidden-parallel.
+    Collectives run on `tp_group` (None: the default world; see Linear)."""
+
+    tp_group = None
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype = torch.float32, device=None,
                  tp_rank: int = 0, tp_size: int = 1, sharding_dim: int | None = None) -> None:
@@ -42,11 +45,11 @@ class Embedding(nn.Module):
             local = ids - self.vocab_start  # [T]
             inside = (local >= 0) & (local < self.weight.shape[0])
             y = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside.unsqueeze(-1)
-            torch.distributed.all_reduce(y)  # each id's row comes from the one rank holding it
+            torch.distributed.all_reduce(y, group=self.tp_group)  # each id's row comes from the one rank holding it
             return y
         y = F.embedding(ids, self.weight)  # [T, H or H/tp]
         if self.sharding_dim == 1:
             parts = [torch.empty_like(y) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, y.contiguous())
+            torch.distributed.all_gather(parts, y.contiguous(), group=self.tp_group)
             y = torch.cat(parts, dim=-1)  # [T, H]
         return y

@@ -60,7 +60,11 @@ class Linear(nn.Module):
     tp_rank/tp_size say which slice this rank holds; `parallel` says along which dim.
     `name` is the canonical module path (e.g. transformer.layers.0.attention.qkv), set
     by the model after construction so LoRA and quantization can select modules.
+    `tp_group` is the process group of the all-reduce (None: the default world; a pipeline
+    stage's own tp ranks under pipeline parallelism, set by DecoderLM.use_tp_group).
     """
+
+    tp_group = None
 
     def __init__(
         self,
@@ -120,7 +124,7 @@ class Linear(nn.Module):
                 y = y + delta
         if self.parallel == Parallel.ROW:
             if self.tp_size > 1:
-                torch.distributed.all_reduce(y)
+                torch.distributed.all_reduce(y, group=self.tp_group)
             if self.bias is not None:
                 y = y + self.bias
         return y

@@ -22,6 +22,19 @@ Tensor parallelism splits every expert along its FFN dim I (fc/gate tp_dim 1, pr
 2): each rank computes a partial y over its I/tp slice of every expert, and one
 all-reduce sums them (the routing weights are linear, so they apply before the reduce).
 
+Expert parallelism (mapping moe_ep_size > 1, TensorRT-LLM's fields): the tp ranks hold
+moe_ep_size groups of E / moe_ep_size whole experts, ep_rank = tp_rank % moe_ep_size holding experts
+[ep_rank E/ep, (ep_rank + 1) E/ep), each split along I over moe_tp_size = tp / ep ranks
+(moe_tp_rank = tp_rank // moe_ep_size). Every rank routes every token with the whole (replicated)
+router and runs only its local experts (global id e -> local e - ep_rank E/ep); a rank's partial
+
+    y_r = sum_{e in S, e local to r} w_e expert_e(x)|_{its I slice}
+
+sums over the tp ranks to y, so the combine is the same single all-reduce as plain TP. Not an
+all-to-all: with TP attention every rank already holds every token's hidden state, so nothing has
+to be dispatched, and a sum over ranks is exactly one all-reduce; all-to-all dispatch/combine pays
+off when tokens are partitioned across ranks (data-parallel attention), which bestiary does not do.
+
 The forward is the torch reference: a loop over the experts that received tokens.
 """
 
@@ -36,9 +49,11 @@ from torch import nn
 
 
 class ExpertLinear(nn.Module):
-    """E stacked bias-free linear maps: weight [E, out_local, in_local]; y = x W_e^T for expert e.
+    """E stacked bias-free linear maps: weight [E_local, out_local, in_local]; y = x W_e^T for local expert e.
 
-    Column-parallel splits out_features (tp_dim 1), row-parallel in_features (tp_dim 2).
+    Column-parallel splits out_features (tp_dim 1), row-parallel in_features (tp_dim 2), over
+    (tp_rank, tp_size): the mapping's moe_tp rank and size. With ep_size > 1 the rank holds only
+    experts first_expert .. first_expert + E / ep_size - 1 (E_local = E / ep_size).
     """
 
     def __init__(
@@ -51,10 +66,17 @@ class ExpertLinear(nn.Module):
         tp_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device=None,
+        ep_rank: int = 0,
+        ep_size: int = 1,
     ) -> None:
         super().__init__()
         self.parallel = Parallel(parallel)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        if num_experts % ep_size:
+            raise ValueError(f"num_local_experts {num_experts} is not divisible by moe_ep_size {ep_size}")
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+        self.num_local = num_experts // ep_size  # experts this rank holds
+        self.first_expert = ep_rank * self.num_local  # global id of local expert 0
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         split = out_features if self.parallel == Parallel.COLUMN else in_features
         if self.parallel != Parallel.REPLICATED and split % tp_size:
@@ -62,7 +84,7 @@ class ExpertLinear(nn.Module):
         out_local = out_features // tp_size if self.parallel == Parallel.COLUMN else out_features
         in_local = in_features // tp_size if self.parallel == Parallel.ROW else in_features
         self.weight = nn.Parameter(
-            torch.empty(num_experts, out_local, in_local, dtype=dtype, device=device), requires_grad=False
+            torch.empty(self.num_local, out_local, in_local, dtype=dtype, device=device), requires_grad=False
         )
         self.name = ""  # canonical module path, set by the model (LoRA selects experts by it)
 
@@ -70,14 +92,23 @@ class ExpertLinear(nn.Module):
         """Slicing dim of `weight` [E, out, in]: 1 (column), 2 (row), -1 (replicated)."""
         return {Parallel.COLUMN: 1, Parallel.ROW: 2}.get(self.parallel, -1)
 
+    def shard(self, param_name: str) -> dict:
+        """The loader's Target overrides under expert parallelism (core.convert.loader): tp_split, the
+        (parts, part) of tp_dim (moe_tp, not the mapping's tp), and experts, (ep_size, ep_rank) of dim 0."""
+        if self.ep_size == 1:
+            return {}
+        return {"tp_split": (self.tp_size, self.tp_rank), "experts": (self.ep_size, self.ep_rank)}
+
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x [N, in_local] -> [N, out_local] through expert `expert` (row-parallel: partial sum)."""
+        """x [N, in_local] -> [N, out_local] through local expert `expert` (row-parallel: partial sum)."""
         return F.linear(x, self.weight[expert])
 
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, "
             f"parallel={self.parallel.value}, tp={self.tp_rank}/{self.tp_size}"
+            + (f", ep={self.ep_rank}/{self.ep_size} (experts {self.first_expert}.."
+               f"{self.first_expert + self.num_local - 1})" if self.ep_size > 1 else "")
         )
 
 
@@ -98,7 +129,12 @@ class MoE(nn.Module):
 
     Submodules match the checkpoint: `router` (Linear, replicated), `fc`, `gate`, `proj`
     (ExpertLinear). After loading, `fuse()` packs fc and gate into one [E, 2 I_local, H].
+    The partial outputs are all-reduced on `tp_group` (None: the default world; see Linear).
+    `ep_size` (the mapping's moe_ep_size) spreads the experts over the tp ranks (module docstring):
+    moe_tp_size = tp_size / ep_size, moe_tp_rank = tp_rank // ep_size, ep_rank = tp_rank % ep_size.
     """
+
+    tp_group = None
 
     def __init__(
         self,
@@ -112,13 +148,17 @@ class MoE(nn.Module):
         dtype: torch.dtype = torch.float32,
         device=None,
         renormalize: bool = True,
+        ep_size: int = 1,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
-        self.num_experts, self.top_k, self.tp_size = num_experts, top_k, tp_size
+        if tp_size % ep_size:
+            raise ValueError(f"moe_ep_size {ep_size} does not divide tp_size {tp_size}")
+        self.num_experts, self.top_k, self.tp_size, self.ep_size = num_experts, top_k, tp_size, ep_size
         self.renormalize = renormalize  # the top-k weights sum to 1 (else: softmax over all experts)
-        tp = dict(tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
+        tp = dict(tp_rank=tp_rank // ep_size, tp_size=tp_size // ep_size, dtype=dtype, device=device,
+                  ep_rank=tp_rank % ep_size, ep_size=ep_size)  # the experts' moe_tp and ep placement
         self.router = Linear(hidden, num_experts, parallel=Parallel.REPLICATED, dtype=dtype, device=device)
         self.fc = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
         self.gate = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
@@ -142,38 +182,55 @@ class MoE(nn.Module):
             fg = F.linear(x, self._fused[e])  # [N, 2 I_local]
         else:
             fg = torch.cat([self.fc(x, e), self.gate(x, e)], dim=-1)
-        if lora is not None:
-            delta = lora.expert((self.fc, self.gate), e, x, tokens)
+        if lora is not None:  # adapters are keyed by global expert ids
+            delta = lora.expert((self.fc, self.gate), self.fc.first_expert + e, x, tokens)
             if delta is not None:
                 fg = fg + delta
         f, g = fg.chunk(2, dim=-1)  # [N, I_local] each
         h = self.act(f) * g
         y = self.proj(h, e)
         if lora is not None:
-            delta = lora.expert((self.proj,), e, h, tokens)
+            delta = lora.expert((self.proj,), self.fc.first_expert + e, h, tokens)
             if delta is not None:
                 y = y + delta
         return y
 
     def partial_forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """x [T, H] -> this rank's partial output [T, H] (its I/tp slice of every expert)."""
+        """x [T, H] -> this rank's partial output [T, H] (its I slice of each of its local experts)."""
         if dispatch.use_triton(x) and lora is None:  # routing + grouped expert GEMMs in kernels.moe
             weights, experts = dispatch.moe_route(self.router(x), self.top_k, self.renormalize)
+            if self.ep_size > 1:
+                return self._fused_local(x, weights, experts)
             return dispatch.fused_moe(x, self.fc.weight, self.gate.weight, self.proj.weight, weights, experts,
                                       self.act_name)
         weights, experts = route(self.router(x, lora), self.top_k, self.renormalize)  # [T, K], [T, K]
+        local = experts - self.fc.first_expert  # [T, K] local ids; outside 0..E_local-1: another rank's
         out = torch.zeros_like(x)  # [T, H]
-        for e in experts.unique().tolist():
-            tokens, slots = torch.where(experts == e)  # [N], [N]
+        for e in local.unique().tolist():
+            if not 0 <= e < self.fc.num_local:
+                continue
+            tokens, slots = torch.where(local == e)  # [N], [N]
             y = self.expert(x.index_select(0, tokens), e, lora, tokens)  # [N, H]
             out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+    def _fused_local(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism on the Triton path: only the (token, slot) pairs routed to a local expert,
+        as N top-1 rows (local ids), through the grouped GEMMs; x [T, H] -> partial [T, H]."""
+        local = experts - self.fc.first_expert  # [T, K]
+        tokens, slots = torch.where((local >= 0) & (local < self.fc.num_local))  # [N], [N]
+        out = torch.zeros_like(x)  # [T, H]
+        if tokens.numel():
+            y = dispatch.fused_moe(x.index_select(0, tokens), self.fc.weight, self.gate.weight, self.proj.weight,
+                                   weights[tokens, slots, None], local[tokens, slots, None], self.act_name)  # [N, H]
+            out.index_add_(0, tokens, y.to(out.dtype))
         return out
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H], all-reduced over tp ranks; `lora` adapts the router and the experts."""
         out = self.partial_forward(x, lora)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            torch.distributed.all_reduce(out, group=self.tp_group)
         return out
 
 
@@ -181,14 +238,16 @@ class SharedExpertMoE(MoE):
     """MoE + an always-on gated expert: y = MoE(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x).
 
     Submodules: MoE's, plus `shared_expert` (a GatedMLP of its own FFN width, TP-split like any
-    MLP) and `shared_expert_gate` (Linear [1, H], replicated). The router and the shared-expert
-    gate stay float under weight quantization (`keep_float`, as vLLM's Qwen2-MoE builds them with
-    quant_config=None): an int8 router flips near-tied top-k choices and moves logits by ~25%."""
+    MLP over all tp_size ranks, expert parallelism or not) and `shared_expert_gate` (Linear [1, H],
+    replicated). The router and the shared-expert gate stay float under weight quantization
+    (`keep_float`, as vLLM's Qwen2-MoE builds them with quant_config=None): an int8 router flips
+    near-tied top-k choices and moves logits by ~25%."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, shared_inter: int, act: str = "silu",
                  tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype = torch.float32, device=None,
-                 renormalize: bool = True) -> None:
-        super().__init__(hidden, inter, num_experts, top_k, act, tp_rank, tp_size, dtype, device, renormalize)
+                 renormalize: bool = True, ep_size: int = 1) -> None:
+        super().__init__(hidden, inter, num_experts, top_k, act, tp_rank, tp_size, dtype, device, renormalize,
+                         ep_size)
         self.shared_expert = GatedMLP(hidden, shared_inter, act, False, tp_rank=tp_rank, tp_size=tp_size,
                                       dtype=dtype, device=device)
         self.shared_expert_gate = Linear(hidden, 1, parallel=Parallel.REPLICATED, dtype=dtype, device=device)

@@ -297,6 +297,9 @@ def _place(landing: Landing, a: torch.Tensor, b: torch.Tensor, linear, model, sp
     tp, tp_rank = model.tp_size, model.tp_rank
     row_parallel = linear.parallel == Parallel.ROW
     if landing.kind == "expert":
+        if getattr(linear, "ep_size", 1) > 1:
+            raise BestiaryError(f"{where}: LoRA on MoE experts is not supported with expert parallelism "
+                                f"(moe_ep_size {linear.ep_size}); convert the base model with --moe_ep_size 1")
         if not 0 <= target.expert < linear.num_experts:
             raise BestiaryError(f"{where}: expert {target.expert}, but the base model has {linear.num_experts}")
         _, out_local, in_local = linear.weight.shape

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from bestiary.core.format.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
 from bestiary.core.format.config import PretrainedConfig, read_text_file
-from bestiary.core.format.errors import BestiaryError, ConfigError
+from bestiary.core.format.errors import BestiaryError
 from bestiary.core.quant.calib_text import builtin_text
 from bestiary.core.quant.kv import SCALE_NAME, calibrate_kv_amax, scales_from_amax
+from safetensors import safe_open
 
 CALIB_TOKENS = 512
 
@@ -53,22 +54,21 @@ def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_po
     return torch.randint(0, vocab_size, (limit,), generator=gen).tolist()
 
 
-def check_calibratable(config: PretrainedConfig) -> None:
-    """KV scales are calibrated on the whole model (tp ranks: a tp 1 conversion, see
-    copy_kv_scales); pipeline stages are not joined: refuse pp > 1 up front."""
-    algo = config.quantization.kv_cache_quant_algo
-    if algo and config.mapping.pp_size > 1:
-        flag = "--int8_kv_cache" if algo == "INT8" else "--fp8_kv_cache"
-        raise ConfigError(f"{flag}: KV scales are calibrated on a single pipeline stage; convert with --pp_size 1")
-
-
-def copy_kv_scales(tp1_dir: Path, directory: Path, world_size: int) -> None:
+def copy_kv_scales(tp1_dir: Path, directory: Path, config: PretrainedConfig) -> None:
     """Write the KV scales calibrated in the tp 1 checkpoint `tp1_dir` into every rank file of
-    `directory` (a layer's scale is replicated: one amax over all kv heads, as at tp 1)."""
+    `directory` (a layer's scale is replicated: one amax over all kv heads, as at tp 1); a pipeline
+    stage's file takes its own layers' scales under their local indices."""
+    from bestiary.core.format.checkpoint import global_layer_key
+    from bestiary.core.runtime.model import pp_layer_range
+
     scales = {k: v for k, v in load_rank_weights(tp1_dir, 0).items() if k.endswith(f".{SCALE_NAME}")}
-    for rank in range(world_size):
-        for key, tensor in scales.items():
-            patch_tensor(rank_file(directory, rank), key, tensor)
+    m = config.mapping
+    for rank in range(m.world_size):
+        offset = pp_layer_range(config.num_hidden_layers, m.pp_size, m.pp_rank(rank)).start
+        with safe_open(str(rank_file(directory, rank)), "pt") as f:
+            local = [k for k in f.keys() if k.endswith(f".{SCALE_NAME}")]
+        for key in local:
+            patch_tensor(rank_file(directory, rank), key, scales[global_layer_key(key, offset)])
 
 
 def patch_tensor(path: Path, key: str, tensor: torch.Tensor) -> None:

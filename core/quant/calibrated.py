@@ -19,8 +19,8 @@ what the layer's inputs look like, so the rank is written in four steps instead:
    (`slot.quantize(w, scale_dtype, stats)`), or from its tuned codes, everything else is written
    as read.
 
-Calibration runs the whole model in one process. A tensor-parallel checkpoint is made the way
-TensorRT-LLM's quantize-then-shard flow makes it: the tp 1 checkpoint is converted first (these
+Calibration runs the whole model in one process. A tensor- or pipeline-parallel checkpoint is made
+the way TensorRT-LLM's quantize-then-shard flow makes it: the tp 1 checkpoint is converted first (these
 steps, and its KV scales, on the whole model), then `write_sharded_rank` cuts every one of its
 tensors into the ranks with the float weights' split rules (core.quant.convert.rank_part):
 
@@ -33,8 +33,8 @@ tensors into the ranks with the float weights' split rules (core.quant.convert.r
     per tensor        activation scales, FP8 weight scales, KV cache scales: replicated
 
 so the ranks re-assemble bit for bit to the tp 1 tensors (statistics and scales come from the
-whole rows and the whole input, never from one rank's part). Pipeline stages are refused
-(`check_calibrated_mapping`). Memory: the rank's float weights (float32 for the quantized
+whole rows and the whole input, never from one rank's part). A pipeline stage takes its layers'
+tensors, renamed to its local layer indices (`transformer.layers.{i - layer_offset}`). Memory: the rank's float weights (float32 for the quantized
 linears) and, for GPTQ, one [K, K] float32 Hessian per quantized linear; the tp 1 checkpoint is
 read back one tensor at a time.
 """
@@ -59,16 +59,15 @@ WEIGHT_CALIB_TOKENS = 24576
 RANDOM_CALIB_TOKENS = 1024  # no text to read (a source without a tokenizer): seeded random ids
 
 
-def default_weight_quantizer(quant: QuantConfig | None, pp_size: int = 1) -> str:
-    """gptq for int4 weight-only on one pipeline stage, at any tp (RTN int4 loses too much:
-    docs/quantization.md), rtn otherwise (int8; pipeline stages, which calibration cannot join)."""
+def default_weight_quantizer(quant: QuantConfig | None) -> str:
+    """gptq for int4 weight-only, at any tp and pp (RTN int4 loses too much: docs/quantization.md),
+    rtn otherwise (int8)."""
     lq = linear_quant_of(quant) if quant is not None else None
-    return "gptq" if lq is not None and lq.bits == 4 and lq.algo not in ACT_ALGOS and pp_size == 1 else "rtn"
+    return "gptq" if lq is not None and lq.bits == 4 and lq.algo not in ACT_ALGOS else "rtn"
 
 
-def check_weight_quantizer(quant: QuantConfig | None, method: str | None, prequantized: bool = False,
-                           pp_size: int = 1) -> str:
-    """The weight quantizer to use (`method`, or the default for `pp_size` pipeline stages); ConfigError
+def check_weight_quantizer(quant: QuantConfig | None, method: str | None, prequantized: bool = False) -> str:
+    """The weight quantizer to use (`method`, or the default); ConfigError
     for one that does not apply. `prequantized`: the source holds packed AWQ/GPTQ weights
     (core.quant.import_hf), read as they are."""
     if method is not None and method not in WEIGHT_QUANTIZERS:
@@ -79,7 +78,7 @@ def check_weight_quantizer(quant: QuantConfig | None, method: str | None, prequa
                               "its packed weights are imported as they are")
         return "rtn"  # nothing is quantized at convert
     if method is None:
-        return default_weight_quantizer(quant, pp_size)
+        return default_weight_quantizer(quant)
     lq = linear_quant_of(quant) if quant is not None else None
     if lq is None:
         raise ConfigError(f"--weight_quantizer {method}: needs a weight quantization mode (--use_weight_only)")
@@ -127,17 +126,6 @@ def check_tune_steps(quant: QuantConfig | None, method: str, steps: int | None) 
         raise ConfigError(f"--tune_steps {steps}: tunes int4 GPTQ weights only "
                           "(--use_weight_only --weight_only_precision int4, --weight_quantizer gptq)")
     return steps
-
-
-def check_calibrated_mapping(config: PretrainedConfig, method: str) -> None:
-    """Calibration runs the whole model in one process and tp ranks are cut from its tp 1 checkpoint
-    (write_sharded_rank); pipeline stages are not: refuse pp > 1 before anything is written."""
-    pp = config.mapping.pp_size
-    if pp > 1:
-        algo = config.quantization.quant_algo
-        what = f"quant_algo {algo} (activation scales)" if algo in ACT_ALGOS else f"--weight_quantizer {method}"
-        raise ConfigError(f"{what}: calibrated quantization is not available with pipeline parallelism "
-                          f"(--pp_size {pp}); convert with --pp_size 1")
 
 
 def weight_calibration_ids(files, vocab_size: int, text_file) -> list[int]:
@@ -261,21 +249,24 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
 
 def write_sharded_rank(tmp: Path, plan, whole: Path, config: PretrainedConfig, model_class, bar,
                        task) -> None:
-    """Write tp rank `plan.rank` as its part of the tp 1 checkpoint at `whole` (quantized and calibrated
-    once, on the whole model): every target of the rank, KV scales included, is its tp 1 tensor cut
-    by core.quant.convert.rank_part; a tied lm_head (absent from a tp 1 file) is cut from the embedding."""
+    """Write rank `plan.rank` as its part of the tp 1 checkpoint at `whole` (quantized and calibrated
+    once, on the whole model): every target of the rank, KV scales included, is its tp 1 tensor (of the
+    global layer index under pp) cut by core.quant.convert.rank_part; a tied lm_head (absent from a
+    tp 1 file) is cut from the embedding."""
     from dataclasses import replace
 
     from bestiary.core.convert.source_to_checkpoint import rank_writer
-    from bestiary.core.format.checkpoint import rank_file
+    from bestiary.core.format.checkpoint import global_layer_key, rank_file
     from bestiary.core.quant.convert import rank_part
     from safetensors import safe_open
 
-    aliases = model_class(config, plan.rank, device="meta").source_aliases()
+    model = model_class(config, plan.rank, device="meta")
+    aliases, offset = model.source_aliases(), model.layer_offset
     plan = replace(plan, later=[])  # the KV scales too are cut from the tp 1 file
     with safe_open(str(rank_file(whole, 0)), "pt") as tp1, rank_writer(tmp, plan) as writer:
         keys = set(tp1.keys())
         for target in plan.targets:
-            key = target.key if target.key in keys else aliases.get(target.key, target.key)
+            key = global_layer_key(target.key, offset)
+            key = key if key in keys else aliases.get(key, key)
             writer.write(target.key, rank_part(target, tp1.get_tensor(key), config, plan.tp_rank))
             bar.advance(task)

@@ -82,11 +82,18 @@ def rank_part(target: Target, whole: torch.Tensor, config, tp_rank: int) -> torc
                            tp / KVH ranks when KVH < tp, as the q/k/v fan-out reads them)
         d >= 0             the contiguous part tp_rank of tp along dim d
 
+    An expert-parallel target (Target.experts = (ep, ep_rank)) is first cut to its experts along
+    dim 0, then along its tp_dim by its own Target.tp_split (moe_tp, moe_tp_rank).
+
     ValueError when the part is not the target's shape and dtype."""
     from bestiary.core.layers.self_attention import qkv_rank_slice
     from bestiary.core.sources.base import slice_dim
 
     tp, dim = config.mapping.tp_size, target.tp_dim
+    if target.experts:
+        ep, ep_rank = target.experts
+        whole = whole[slice_dim(tuple(whole.shape), ep, 0, ep_rank)]  # the rank's E / ep experts
+    tp, tp_rank = target.tp_split or (tp, tp_rank)
     if dim < 0 or tp == 1:
         part = whole
     elif dim == 0 and target.module_path.endswith("attention.qkv"):

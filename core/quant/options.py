@@ -8,7 +8,7 @@
     --w4a8_awq [--group_size N]                         -> W4A8_AWQ (int4 AWQ weights, FP8 activations)
     --int8_kv_cache / --fp8_kv_cache                    -> kv_cache_quant_algo INT8 / FP8
     --weight_quantizer rtn|gptq                         -> how the weights are rounded (default: gptq for
-                                                           weight-only int4 at --pp_size 1; checked by
+                                                           weight-only int4; checked by
                                                            core.quant.calibrated.check_weight_quantizer)
     --exclude_modules NAME ...                          -> exclude_modules (globs over module names)
 

@@ -11,6 +11,7 @@ from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import PretrainedConfig, read_json, validate_config
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.runtime.model import DecoderLM
+from bestiary.core.runtime.pipeline import stage_tp_group
 from bestiary.core.runtime.tokenizer import Tokenizer
 from bestiary.registry import Registry, default_registry, resolve
 
@@ -26,17 +27,14 @@ def validate_model_config(data: dict, source: str, registry: Registry | None = N
 
 def check_world(directory: Path, config: PretrainedConfig) -> None:
     """A multi-rank engine loads inside a torch.distributed world of its size (LLM, `bestiary run`
-    and step_broadcast.load_engine start one); pipeline parallelism is not run yet."""
+    and step_broadcast.load_engine start one)."""
     m = config.mapping
     if m.world_size == 1:
         return
-    if m.pp_size > 1:
-        raise BestiaryError(f"{directory}: pipeline parallelism (pp_size {m.pp_size}) is not available yet: "
-                            f"convert with --pp_size 1")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world != m.world_size:
         raise BestiaryError(
-            f"{directory}: has {m.world_size} ranks (tp {m.tp_size}); load it with LLM(...) or `bestiary run`, "
+            f"{directory}: has {m.world_size} ranks (tp {m.tp_size}, pp {m.pp_size}); load it with LLM(...) or `bestiary run`, "
             f"which start its ranks (this process is in a world of {world})"
         )
 
@@ -76,6 +74,8 @@ class Engine:
         build = finalize_build_config(build, model_data)
         check_world(directory, config)
         spec = registry.get(config.architecture)
+        m = config.mapping
+        tp_group = stage_tp_group(m.tp_size, m.pp_size, rank) if m.world_size > 1 else None  # collective: every rank
         try:
             with torch.device("meta"):
                 model = resolve(spec.model_class)(config, rank, device="meta")
@@ -91,6 +91,8 @@ class Engine:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as err:
             raise WeightsError(f"{directory}/rank{rank}.safetensors: {str(err).splitlines()[-1].strip()}") from None
+        if tp_group is not None:
+            model.use_tp_group(tp_group)
         model.to(device)
         model.eval()
         model.prepare_for_inference()

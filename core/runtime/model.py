@@ -218,6 +218,15 @@ class DecoderLM(nn.Module):
         return x
 
     # --- inference ---------------------------------------------------------------------
+    tp_group = None  # the process group of this rank's tp collectives (None: the default world)
+
+    def use_tp_group(self, group) -> None:
+        """Run every tp collective of this model (Linear, Embedding, MoE, the logits gather) on
+        `group`: a pipeline stage's own tp ranks (core.runtime.pipeline.stage_tp_group)."""
+        for module in self.modules():
+            if hasattr(type(module), "tp_group"):
+                module.tp_group = group
+
     def prepare_for_inference(self) -> None:
         """Called once after the weights are loaded: fusions and packed layouts."""
         for module in self.modules():
@@ -256,7 +265,7 @@ class DecoderLM(nn.Module):
             out = self.lm_head(hidden)  # a plain or quantized Linear
         if self.tp_size > 1:
             parts = [torch.empty_like(out) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, out)
+            torch.distributed.all_gather(parts, out, group=self.tp_group)
             out = torch.cat(parts, dim=-1)
         return out.to(torch_dtype(self.config.logits_dtype))
 
@@ -267,7 +276,14 @@ class DecoderLM(nn.Module):
         kv_cache: KVCacheLike,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """ids [T] -> logits [B, V] of each sequence's last token ([T, V] with all_logits)."""
+        """ids [T] -> logits [B, V] of each sequence's last token ([T, V] with all_logits).
+
+        Under pipeline parallelism every rank runs its stage (core.runtime.pipeline): the logits
+        come back on global rank 0, the others return None."""
+        if self.pp_size > 1:
+            from bestiary.core.runtime.pipeline import pipeline_forward
+
+            return pipeline_forward(self, ids, meta, kv_cache, all_logits)
         plan = None if all_logits else self._decode_plan(ids, meta, kv_cache)
         if plan is not None:
             return plan.run(ids, meta)  # the whole step in one compiled call (core.cpu.plan)

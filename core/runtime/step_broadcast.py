@@ -14,8 +14,8 @@ Step, Release (an engine no longer used) and None (exit). A rank's KV pool mirro
 driver's pool block for block (same num_blocks and block size, its own kv heads): the
 driver's block tables index both. Block copies (a beam or sample fork's partial block,
 `KVCache.copy_block`) are recorded on the driver's pool and replayed before the next step.
-Pipeline parallelism adds a per-stage send/recv of hidden states to Step; nothing else here
-changes.
+Under pipeline parallelism the Step is the same: each rank runs its stage of it and the
+stages pass hidden states and logits point to point (core.runtime.pipeline).
 
 `check_mirror` is the invariant check for tests: every rank's pools have the driver's shape
 and the rank's kv heads, and every rank has run the same number of steps.
@@ -39,6 +39,7 @@ from bestiary.core.kernels import dispatch
 from bestiary.core.layers.attention import AttentionMetadata
 from bestiary.core.lora.ranks import LoraReceiver, LoraSender, LoraStep
 from bestiary.core.runtime.kv_cache import KVCache
+from bestiary.core.runtime.pipeline import micro_batch_count
 from bestiary.core.runtime.worker_group import (
     WorkerGroup,
     join_world,
@@ -114,18 +115,15 @@ def engine_ranks(directory: str | Path) -> tuple[int, int]:
 def load_engine(directory: str | Path, device: str = "cpu", registry=None, allow_nonfinite: bool = False,
                 num_threads: int | None = None):
     """The Engine of `directory` for this process: loaded here alone (one rank), or as rank 0 of
-    its worker group (tp_size > 1; ranks spawned, or torchrun's). Under torchrun a rank other
+    its worker group (tp_size * pp_size > 1; ranks spawned, or torchrun's). Under torchrun a rank other
     than 0 serves the driver's steps here and exits when it is done (SystemExit)."""
     from bestiary.core.runtime.engine import Engine
 
     tp, pp = engine_ranks(directory)
     if tp * pp == 1:
         return Engine.load(directory, device=device, registry=registry, allow_nonfinite=allow_nonfinite)
-    if pp > 1:
-        raise BestiaryError(f"{directory}: pipeline parallelism (pp_size {pp}) is not available yet: "
-                            f"convert with --pp_size 1")
     if registry is not None and registry is not _default_registry():
-        raise BestiaryError(f"{directory}: a {tp}-rank engine loads its architecture from the installed plugins "
+        raise BestiaryError(f"{directory}: a {tp * pp}-rank engine loads its architecture from the installed plugins "
                             f"on every rank; install the plugin instead of passing a registry")
     env = torchrun_env()
     if env is not None and env[0] != 0:
@@ -136,7 +134,7 @@ def load_engine(directory: str | Path, device: str = "cpu", registry=None, allow
         except Exception as err:  # noqa: BLE001 - one line; torchrun stops the other ranks
             report_and_exit(rank, err)
         raise SystemExit(0)
-    group = worker_group(tp, device, num_threads)
+    group = worker_group(tp * pp, device, num_threads)
     return load_on_ranks(group, directory, allow_nonfinite)
 
 
@@ -208,10 +206,12 @@ def drive(model: torch.nn.Module, group: WorkerGroup, key: int) -> None:
 def _driven_forward(forward, group: WorkerGroup, key: int, ids: torch.Tensor, meta: AttentionMetadata,
                     kv_cache: KVCache, all_logits: bool = False) -> torch.Tensor:
     copies, kv_cache.pending_copies = list(getattr(kv_cache, "pending_copies", None) or []), []
+    model = forward.__self__
+    if model.pp_size > 1:  # every stage must cut the step the same way: the driver decides
+        meta.micro_batches = micro_batch_count(meta.seq_lens, model.pp_size)
     fields = {name: getattr(meta, name) for name in META_FIELDS}
     fields = {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in fields.items()}
     shape = (kv_cache.num_blocks, kv_cache.tokens_per_block)
-    model = forward.__self__
     lora = None if meta.lora is None else model.__dict__.setdefault("lora_sender", LoraSender()).message(meta.lora)
     step = Step(key, id(kv_cache), shape, ids.cpu(), fields, all_logits, copies, lora, dispatch.mode())
     model.steps_driven += 1
@@ -231,23 +231,34 @@ def _driven_forward(forward, group: WorkerGroup, key: int, ids: torch.Tensor, me
 def check_mirror(engine) -> list[dict]:
     """The multi-rank invariant (tests call it after a workload): every rank ran as many steps of
     `engine` as the driver sent, holds a pool for each of the driver's with the same blocks and
-    block size, and its pools hold the kv heads `kv_heads_of_rank` gives it. Returns the reports."""
+    block size, and its pools hold the kv heads `kv_heads_of_rank` gives its tp rank and the layers
+    of its pipeline stage. Returns the reports (with each rank's PipelineStats under pp > 1)."""
     from bestiary.core.layers.self_attention import kv_heads_of_rank
+    from bestiary.core.runtime.model import pp_layer_range
 
     group, model = engine.group, engine.model
     send(group, Probe(model.engine_key))
     mine = {"rank": 0, "steps": model.steps_driven, "pools": dict(model.pools_driven),
-            "plan_steps": model.__dict__.get("plan_steps", 0)}
+            "plan_steps": model.__dict__.get("plan_steps", 0), "pipeline": _pipeline_stats(model)}
     reports = [None] * group.world_size
     dist.all_gather_object(reports, mine, group=group.control)
     c = model.config
     for report in reports[1:]:
         assert report["steps"] == mine["steps"], f"rank {report['rank']} ran {report['steps']} steps, driver {mine['steps']}"
-        heads = len(kv_heads_of_rank(c.num_attention_heads, c.num_key_value_heads, group.world_size, report["rank"]))
-        for pool, (blocks, block_size, kv_heads, _) in report["pools"].items():
+        m = c.mapping
+        heads = len(kv_heads_of_rank(c.num_attention_heads, c.num_key_value_heads, m.tp_size, m.tp_rank(report["rank"])))
+        layers = len(pp_layer_range(c.num_hidden_layers, m.pp_size, m.pp_rank(report["rank"])))
+        for pool, (blocks, block_size, pool_layers, kv_heads, _) in report["pools"].items():
             assert (blocks, block_size) == mine["pools"].get(pool), f"rank {report['rank']} pool {pool} differs"
             assert kv_heads == heads, f"rank {report['rank']} holds {kv_heads} kv heads, expected {heads}"
+            assert pool_layers == layers, f"rank {report['rank']} holds {pool_layers} layers, expected {layers}"
     return reports
+
+
+def _pipeline_stats(model) -> dict | None:
+    """A rank's PipelineStats as JSON (None before its first pipeline step, or at pp 1)."""
+    stats = model.__dict__.get("pipeline_stats")
+    return None if stats is None else stats.to_json()
 
 
 # --- the other ranks -----------------------------------------------------------------------
@@ -281,7 +292,9 @@ def serve(rank: int, device: str, control) -> None:
             engine = engines.get(message.key)
             report = {"rank": rank, "steps": steps.get(message.key),
                       "plan_steps": 0 if engine is None else engine.model.__dict__.get("plan_steps", 0),
-                      "pools": {p: (kv.num_blocks, kv.tokens_per_block, *kv.k.shape[3:]) for p, kv in model_pools.items()}}
+                      "pipeline": None if engine is None else _pipeline_stats(engine.model),
+                      "pools": {p: (kv.num_blocks, kv.tokens_per_block, kv.k.shape[0], *kv.k.shape[3:])
+                                for p, kv in model_pools.items()}}
             dist.all_gather_object([None] * dist.get_world_size(), report, group=control)
         else:
             run_step(engines[message.key], pools[message.key], message, device)

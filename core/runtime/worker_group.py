@@ -194,6 +194,9 @@ class WorkerGroup:
                     except (EOFError, OSError):
                         del by_handle[handle]
                         continue
+                    stuck = self._stuck_ranks()  # a rank whose collective timed out waiting on a hung peer
+                    if stuck and stuck[0] is not s:
+                        self._fail_stuck(stuck[0])
                     self.fail(s.rank, s.process.pid, cause)
                 else:
                     s.process.join(timeout=1)
@@ -224,11 +227,18 @@ class WorkerGroup:
                 self.fail(dead[0].rank, dead[0].process.pid, describe_exit(dead[0].process.exitcode))
             threading.Event().wait(0.1)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        stuck = [s for s in self.spawned if process_state(s.process.pid) in ("T", "t", "D")]
+        stuck = self._stuck_ranks()
         if stuck:
-            self.fail(stuck[0].rank, stuck[0].process.pid, f"did not answer within {STEP_TIMEOUT_S:g} s "
-                      f"(process state {process_state(stuck[0].process.pid)})")
+            self._fail_stuck(stuck[0])
         self.fail(0, os.getpid(), f"lost its peers: {first}")
+
+    def _stuck_ranks(self) -> list[SpawnedRank]:
+        """Spawned ranks that are stopped (T) or in uninterruptible sleep (D): hung, not failed."""
+        return [s for s in self.spawned if process_state(s.process.pid) in ("T", "t", "D")]
+
+    def _fail_stuck(self, s: SpawnedRank) -> None:
+        self.fail(s.rank, s.process.pid, f"did not answer within {STEP_TIMEOUT_S:g} s "
+                  f"(process state {process_state(s.process.pid)})")
 
     def _terminate(self, graceful: bool = True) -> None:
         """End the spawned ranks: SIGTERM, then SIGKILL after 5 s (at once when not `graceful`)."""
@@ -292,11 +302,9 @@ class WorkerGroup:
             since = self.sending_since
             if since is not None and time.monotonic() - since > STEP_TIMEOUT_S:
                 alive = [s for s in self.spawned if s.process.is_alive()]
-                stuck = [s for s in alive if process_state(s.process.pid) in ("T", "t", "D")] or alive
+                stuck = [s for s in self._stuck_ranks() if s in alive] or alive
                 if stuck:
-                    s = stuck[0]
-                    self.fail(s.rank, s.process.pid, f"did not answer within {STEP_TIMEOUT_S:g} s "
-                              f"(process state {process_state(s.process.pid)})")
+                    self._fail_stuck(stuck[0])
             time.sleep(0.5)
 
     # --- the end -------------------------------------------------------------------------

@@ -44,7 +44,7 @@ SPEC = ArchitectureSpec(
         "*.mlp.proj.weight": STACK,
     },
     description="Mixtral MoE: top-k routed SwiGLU experts (TP along the expert FFN dim), RoPE, GQA, RMSNorm",
-    supports=Supports(tensor_parallel=True, pipeline_parallel=True, lora_modules=LORA.modules),
+    supports=Supports(tensor_parallel=True, pipeline_parallel=True, expert_parallel=True, lora_modules=LORA.modules),
     lora=LORA,
 )
 

@@ -25,7 +25,7 @@ class MixtralForCausalLM(DecoderLM):
         attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
                                   rotary=rotary, **tp)
         moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
-                  c.hidden_act, **tp)
+                  c.hidden_act, **tp, ep_size=c.mapping.moe_ep_size)
         return PreNormDecoderLayer(self.make_final_norm(device), attention, self.make_final_norm(device), moe)
 
     def make_final_norm(self, device) -> nn.Module:

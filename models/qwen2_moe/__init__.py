@@ -39,7 +39,7 @@ SPEC = ArchitectureSpec(
         "*.mlp.proj.weight": STACK,
     },
     description="Qwen1.5-MoE / Qwen2-MoE: top-k routed SwiGLU experts + a sigmoid-gated shared expert, q/k/v bias",
-    supports=Supports(tensor_parallel=True, pipeline_parallel=True),
+    supports=Supports(tensor_parallel=True, pipeline_parallel=True, expert_parallel=True),
 )
 
 

@@ -61,7 +61,7 @@ class Qwen2MoeForCausalLM(DecoderLM):
         c = self.config
         moe = SharedExpertMoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                               c.shared_expert_intermediate_size, c.hidden_act, renormalize=c.norm_topk_prob,
-                              **self.placement(device))
+                              ep_size=c.mapping.moe_ep_size, **self.placement(device))
         return standard_layer(self, device, mlp=moe)
 
     def make_final_norm(self, device) -> nn.Module:
