@@ -4,7 +4,7 @@ Batch of 8 greedy requests (prompts of 24 tokens, 64 new tokens each), 4 distinc
 rank-8 adapters on q, k, v, o, gate, up, down (two requests each):
 
   (a) bestiary decode step time with the adapters vs the same batch without them (the
-      compiled CPU decode plan both times: the adapted one runs the plan in pieces);
+      compiled CPU decode plan both times: its LoRA records add each row's own adapter's update);
   (b) generated tokens/s of bestiary with the adapters vs transformers + PEFT (unmerged
       adapters, a mixed batch through `adapter_names`, same prompts, same dtype, dense weights).
 

@@ -93,8 +93,11 @@ def test_the_compiled_plan_runs_adapted_decode_steps(tmp_path):
     if library() is None:
         pytest.skip("compiled CPU kernels unavailable")
     run_logits(engine.model, adapter, PROMPT, DECODE[:1])
-    plans = engine.model.__dict__.get("_decode_plans", {})
-    assert plans.get(1) is not None and plans[1].points, engine.model.decode_plan_status()
+    plan = engine.model.__dict__.get("_decode_plans", {}).get(1)
+    assert plan is not None, engine.model.decode_plan_status()
+    assert engine.model.__dict__.get("plan_steps", 0) == 1 and not plan.points  # one compiled call
+    bound = [plan.records[i].p[1] for i, _ in plan._lora_records]  # LoRA records: the adapter's rows
+    assert len(bound) == 4 * 2 and all(bound)  # qkv, dense, fc + gate, proj of both layers
 
 
 # --- merged-weight references ---------------------------------------------------------------

@@ -57,6 +57,26 @@ def test_a_mixed_batch_equals_each_request_alone(setup):
     llm.executor.check_kv_accounting()
 
 
+def test_compiled_decode_with_mixed_adapters_equals_the_eager_path(setup):
+    """Decode steps of a mixed batch on the compiled plan (its LoRA records: each row its own adapter's
+    A and B) give the eager torch path's logits (StepLora's mask form over every adapter's ranks)."""
+    from bestiary.core.kernels import dispatch
+
+    root, dirs = setup
+    lora = [LoraRequest(f"r{r}", dirs[r]) if r else None for r in (4, 0, 8, 16, 4, 0)]
+    cfg = SamplingConfig(temperature=0, max_new_tokens=6, ignore_eos=True, output_generation_logits=True)
+    llm = LLM(root / "ckpt")
+    planned = llm.generate(PROMPTS, cfg, lora=lora)
+    steps = llm.executor.model.__dict__.get("plan_steps", 0)
+    assert steps >= 5, llm.executor.model.decode_plan_status()  # the decode steps ran as the plan
+    with dispatch.kernels_mode("torch"):
+        eager = LLM(root / "ckpt").generate(PROMPTS, cfg, lora=lora)
+    for a, b in zip(planned, eager):
+        assert a.output_ids == b.output_ids
+        scale = b.generation_logits.abs().max().item()
+        assert (a.generation_logits - b.generation_logits).abs().max().item() <= 1e-4 * scale
+
+
 def test_adapters_load_once_and_keep_their_own_prefix_cache(setup):
     root, dirs = setup
     llm = LLM(root / "ckpt")

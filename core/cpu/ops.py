@@ -10,6 +10,8 @@
     rms_norm        y = rms_norm(x [+ residual]) (and the sum)
     rotary          RoPE in place with the step's cos / sin
     act_and_mul     act(fg[:, :I]) * fg[:, I:] for the fused gated-MLP output
+    lora_rows_      out[t] += row t's own LoRA adapter's update (x A_a^T * s) B_a^T, in place
+                    (the compiled decode plan's LoRA record; a row without adapter is left alone)
 
 Every op computes in float32 and rounds its output once (on the avx512bf16 build, dot products
 of two bfloat16 operands run vdpbf16ps: exact products, float32 sums; nothing is rounded that
@@ -298,3 +300,91 @@ def act_and_mul_ref(fg: torch.Tensor, act: str) -> torch.Tensor:
     """Torch reference of `act_and_mul`."""
     f, g = fg.chunk(2, dim=-1)
     return ACTIVATIONS[act](f) * g
+
+
+# --- LoRA rows -------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraRows:
+    """One linear site's adapters as bst_lora_rows reads them: per adapter, pieces each with its
+    rank rows of `a` [R, K] and `scale` [R] (float32), its output columns n0 .. n0 + rows, and
+    its B^T [rank, rows] at b_off of the flat `b`. `layout` int64: adapters + 1 piece starts,
+    then (r0, rank, n0, rows, b_off) per piece. A piece keeps only the columns its B reaches
+    (the zero rows of a q / k / v piece in a fused qkv are dropped); an adapter's pieces whose
+    columns overlap are merged, so its pieces cover disjoint columns."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+    layout: torch.Tensor
+    adapters: int
+    k: int
+    n: int
+
+    @classmethod
+    def build(cls, per_adapter: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], k: int, n: int,
+              dtype: torch.dtype) -> LoraRows:
+        """From each adapter's pieces (a [r, K], b [N, r] in the site's columns, scale [r]);
+        weights held in `dtype` (float32 / bfloat16)."""
+        a_rows, b_flat, scales, starts, pieces = [], [], [], [0], []
+        r0 = b_off = 0
+        for adapter_pieces in per_adapter:
+            spans = []  # [lo, hi, [a], [b], [scale]] per piece with a nonzero B row (NaN counts)
+            for a, b, s in adapter_pieces:
+                hit = (b != 0).any(dim=1).nonzero().flatten()
+                if hit.numel():
+                    spans.append([int(hit[0]), int(hit[-1]) + 1, [a], [b], [s]])
+            merged: list[list] = []
+            for span in sorted(spans, key=lambda sp: sp[0]):
+                if merged and span[0] < merged[-1][1]:  # overlapping columns: one piece
+                    last = merged[-1]
+                    last[1] = max(last[1], span[1])
+                    for j in (2, 3, 4):
+                        last[j] += span[j]
+                else:
+                    merged.append(span)
+            for lo, hi, a_l, b_l, s_l in merged:
+                a = torch.cat(a_l)
+                bt = torch.cat(b_l, dim=1)[lo:hi].t().contiguous()  # [rank, rows]
+                pieces.append((r0, a.shape[0], lo, hi - lo, b_off))
+                a_rows.append(a)
+                b_flat.append(bt.flatten())
+                scales.append(torch.cat(s_l))
+                r0, b_off = r0 + a.shape[0], b_off + bt.numel()
+            starts.append(len(pieces))
+        layout = torch.tensor(starts + [v for piece in pieces for v in piece], dtype=torch.int64)
+        return cls(_cat(a_rows, (0, k)).to(dtype).contiguous(), _cat(b_flat, (0,)).to(dtype).contiguous(),
+                   _cat(scales, (0,)).float().contiguous(), layout, len(per_adapter), k, n)
+
+    def pieces(self, adapter: int) -> list[tuple[int, ...]]:
+        """(r0, rank, n0, rows, b_off) of each piece of `adapter`."""
+        lay, first = self.layout.tolist(), self.adapters + 1
+        return [tuple(lay[first + 5 * p : first + 5 * p + 5]) for p in range(lay[adapter], lay[adapter + 1])]
+
+
+def _cat(tensors: list[torch.Tensor], empty: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(empty)
+
+
+def lora_rows_(x: torch.Tensor, rows: LoraRows, idx: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, N] += row t's adapter idx[t]'s update on x [T, K] (none for idx < 0), in place:
+    out[t, n0:n0+rows] += ((x[t] A[r0:r0+rank]^T) * scale[r0:r0+rank]) B_p^T per piece, float32
+    sums rounded once. idx int64 [T]. The torch reference: lora_rows_ref (and, from the adapters
+    themselves, core.lora.batch.StepLora.add_)."""
+    library().bst_lora_rows(x.data_ptr(), DTYPES[x.dtype], x.shape[0], x.shape[1], rows.a.data_ptr(),
+                            rows.b.data_ptr(), DTYPES[rows.a.dtype], rows.scale.data_ptr(),
+                            rows.layout.data_ptr(), rows.adapters, idx.data_ptr(), out.data_ptr(),
+                            DTYPES[out.dtype], out.shape[1], _threads())
+
+
+def lora_rows_ref(x: torch.Tensor, rows: LoraRows, idx: torch.Tensor, out: torch.Tensor) -> None:
+    """lora_rows_ in torch, row by row."""
+    for t, adapter in enumerate(idx.tolist()):
+        if not 0 <= adapter < rows.adapters:
+            continue
+        delta = torch.zeros(out.shape[1])
+        for r0, rank, n0, width, b_off in rows.pieces(adapter):
+            v = (rows.a[r0 : r0 + rank].float() @ x[t].float()) * rows.scale[r0 : r0 + rank]  # [rank]
+            delta[n0 : n0 + width] += v @ rows.b[b_off : b_off + rank * width].float().view(rank, width)
+        out[t] = (out[t].float() + delta).to(out.dtype)

@@ -13,9 +13,12 @@ point at, then `bst_run_plan` runs the list. The math is the eager path's, op fo
                 y = rms_norm(x += a);  fg = y [Wfc; Wgate]^T;  m = act(f) * g;  d = m Wproj^T
     logits = rms_norm(x += d) W_lm^T
 
-With LoRA adapters in the step (meta.lora, a core.lora.batch.StepLora), the list runs in
-pieces: up to each adapted linear (qkv, dense, fused fc + gate, proj), then the step's batched
-low-rank update is added to that linear's output buffer in torch, then on.
+LoRA: after each linear that adapters may touch (qkv, dense, fused fc + gate, proj) a LoRA
+record (kernels.c bst_lora_rows) adds to its output buffer each row's own adapter's update,
+out[t] += ((y[t] A_a^T) * s_a) B_a^T for a = the row's adapter (none: the row is left alone).
+With meta.lora (a core.lora.batch.StepLora) the records point at its stack's per-row layouts
+(Site.rows; re-pointed only when the step's stack changes) and a [B] buffer gets each row's
+adapter; without, every row's is -1. The step stays one compiled call.
 
 Attention windows (core.layers.attention_window): each attention record reads a [3, B] row
 block of its layer's window (kv lengths | windows | sinks), filled per step from
@@ -40,7 +43,7 @@ from bestiary.core.cpu import ops
 from bestiary.core.cpu.build import library
 from bestiary.core.layers.mlp import ACT_CODES
 
-OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL = range(7)
+OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL, OP_LORA = range(8)
 MAX_BATCH = 32  # decode steps of up to this many sequences run as a plan (measured: 1.7x eager at 32)
 
 
@@ -100,7 +103,9 @@ class DecodePlan:
         self.dtype = emb.dtype
         hidden = emb.shape[1]
         self._keep: list[torch.Tensor] = []  # tensors the records point at (biases as float32, ...)
-        self._lora_ops: list[tuple[Op, tuple, torch.Tensor, torch.Tensor]] = []  # (linear record, modules, x, out)
+        self._lora_ops: list[tuple[Op, Op, tuple]] = []  # (linear record, its LoRA record, modules)
+        self.lora_slots = torch.full((batch,), -1, dtype=torch.int64)  # each row's adapter (step's stack)
+        self._lora_stack = None  # the AdapterStack the LoRA records point into (kept alive while they do)
         self._reduce_ops: list[tuple[Op, torch.Tensor, torch.Tensor | None]] = []  # (row-parallel record, out, bias)
         self.tp_size = model.tp_size
         as_i64 = {"dtype": torch.int64}
@@ -125,13 +130,15 @@ class DecodePlan:
             pending = True
         records.append(self._norm(model.transformer.ln_f, pending))
         records.append(self._lm_head())
+        lora_after = {id(op): rec for op, rec, _ in self._lora_ops}  # each LoRA record right after its linear
+        records = [r for rec in records for r in (rec, lora_after.get(id(rec))) if r is not None]
         at = {id(r): i for i, r in enumerate(records)}
-        # Stop points, (record index, what runs there) in record order: after the linear record of a LoRA
-        # site the step's StepLora adds its delta to the output buffer; after a row-parallel linear at
-        # tp > 1 its partial output is all-reduced over the ranks, then its bias added (Linear.forward's order)
-        points = [(at[id(op)] + 1, 0, functools.partial(_add_lora, modules, x, out))
-                  for op, modules, x, out in self._lora_ops]
-        points += [(at[id(op)] + 1, 1, functools.partial(_all_reduce, out, bias)) for op, out, bias in self._reduce_ops]
+        self._lora_records = [(at[id(rec)], modules) for _, rec, modules in self._lora_ops]
+        # Stop points, (record index, what runs there) in record order: after a row-parallel linear at
+        # tp > 1 (and its LoRA record) its partial output is all-reduced over the ranks, then its bias
+        # added (Linear.forward's order)
+        points = [(at[id(lora_after.get(id(op), op))] + 1, 1, functools.partial(_all_reduce, out, bias))
+                  for op, out, bias in self._reduce_ops]
         self.points: list[tuple[int, Callable]] = [(i, fn) for i, _, fn in sorted(points, key=lambda p: p[:2])]
         self.records = (Op * len(records))(*records)
 
@@ -262,9 +269,30 @@ class DecodePlan:
                                    mlp.proj, self.delta)]
 
     def _lora_site(self, op: Op, modules: tuple, x: torch.Tensor, out: torch.Tensor) -> Op:
-        """Mark `op` (out = x W^T of `modules`' outputs side by side) as a LoRA site."""
-        self._lora_ops.append((op, modules, x, out))
+        """Give `op` (out = x W^T of `modules`' outputs side by side) a LoRA record, out += each row's
+        adapter's update on x; it points at no adapter weights (adds nothing) until a step binds them."""
+        pointers = (x.data_ptr(), None, None, None, None, self.lora_slots.data_ptr(), out.data_ptr())
+        lora = _op(OP_LORA, (_dt(x), 0, _dt(out)), pointers, (self.batch, x.shape[1], 0, out.shape[1]))
+        self._lora_ops.append((op, lora, modules))
         return op
+
+    def _bind_lora(self, lora) -> None:
+        """The step's LoRA (a StepLora, or None): each row's adapter into lora_slots, and the LoRA records
+        pointed at its stack's Site.rows (only when the stack is not the one they point at)."""
+        if lora is None:
+            self.lora_slots.fill_(-1)
+            return
+        if lora.stack is not self._lora_stack:
+            for index, modules in self._lora_records:
+                site = lora.stack.site_of(modules)
+                rows, record = (site.rows if site is not None else None), self.records[index]
+                record.p[1] = None if rows is None else rows.a.data_ptr()  # NULL: nothing to add
+                if rows is not None:
+                    for j, t in ((2, rows.b), (3, rows.scale), (4, rows.layout)):
+                        record.p[j] = t.data_ptr()
+                    record.dt[1], record.i[2] = _dt(rows.a), rows.adapters
+            self._lora_stack = lora.stack
+        self.lora_slots.copy_(lora.token_slot)
 
     def _lm_head(self) -> Op:
         model = self.model
@@ -283,9 +311,13 @@ class DecodePlan:
     def fits(self, meta) -> bool:
         """True when this plan can run the decode step `meta` (its batch, lengths and positions; the layers
         still have the attention windows the plan was built with)."""
+        from bestiary.core.lora.batch import StepLora
+
+        lora = meta.lora
         return (len(meta.seq_lens) == self.batch and all(a.window == w for a, w in self.windows)
                 and max(meta.context_lens) <= self.max_position
-                and (meta.lora is None or hasattr(meta.lora, "add_")))
+                and (lora is None or (isinstance(lora, StepLora) and lora.token_slot.shape == (self.batch,)
+                                      and lora.stack.device.type == "cpu")))
 
     def _widen_tables(self, width: int) -> None:
         """Block tables wider than the pool has blocks (a sequence whose early blocks were released out
@@ -314,19 +346,13 @@ class DecodePlan:
         if meta.block_tables.shape[1] > self.tables.shape[1]:
             self._widen_tables(meta.block_tables.shape[1])
         self.tables[:, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self._bind_lora(meta.lora)
         start, threads = 0, torch.get_num_threads()
-        if meta.lora is not None or self.tp_size > 1:  # run up to each stop point, do its torch work, go on
-            # LoRA deltas are a few [B, K] x [K, R] matmuls: torch on one thread (measured here: 70 vs 450 us
-            # a site with two); the records keep `threads` (kernels.c sets its own thread count).
-            torch.set_num_threads(1)
-            try:
-                for end, point in self.points:
-                    if point(meta):
-                        self._run(start, end, threads)
-                        point(meta, run=True)
-                        start = end
-            finally:
-                torch.set_num_threads(threads)
+        for end, point in self.points:  # (tp > 1) run up to each stop point, do its torch work, go on
+            if point(meta):
+                self._run(start, end, threads)
+                point(meta, run=True)
+                start = end
         self._run(start, len(self.records), threads)
         self.model.__dict__["plan_steps"] = self.model.__dict__.get("plan_steps", 0) + 1  # tests: the plan ran
         if self.tp_size == 1:
@@ -341,14 +367,6 @@ def _record_bias(linear) -> torch.Tensor | None:
     from bestiary.core.layers.linear import Parallel
 
     return None if linear.tp_size > 1 and linear.parallel == Parallel.ROW else linear.bias
-
-
-def _add_lora(modules: tuple, x: torch.Tensor, out: torch.Tensor, meta, run: bool = False) -> bool:
-    """LoRA stop point: whether the step's adapters touch `modules`; with run, out += their delta of x."""
-    if not run:
-        return meta.lora is not None and meta.lora.touches(modules)
-    meta.lora.add_(modules, x, out)
-    return True
 
 
 def _all_reduce(out: torch.Tensor, bias: torch.Tensor | None, meta, run: bool = False) -> bool:

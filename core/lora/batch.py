@@ -15,7 +15,13 @@ and a token t of adapter a_t (-1: none) gets
 two dense matmuls for the whole packed batch, whatever the mix of adapters and ranks: no
 Python loop over requests. On the CPU a half-precision model's sites are held and computed in
 float32 (these skinny matmuls run ~3x faster than in bf16 here) and the delta rounded once. On CUDA a site goes through the SGMV/BGMV kernels instead
-(core.kernels.lora: the same pieces padded to the largest rank, B pre-scaled).
+(core.kernels.lora: the same pieces padded to the largest rank, B pre-scaled). The compiled CPU
+decode plan reads a site's `rows` (core.cpu.ops.LoraRows, in the model's dtype): each row only
+its own adapter's A and B, and only the columns a piece's B reaches,
+
+    delta[t] = sum over pieces p of a_t:  ((x[t] A_p^T) * s_p) B_p^T   (in B_p's columns)
+
+the same sums as the mask form, without the other adapters' ranks or the zero blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from bestiary.core.cpu import ops as cpu_ops
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Parallel
 from bestiary.core.lora.adapter import LoraAdapter
@@ -40,6 +47,7 @@ class Site:
     owner: torch.Tensor  # [R] int64
     scale: torch.Tensor  # [R] float32
     sgmv: dispatch.LoraWeights | None = None
+    rows: cpu_ops.LoraRows | None = None  # the compiled decode plan's per-row layout (CPU)
 
 
 class AdapterStack:
@@ -107,7 +115,20 @@ class AdapterStack:
                     scale_t)
         if self.device.type == "cuda" or dispatch.mode() == "triton":  # (triton on the CPU: the kernel tests)
             site.sgmv = _padded(per_adapter, a_cat.shape[1], n_total, self.dtype, self.device)
+        if self.device.type == "cpu" and all(expert == -1 for _, expert, _ in key):  # (a plan has no experts)
+            site.rows = _row_layout(per_adapter, a_cat.shape[1], n_total, self.dtype)
         return site
+
+
+def _row_layout(per_adapter, k: int, n: int, dtype: torch.dtype) -> cpu_ops.LoraRows:
+    """The compiled plan's layout: each adapter's pieces (a [r, K], b [N, r], scale [r]) in the
+    model's dtype (float32 for any other)."""
+    pieces = []
+    for a_s, b_s, sc_s in per_adapter:
+        scales = torch.tensor(sc_s, dtype=torch.float32).split([a.shape[0] for a in a_s])
+        pieces.append(list(zip(a_s, b_s, scales)))
+    held = dtype if dtype in cpu_ops.DTYPES else torch.float32
+    return cpu_ops.LoraRows.build(pieces, k, n, held)
 
 
 def _padded(per_adapter, k: int, n: int, dtype: torch.dtype, device) -> dispatch.LoraWeights:
