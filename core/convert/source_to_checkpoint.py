@@ -22,6 +22,7 @@ from bestiary.core.format.checkpoint import (
 )
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig
 from bestiary.core.format.errors import BestiaryError, ConfigError
+from bestiary.core.format.memory import freed_memory_returned
 from bestiary.core.format.output_dir import check_output_dir
 from bestiary.core.format.progress import progress
 from bestiary.core.sources import ModelSource, open_source
@@ -136,6 +137,7 @@ def plan_ranks(
     return plans
 
 
+@freed_memory_returned()  # temporaries go back to the OS: resident memory stays near one rank file
 def convert(
     model_dir: str | Path,
     output_dir: str | Path,

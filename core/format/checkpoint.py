@@ -155,14 +155,22 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % TENSOR_ALIGNMENT == 0 else t.clone()
 
 
+FINITE_CHUNK = 1 << 20  # elements checked at a time: isfinite of a half tensor makes float32 temporaries
+
+
+def _as_checkable(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype == torch.float8_e4m3fn else t
+
+
 def check_finite(tensor: torch.Tensor, where: str) -> None:
     """A float tensor with NaN or inf values is a WeightsError naming `where` (the tensor)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return
     flat = tensor.reshape(-1)
-    if flat.dtype in (torch.float8_e4m3fn,):
-        flat = flat.float()
-    finite = torch.isfinite(flat)
+    if all(bool(torch.isfinite(_as_checkable(flat[i:i + FINITE_CHUNK])).all())
+           for i in range(0, flat.numel(), FINITE_CHUNK)):
+        return
+    finite = torch.isfinite(_as_checkable(flat))
     if not bool(finite.all()):
         bad = int((~finite).sum())
         first = flat[int((~finite).nonzero()[0])].item()

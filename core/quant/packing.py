@@ -26,6 +26,7 @@ The CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`) wants its own layout; `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,31 @@ CPU_INT4_BLOCK_N = 64  # rows per block of the aten CPU int4 layout
 # --- int8 per channel --------------------------------------------------------------------
 
 
+QUANT_ROWS = 4096  # rows rounded at a time: the float32 temporaries of a 49152-row lm_head stay small
+
+
+def by_rows(quantize):
+    """`quantize(w [N, K], ...)` run on blocks of QUANT_ROWS rows, its tensor arguments with N rows (a
+    per-row amax) cut the same way, and its outputs (tensors with N rows, or None) concatenated: the
+    same values (rows are rounded independently), with temporaries the size of a block."""
+
+    @functools.wraps(quantize)
+    def blocked(w: torch.Tensor, *args, **kwargs):
+        n = w.shape[0]
+        if n <= QUANT_ROWS:
+            return quantize(w, *args, **kwargs)
+
+        def rows(a, i):
+            return a[i:i + QUANT_ROWS] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n else a
+
+        parts = [quantize(w[i:i + QUANT_ROWS], *(rows(a, i) for a in args), **{k: rows(a, i) for k, a in kwargs.items()})
+                 for i in range(0, n, QUANT_ROWS)]
+        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+
+    return blocked
+
+
+@by_rows
 def quantize_int8_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (q int8 [N, K], s float32 [N]) with w ~ q * s[:, None], s = amax / 127.
 
@@ -98,6 +124,7 @@ def int4_grid(g: torch.Tensor, zero_point: bool, ratio: float = 1.0) -> tuple[to
     return (g.abs().amax(dim=-1) * ratio / 7).clamp(min=1e-12), None
 
 
+@by_rows
 def quantize_int4_groupwise(
     w: torch.Tensor, group_size: int, zero_point: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -16,6 +16,7 @@ CONFIG_BUILDERS.
 from __future__ import annotations
 
 import math
+import mmap
 import re
 import warnings
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.sources.base import ModelSource, slice_dim
+from bestiary.core.sources.gguf_reader import CompactGGUFReader
 from bestiary.core.sources.gguf_tokenizer import tokenizer_from_gguf
 
 # ---- tables --------------------------------------------------------------------------------------
@@ -112,7 +114,7 @@ def _read_gguf(path: Path) -> Any:
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")  # numpy overflow warnings of corrupt offsets: checked below
-            reader = gguf.GGUFReader(path, "r")
+            reader = CompactGGUFReader(path, "r")
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct errors, etc.
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise BestiaryError(f"{path}: not a readable GGUF file (truncated or corrupt?): {reason}") from None
@@ -171,11 +173,34 @@ def _permute_heads(reader: Any, path: Path | str, arch: str) -> dict[str, int]:
 # ---- weights -------------------------------------------------------------------------------------
 
 
+DEQUANT_ROWS = 1024  # rows dequantized at a time: gguf.quants' temporaries stay a fraction of the output
+
+
 def _dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
-    """float32 values of raw GGUF tensor data (rows of bytes for quantized types, typed otherwise)."""
+    """float32 values of raw GGUF tensor data (rows of bytes for quantized types, typed otherwise).
+
+    Quantized rows are decoded DEQUANT_ROWS at a time into the output: gguf.quants makes several
+    float32 temporaries of its input's size, so decoding a 49152-row embedding at once would hold
+    about three copies of it (the largest transient of a GGUF convert)."""
     if data.dtype != np.uint8:  # F32/F16/F64/I8..I64: the reader already typed the array
         return data.astype(np.float32)  # a copy: never hand out views of the read-only mmap
-    return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+    if data.ndim < 2 or data.shape[0] <= DEQUANT_ROWS:
+        return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+    first = np.asarray(gguf.quants.dequantize(data[:DEQUANT_ROWS], qtype), dtype=np.float32)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+    out[:DEQUANT_ROWS] = first
+    for start in range(DEQUANT_ROWS, data.shape[0], DEQUANT_ROWS):
+        out[start:start + DEQUANT_ROWS] = gguf.quants.dequantize(data[start:start + DEQUANT_ROWS], qtype)
+    return out
+
+
+def _release_pages(data: np.ndarray) -> None:
+    """Drop the file's pages from this process's resident set (they stay in the page cache): a
+    convert reads every tensor once, and mapped pages it touched would otherwise count as its
+    memory until the end (issue 27's convert-memory target)."""
+    handle = getattr(data, "_mmap", None)
+    if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+        handle.madvise(mmap.MADV_DONTNEED)
 
 
 class GGUFWeights:
@@ -237,7 +262,9 @@ class GGUFWeights:
             ) from None
         except ValueError as exc:  # un-permute: rows not divisible into heads
             raise WeightsError(f"{self.path}: tensor {tensor.name!r} ({key}): {exc}") from None
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        _release_pages(self.reader.data)
+        return out
 
     def gguf_name(self, key: str) -> str:
         """llama.cpp name of HF key `key` (for messages)."""
