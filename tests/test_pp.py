@@ -149,6 +149,32 @@ def test_tp2_pp2_equals_tp1(case, checkpoints):
     assert [r["rank"] for r in reports] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("case,tp", [("llama", 1), ("llama3", 1), ("llama_w8a16", 1), ("llama", 2), ("llama_int8_kv", 2)])
+def test_stage_decode_plans_equal_eager_and_tp1(case, tp, checkpoints):
+    """Every stage decodes with its compiled plan (stage 0 from the token ids, the last stage to the
+    logits, the hidden state handed over in between): logits within tp 1's bound of tp 1 and of the
+    same ranks run eagerly (kernels_mode("torch") on the driver, sent with each step)."""
+    from bestiary.core.kernels.dispatch import kernels_mode
+
+    prompt = tpr.PROMPTS.get(VARIANTS[case][0], tpr.DEFAULT_PROMPT)
+    ref, tokens = tpr.teacher_forced(Engine.load(checkpoints(case, 1, 1)), prompt)
+    tol = REL_TOL[case] * ref.abs().max().item() if case in REL_TOL else tpr.LOGIT_TOL
+    llm = LLM(checkpoints(case, tp, 2), num_threads=1)
+    try:
+        assert llm.engine.model.decode_plan_status() is None
+        before = tpr.plan_steps(llm.engine)
+        planned, _ = tpr.teacher_forced(llm.engine, prompt, tokens)
+        assert [b - a for a, b in zip(before, tpr.plan_steps(llm.engine))] == [tpr.STEPS] * (2 * tp)
+        with kernels_mode("torch"):
+            eager, _ = tpr.teacher_forced(llm.engine, prompt, tokens)
+        assert tpr.plan_steps(llm.engine) == [b + tpr.STEPS for b in before], "the eager run used the plan"
+        for name, other in (("tp 1", ref), ("eager", eager)):
+            worst = (planned - other).abs().max().item()
+            assert worst <= tol, f"{case}: max |plan tp{tp} pp2 - {name}| = {worst:.3g}"
+    finally:
+        llm.close()
+
+
 def test_in_flight_batch_is_cut_into_micro_batches(checkpoints):
     """Five requests of 20..100 prompt tokens, submitted together on pp 2: each equals its tp 1 run, the
     prefill steps were cut into several micro-batches, and both stages ran every step."""

@@ -26,10 +26,12 @@ meta.window_bounds; block tables may be wider than the pool (blocks released out
 
 KV pools may be float or INT8 / FP8 codes (core.quant.kv; written and read with the layer's
 (s_k, s_v)). `plan_for(model, batch, k_pools, v_pools)` returns None for anything else: other
-layer types, key-bias functions, tensor/pipeline parallel, an overridden
+layer types, key-bias functions, a parallel embedding at tp > 1, an overridden
 embed / logits / position_ids, weights the kernels do not read, modules with forward hooks
 (a plan calls no module: hooks registered after a model's first decode step are not seen).
-The eager path runs those.
+The eager path runs those. Under tensor parallelism each rank's plan stops after every
+row-parallel linear to all-reduce (its stage's group); a pipeline stage's plan starts from the
+hidden state it is given (no embedding) and, before the last stage, returns x after its layers.
 """
 
 from __future__ import annotations
@@ -99,15 +101,14 @@ class DecodePlan:
         self.batch, self.model = batch, model
         self.pool_ptrs = [p.data_ptr() for p in (*k_pools, *v_pools)]
         cfg = model.config
-        emb = model.transformer.vocab_embedding.weight
-        self.dtype = emb.dtype
-        hidden = emb.shape[1]
+        self.first, self.last = model.is_first_stage, model.is_last_stage  # pipeline stage (both at pp 1)
+        self.dtype, hidden = model.dtype, cfg.hidden_size
         self._keep: list[torch.Tensor] = []  # tensors the records point at (biases as float32, ...)
         self._lora_ops: list[tuple[Op, Op, tuple]] = []  # (linear record, its LoRA record, modules)
         self.lora_slots = torch.full((batch,), -1, dtype=torch.int64)  # each row's adapter (step's stack)
         self._lora_stack = None  # the AdapterStack the LoRA records point into (kept alive while they do)
         self._reduce_ops: list[tuple[Op, torch.Tensor, torch.Tensor | None]] = []  # (row-parallel record, out, bias)
-        self.tp_size = model.tp_size
+        self.tp_size, self.tp_group = model.tp_size, model.tp_group
         as_i64 = {"dtype": torch.int64}
         self.ids = torch.zeros(batch, **as_i64)
         self.positions = torch.zeros(batch, **as_i64)
@@ -122,14 +123,19 @@ class DecodePlan:
         # this rank's vocab slice of the logits (all of them at tp 1; gathered after the plan at tp > 1)
         self.logits = torch.zeros(batch, cfg.vocab_size // model.tp_size, dtype=torch_dtype(cfg.logits_dtype))
         self.max_position = 1 << 62  # positions the rotary tables cover
-        records = [_op(OP_EMBED, (_dt(emb), _dt(self.x)), (emb.data_ptr(), self.ids.data_ptr(), self.x.data_ptr()),
-                       (batch, hidden, emb.stride(0), emb.stride(1)))]
-        pending = False
+        records = []
+        if self.first:
+            emb = model.transformer.vocab_embedding.weight
+            records.append(_op(OP_EMBED, (_dt(emb), _dt(self.x)), (emb.data_ptr(), self.ids.data_ptr(),
+                               self.x.data_ptr()), (batch, hidden, emb.stride(0), emb.stride(1))))
+        pending = False  # a later stage starts from the hidden state it is given, in x
         for layer, k_pool, v_pool in zip(model.transformer.layers, k_pools, v_pools):
             records += self._layer(layer, k_pool, v_pool, pending)
             pending = True
-        records.append(self._norm(model.transformer.ln_f, pending))
-        records.append(self._lm_head())
+        self.pending = pending  # the last layer's output still in delta (added by ln_f, or by `run`)
+        if self.last:
+            records.append(self._norm(model.transformer.ln_f, pending))
+            records.append(self._lm_head())
         lora_after = {id(op): rec for op, rec, _ in self._lora_ops}  # each LoRA record right after its linear
         records = [r for rec in records for r in (rec, lora_after.get(id(rec))) if r is not None]
         at = {id(r): i for i, r in enumerate(records)}
@@ -137,7 +143,7 @@ class DecodePlan:
         # Stop points, (record index, what runs there) in record order: after a row-parallel linear at
         # tp > 1 (and its LoRA record) its partial output is all-reduced over the ranks, then its bias
         # added (Linear.forward's order)
-        points = [(at[id(lora_after.get(id(op), op))] + 1, 1, functools.partial(_all_reduce, out, bias))
+        points = [(at[id(lora_after.get(id(op), op))] + 1, 1, functools.partial(_all_reduce, out, bias, self.tp_group))
                   for op, out, bias in self._reduce_ops]
         self.points: list[tuple[int, Callable]] = [(i, fn) for i, _, fn in sorted(points, key=lambda p: p[:2])]
         self.records = (Op * len(records))(*records)
@@ -333,9 +339,13 @@ class DecodePlan:
         if end > start:
             library().bst_run_plan(ctypes.addressof(self.records) + start * ctypes.sizeof(Op), end - start, threads)
 
-    def run(self, ids: torch.Tensor, meta) -> torch.Tensor:
-        """ids [B] (one new token per sequence) -> logits [B, V] (a fresh tensor)."""
+    def run(self, ids: torch.Tensor, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B] (one new token per sequence) -> logits [B, V] (a fresh tensor). A pipeline stage after
+        the first starts from `hidden` [B, H] (the previous stage's output); a stage before the last
+        returns its hidden state [B, H] (x + the last layer's output) instead of logits."""
         self.ids.copy_(ids)
+        if not self.first:
+            self.x.copy_(hidden)
         self.positions.copy_(meta.positions)
         kv_lens = torch.tensor(meta.kv_lens)
         for window, rows in self.seq_rows.items():  # each layer window's kv lengths, windows and sinks
@@ -355,10 +365,12 @@ class DecodePlan:
                 start = end
         self._run(start, len(self.records), threads)
         self.model.__dict__["plan_steps"] = self.model.__dict__.get("plan_steps", 0) + 1  # tests: the plan ran
+        if not self.last:
+            return self.x + self.delta if self.pending else self.x.clone()  # the residual stream after the layers
         if self.tp_size == 1:
             return self.logits.clone()
         parts = [torch.empty_like(self.logits) for _ in range(self.tp_size)]  # [B, V/tp] each
-        torch.distributed.all_gather(parts, self.logits)
+        torch.distributed.all_gather(parts, self.logits, group=self.tp_group)
         return torch.cat(parts, dim=-1)  # [B, V], the eager DecoderLM.logits gather
 
 
@@ -369,10 +381,10 @@ def _record_bias(linear) -> torch.Tensor | None:
     return None if linear.tp_size > 1 and linear.parallel == Parallel.ROW else linear.bias
 
 
-def _all_reduce(out: torch.Tensor, bias: torch.Tensor | None, meta, run: bool = False) -> bool:
-    """Row-parallel stop point (always taken): out = sum over tp ranks of out (+ bias, once)."""
+def _all_reduce(out: torch.Tensor, bias: torch.Tensor | None, group, meta, run: bool = False) -> bool:
+    """Row-parallel stop point (always taken): out = sum over tp ranks (the stage's `group`) of out (+ bias, once)."""
     if run:
-        torch.distributed.all_reduce(out)
+        torch.distributed.all_reduce(out, group=group)
         if bias is not None:
             out += bias
     return True
@@ -391,9 +403,8 @@ def refusal(model) -> str | None:
     from bestiary.core.runtime.model import DecoderLM
 
     cls = type(model)
-    if model.pp_size != 1:
-        return "pipeline parallel"
-    if model.tp_size != 1 and getattr(model.transformer.vocab_embedding, "sharding_dim", None) is not None:
+    embedding = getattr(model.transformer, "vocab_embedding", None)  # None: a later pipeline stage
+    if model.tp_size != 1 and getattr(embedding, "sharding_dim", None) is not None:
         return "parallel embedding (use_parallel_embedding) at tp > 1"
     overridden = [n for n in ("embed", "logits", "position_ids") if getattr(cls, n) is not getattr(DecoderLM, n)]
     if overridden:
@@ -401,7 +412,7 @@ def refusal(model) -> str | None:
     extra = sorted(set(dict(model.transformer.named_children())) - PLAIN_TOP_LEVEL)
     if extra or model.embedding_scale is not None:
         return f"top-level modules {', '.join(extra) or 'embedding_scale'}"
-    if model.transformer.vocab_embedding.weight.device.type != "cpu":
+    if next(model.parameters()).device.type != "cpu":
         return "weights not on the CPU"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks (a plan runs no module: hooks would be skipped)"

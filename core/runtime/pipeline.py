@@ -22,7 +22,8 @@ M + P - 1 slots and each stage idles in P - 1 of them:
 
     bubble = (P - 1) / (M + P - 1)        (P 2, M 4: 20%;  M 1, a batch-1 decode: 50%)
 
-A decode step cannot overlap with the next one (its tokens are sampled from this step's
+Decode micro-batches run as each stage's compiled CPU plan (core.cpu.plan: no embedding after
+stage 0, no logits before the last). A decode step cannot overlap with the next one (its tokens are sampled from this step's
 logits), so the bubble is paid every step; more micro-batches shrink it but make each
 stage's matmuls narrower and repeat each layer's fixed overhead: M = min(B, 2 * P, T // 64) for a
 step of T tokens (BESTIARY_PP_MICRO_BATCHES overrides), read on the driver and sent with the step
@@ -183,10 +184,18 @@ def pipeline_forward(model, ids: torch.Tensor, meta: AttentionMetadata, kv_cache
         logits_shapes.append((rows, vocab))
         x = None if model.is_first_stage else _recv((tb - ta, hidden), model.dtype, prev_rank, device)
         t0 = time.perf_counter()
-        if x is None:
-            x = model.embed(ids[ta:tb], part)  # [T_m, H]
-        for i, layer in enumerate(model.transformer.layers):
-            x = layer(x, part, kv_cache.k[i], kv_cache.v[i])
+        plan = None if all_logits else model._decode_plan(ids[ta:tb], part, kv_cache)  # this stage's compiled decode
+        if plan is not None:
+            x = plan.run(ids[ta:tb], part, x)  # [B_m, H], or the last stage's logits [B_m, V]
+            if model.is_last_stage:
+                busy += time.perf_counter() - t0
+                if model.tp_rank == 0:
+                    sends.send(_wire(x), 0)
+                continue
+        else:
+            x = model.embed(ids[ta:tb], part) if x is None else x  # [T_m, H]
+            for i, layer in enumerate(model.transformer.layers):
+                x = layer(x, part, kv_cache.k[i], kv_cache.v[i])
         if not model.is_last_stage:
             busy += time.perf_counter() - t0
             _check_hidden(x, tb - ta, hidden, model.dtype, stage)
