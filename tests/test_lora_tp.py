@@ -1,5 +1,6 @@
-"""LoRA with tensor parallelism: the seed's split (column-parallel: B's rows, row-parallel: A's
-columns) on each rank's shard, and tp 2 (gloo worker group) equal to tp 1 for mixed batches."""
+"""LoRA with tensor and pipeline parallelism: the seed's split (column-parallel: B's rows,
+row-parallel: A's columns) on each rank's shard, and tp 2, pp 2 and tp 2 x pp 2 (gloo worker
+groups) equal to tp 1 for mixed batches."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ PROMPTS = [[5, 17, 60, 3, 42], [8, 61, 27, 9], [11, 70, 7, 33, 2, 90, 14], [4, 4
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_tp")
     source = make_tiny_llama(root / "llama")
-    for tp in (1, 2):
-        convert(source, root / f"tp{tp}", tp_size=tp, dtype="float32", show_progress=False)
+    for name, tp, pp in (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2), ("tp2pp2", 2, 2)):
+        convert(source, root / name, tp_size=tp, pp_size=pp, dtype="float32", show_progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source)
     peft_adapter(hf, root / "all8", seed=8, b_scale=2.0, r=8, lora_alpha=16, target_modules=TARGETS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source)
@@ -78,11 +79,14 @@ def test_column_parallel_splits_b_row_parallel_splits_a(setup):
             assert torch.equal(p.b[local], f.b[rows[r]]) and p.b.shape[0] == 64
 
 
-def test_tp2_equals_tp1_with_mixed_adapters(setup):
-    """PEFT adapters, seed tensors and base requests in one batch: tp 2's context logits within 1e-5
-    of tp 1's and the same greedy tokens; every rank ran every step."""
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2pp2"])
+def test_parallel_equals_tp1_with_mixed_adapters(setup, layout, monkeypatch):
+    """PEFT adapters, seed tensors and base requests in one batch: tp 2's, pp 2's and tp 2 x pp 2's
+    context logits within 1e-5 of tp 1's and the same greedy tokens; every rank ran every step. On
+    pipeline stages the batch is cut into 2 micro-batches, each with its own sequences' adapters."""
+    monkeypatch.setenv("BESTIARY_PP_MICRO_BATCHES", "2")  # read by the driver (this process) each step
     root = setup
-    tp1, tp2 = LLM(root / "tp1"), LLM(root / "tp2", num_threads=1)
+    tp1, tp2 = LLM(root / "tp1"), LLM(root / layout, num_threads=1)
     seed_lora = _seed_request(root)
     lora = [LoraRequest("all8", root / "all8"), None, LoraRequest("ov4", root / "ov4"), seed_lora]
     sampling = SamplingConfig(temperature=0, max_new_tokens=8, ignore_eos=True, output_context_logits=True)

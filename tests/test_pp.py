@@ -193,24 +193,6 @@ def test_in_flight_batch_is_cut_into_micro_batches(checkpoints):
         llm.close()
 
 
-def test_lora_on_a_pipeline_engine_is_refused_per_request(sources, checkpoints, tmp_path):
-    from bestiary.core.lora.store import LoraRequest
-    from lora_helpers import peft_adapter
-
-    hf = transformers.LlamaForCausalLM.from_pretrained(sources["llama"])
-    peft_adapter(hf, tmp_path / "adapter", r=4, target_modules=["q_proj"])
-    adapter = tmp_path / "adapter"
-    llm = LLM(checkpoints("llama", 1, 2), num_threads=1)
-    try:
-        with pytest.raises(BestiaryError, match=r"^LoRA adapter 'a': adapters on a pipeline-parallel engine "
-                                                 r"\(pp_size 2\) are not supported; convert with --pp_size 1$"):
-            llm.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2), lora=LoraRequest("a", adapter))
-        (out,) = llm.generate([[3, 4, 5]], SamplingConfig(temperature=0, max_new_tokens=2))  # the engine still runs
-        assert len(out.output_ids) == 2
-    finally:
-        llm.close()
-
-
 @pytest.mark.parametrize("case", ["llama_gptq", "llama_int8_kv"])
 def test_calibrated_pipeline_ranks_are_cut_from_the_tp1_checkpoint(case, checkpoints):
     """GPTQ weights and KV scales are calibrated once on the whole model: every tensor of each stage's

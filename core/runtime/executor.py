@@ -137,9 +137,6 @@ class Executor:
         b = self.build
         if not prompt:
             raise BestiaryError("empty prompt: at least one input token is needed")
-        if lora is not None and getattr(self.model, "pp_size", 1) > 1:
-            raise BestiaryError(f"LoRA adapter {lora.name!r}: adapters on a pipeline-parallel engine "
-                                f"(pp_size {self.model.pp_size}) are not supported; convert with --pp_size 1")
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
         if bad or not isinstance(prompt, list):
             raise BestiaryError(f"input id {bad[0] if bad else prompt!r}: expected a list of integer token ids")

@@ -96,8 +96,16 @@ def slice_meta(meta: AttentionMetadata, a: int, b: int) -> tuple[AttentionMetada
         sinks=None if meta.sinks is None else list(meta.sinks[a:b]),
         contiguous_from=list(meta.contiguous_from[a:b]) if meta.contiguous_from else [],
         micro_batches=1,
+        lora=None if meta.lora is None else _slice_lora(meta.lora, a, b),
     )
     return part, ta, tb
+
+
+def _slice_lora(lora, a: int, b: int):
+    """The step's adapters (a core.lora.batch.StepLora) for sequences [a, b): same stack, their slots."""
+    from bestiary.core.lora.batch import StepLora
+
+    return StepLora(lora.stack, lora.seq_lens[a:b], lora.slots[a:b])
 
 
 MICRO_BATCH_TOKENS = 64  # fewest tokens worth a micro-batch of their own (below, per-layer overhead wins)
@@ -166,9 +174,6 @@ def _recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, device) -> torch
 def pipeline_forward(model, ids: torch.Tensor, meta: AttentionMetadata, kv_cache, all_logits: bool = False):
     """One step of `model` (this rank's stage) over micro-batches; the logits [B or T, V] on
     global rank 0, None on every other rank."""
-    if meta.lora is not None:
-        raise BestiaryError(f"LoRA adapters on a pipeline-parallel engine (pp_size {model.pp_size}) are not supported; "
-                            f"convert with --pp_size 1")
     stats = model.__dict__.setdefault("pipeline_stats", PipelineStats())
     begin, busy = time.perf_counter(), 0.0
     tp, stage, rank = model.tp_size, model.pp_rank, model.rank
