@@ -85,6 +85,9 @@ def nearest(name: str, candidates: list[str], n: int = 3) -> str:
     return f" (nearest: {', '.join(close)})" if close else ""
 
 
+STREAM_ROWS = 4096  # rows of a large 1-to-1 tensor read, cast and checked at a time (a convert's memory)
+
+
 def local_experts(target: Target, sources: list[str]) -> list[str]:
     """The sources of `target` this rank reads: a fan-out of E per-expert sources of an expert-parallel
     target keeps experts ep_rank E/ep .. (ep_rank + 1) E/ep - 1 (the target's dim 0 holds E / ep)."""
@@ -276,6 +279,26 @@ class WeightsLoader:
                         f"a slice of shape {tuple(tensor.shape)} (source shape {self.source.shape(key)}), "
                         f"expected {n * per_head} along dim {dim} ({n} heads of {per_head})")
         return None
+
+    def row_blocks(self, target: Target, sources: list[str], tp_size: int) -> int:
+        """How many equal blocks of rows `target` can be read in, each cast and checked alone (1: whole).
+
+        Only a 2-D target copied from one source of its own shape (the identity hook, unsliced or
+        replicated): the embedding and an untied or tied lm_head, whose float32 copies are the largest
+        thing a convert holds. Blocks have at most STREAM_ROWS rows and divide the rows evenly."""
+        rows = target.shape[0]
+        if (len(sources) != 1 or self.hook_for(target.key) is not identity or len(target.shape) != 2
+                or rows < 2 * STREAM_ROWS or target.experts or target.tp_split
+                or (tp_size > 1 and target.tp_dim >= 0) or tuple(self.source.shape(sources[0])) != target.shape):
+            return 1
+        return next((n for n in range(-(-rows // STREAM_ROWS), rows // 2 + 1) if rows % n == 0), 1)
+
+    def load_rows(self, target: Target, sources: list[str], blocks: int, block: int) -> torch.Tensor:
+        """Block `block` of `blocks` (row_blocks) of `target`: its rows, cast to the target dtype, checked."""
+        tensor = self.source.load(sources[0], blocks, 0, block).to(target.dtype).contiguous()
+        if not self.allow_nonfinite:
+            check_finite(tensor, f"{self.source.file_of(sources[0])}: tensor {sources[0]!r} (for {target.key!r})")
+        return tensor
 
     def load(self, target: Target, sources: list[str], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
         """Target tensor(s) for one canonical key, cast to the target dtype, shapes checked."""

@@ -275,6 +275,13 @@ def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: Pretrai
     tp = config.mapping.tp_size
     with rank_writer(tmp, plan) as writer:
         for target in plan.reads or plan.targets:
+            slot = (plan.quantizers or {}).get(target.key)
+            blocks = loader.row_blocks(target, plan.sources[target.key], tp)
+            if blocks > 1 and (slot is None or slot.streams_rows()):
+                for name, part in stream_rows(loader, target, plan.sources[target.key], blocks, slot, scale_dtype).items():
+                    writer.write(name, part)
+                bar.advance(task)
+                continue
             for key, tensor in loader.load(target, plan.sources[target.key], tp, plan.tp_rank).items():
                 slot = (plan.quantizers or {}).get(key)
                 amax = None
@@ -286,6 +293,25 @@ def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: Pretrai
                 for name, part in packed.items():
                     writer.write(name, part)
             bar.advance(task)
+
+
+def stream_rows(loader: WeightsLoader, target, sources: list[str], blocks: int, slot,
+                scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`target`'s checkpoint tensor(s) made `blocks` rows at a time (WeightsLoader.row_blocks): the float
+    rows copied into the target tensor, or rounded by `slot` (quantize_rows) and their packed rows
+    concatenated. Equal to the whole-tensor path bit for bit; holds one float block instead of the
+    whole float32 tensor (SmolLM2's 49152 x 576 embedding: 113 MiB)."""
+    from bestiary.core.quant.convert import checkpoint_names
+
+    if slot is None:
+        out = torch.empty(target.shape, dtype=target.dtype)
+        rows = target.shape[0] // blocks
+        for i in range(blocks):
+            out[i * rows:(i + 1) * rows] = loader.load_rows(target, sources, blocks, i)
+        return {target.key: out}
+    parts = [checkpoint_names(target.key, slot.quantize_rows(loader.load_rows(target, sources, blocks, i), scale_dtype))
+             for i in range(blocks)]
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
 @contextlib.contextmanager

@@ -117,6 +117,22 @@ class WeightOnlySlot:
         max |w| of a row-parallel rank (its per-channel scales are replicated: tp_dim -1)."""
         if tuple(w.shape) != (self.out_local, self.in_local):
             raise ValueError(f"weight {tuple(w.shape)} does not match the layer's {(self.out_local, self.in_local)}")
+        return self._quantize(w, scale_dtype, stats, row_amax)
+
+    def streams_rows(self) -> bool:
+        """Whether the weight can be rounded a block of rows at a time (`quantize_rows`): round to
+        nearest, every tensor of the checkpoint layout one row per output row (no in_perm)."""
+        return self.lq.algo not in PERMUTED_ALGOS
+
+    def quantize_rows(self, w: torch.Tensor, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Rows [n, K] of the weight, rounded to nearest -> their rows of every checkpoint tensor: the
+        whole weight's `quantize` is these concatenated along dim 0 (rows are rounded independently)."""
+        if w.shape[1] != self.in_local or not self.streams_rows():
+            raise ValueError(f"weight rows {tuple(w.shape)} cannot be quantized apart ({self.lq.algo}, K {self.in_local})")
+        return self._quantize(w, scale_dtype)
+
+    def _quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None,
+                  row_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if self.lq.bits == 8:
             if stats is not None:
                 raise ValueError("int8 weights are rounded to nearest: no calibration statistics expected")
