@@ -138,3 +138,23 @@ def test_plan_rebuilt_for_new_pools(hf_dir, tmp_path):
     assert plan.same_pools(list(kv.k), list(kv.v))
     other = [torch.zeros_like(p) for p in kv.k]
     assert not plan.same_pools(other, list(kv.v))
+
+
+def test_profiled_plan_times_every_record_and_gives_the_same_logits(hf_dir, tmp_path):
+    """start_profile: each record runs as its own timed call; the logits stay the plan's bit for bit,
+    every record gets a time, and the labels name the ops (linears by K x N and weight kind)."""
+    llm = _llm(hf_dir, tmp_path, "float32", None)
+    plain = _generate(llm)
+    plan = llm.executor.model.__dict__["_decode_plans"][len(PROMPTS)]
+    plan.start_profile()
+    profiled = _generate(llm)
+    for a, b in zip(plain, profiled):
+        assert a.output_ids == b.output_ids
+        assert torch.equal(a.generation_logits, b.generation_logits)
+    rows = plan.profile_rows()
+    assert len(rows) == len(plan.records) and all(seconds > 0 for _, seconds in rows)
+    labels = {label for label, _ in rows}
+    assert {"embed", "rms_norm", "attention", "rotary", "kv_write", "act_mul"} <= labels
+    # qkv (4 + 2 + 2 heads of 16), dense, fc + gate, proj, the tied lm_head (vocab 96)
+    assert {"linear 64x128 fp32", "linear 64x64 fp32", "linear 64x192 fp32", "linear 96x64 fp32",
+            "linear 64x96 fp32"} <= labels

@@ -73,6 +73,7 @@ SIGNATURES = {  # name -> argument types (all return void except bst_has_avx512)
     "bst_act_and_mul": [P, P, INT, I64, I64, INT, INT],
     "bst_lora_rows": [P, INT, I64, I64, P, P, INT, P, P, I64, P, P, INT, I64, INT],
     "bst_run_plan": [P, I64, INT],
+    "bst_run_plan_timed": [P, I64, INT, P],
 }
 INT_FUNCTIONS = ("bst_isa", "bst_has_avx512")  # no arguments, return int
 

@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__AVX512BF16__)
 #define BST_ISA 3
@@ -1445,5 +1446,17 @@ void bst_run_plan(const bst_op *ops, int64_t n, int threads) {
                               o->p[6], (int)o->dt[2], o->i[3], threads);
                 break;
         }
+    }
+}
+
+/* bst_run_plan one record at a time, adding each record's wall time (seconds) to seconds[j]: the
+ * per-op profile of benchmarks/profile_step.py (core.cpu.plan.DecodePlan.start_profile). */
+void bst_run_plan_timed(const bst_op *ops, int64_t n, int threads, double *seconds) {
+    for (int64_t j = 0; j < n; j++) {
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        bst_run_plan(ops + j, 1, threads);
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        seconds[j] += (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
     }
 }

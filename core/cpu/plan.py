@@ -334,10 +334,35 @@ class DecodePlan:
             if record.op == OP_ATTENTION:
                 record.p[3], record.i[0] = self.tables.data_ptr(), self.tables.shape[1]
 
+    profile: torch.Tensor | None = None  # float64 [records]: seconds spent in each record (start_profile)
+
+    def start_profile(self) -> None:
+        """Time every record from now on (one compiled call per record: a little slower), adding to
+        `profile`; `profile_rows` reads it."""
+        self.profile = torch.zeros(len(self.records), dtype=torch.float64)
+
+    def profile_rows(self) -> list[tuple[str, float]]:
+        """(label, seconds) of every record since start_profile, in order: the op, and for a linear its
+        K x N and weight kind (e.g. "linear 576x1728 bf16")."""
+        names = ["embed", "rms_norm", "linear", "rotary", "kv_write", "attention", "act_mul", "lora"]
+        kinds = {ops.KIND_F32: "fp32", ops.KIND_BF16: "bf16", ops.KIND_I8: "int8", ops.KIND_I4: "int4"}
+        rows = []
+        for record, seconds in zip(self.records, self.profile.tolist()):
+            label = names[record.op]
+            if record.op == OP_LINEAR:  # i: batch, K, N, group; dt[1]: the weight kind
+                label = f"linear {record.i[1]}x{record.i[2]} {kinds.get(record.dt[1], '?')}"
+            rows.append((label, seconds))
+        return rows
+
     def _run(self, start: int, end: int, threads: int) -> None:
-        """Records start .. end - 1 in one compiled call."""
-        if end > start:
-            library().bst_run_plan(ctypes.addressof(self.records) + start * ctypes.sizeof(Op), end - start, threads)
+        """Records start .. end - 1 in one compiled call (one per record, timed, while profiling)."""
+        if end <= start:
+            return
+        first = ctypes.addressof(self.records) + start * ctypes.sizeof(Op)
+        if self.profile is None:
+            library().bst_run_plan(first, end - start, threads)
+        else:
+            library().bst_run_plan_timed(first, end - start, threads, self.profile[start:end].data_ptr())
 
     def run(self, ids: torch.Tensor, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B] (one new token per sequence) -> logits [B, V] (a fresh tensor). A pipeline stage after
