@@ -58,6 +58,8 @@ bench: $(INSTALLED)
 
 # Mutation testing of the numerics-heavy modules (mutmut, one module at a time; not in CI, CPU
 # heavy): scores in .mutation/scores.txt, survivors and their reasons in docs/testing.md.
+# MODULES="beam kv_cache" picks modules (tests/mutation_run.py MODULES); `layers`, the whole of
+# core/layers (hours on 2 cores), runs only when named.
 mutation: $(INSTALLED)
 	$(PIP) install --quiet mutmut
 	$(PYTHON) tests/mutation_run.py $(MODULES)

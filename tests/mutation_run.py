@@ -7,7 +7,7 @@ The score per module goes to `.mutation/scores.txt`; survivors are listed by
 `cd .mutation/<name> && mutmut results` and `mutmut show <mutant>`. docs/testing.md lists the
 survivors of the last full run with the reason each one stays.
 
-    python tests/mutation_run.py [name ...]     (default: every module below)
+    python tests/mutation_run.py [name ...]     (default: every module below but `layers`)
 """
 
 from __future__ import annotations
@@ -22,19 +22,55 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / ".mutation"
 
+# every family's tiny-model parity with transformers (prefill and decode), the attention paths,
+# windows, MoE, fusion, chunked prefill and TP reassembly; not the AVX2/AVX-512 decode builds (a
+# C++ compile per forked run; the scalar one stays) nor test_layout (import rules, no numerics)
+LAYER_TESTS = [
+    "tests/test_llama_parity.py", "tests/test_cpu_matmul.py", "tests/test_zoo_hf.py",
+    "tests/test_decode_attention.py", "tests/test_opt.py", "tests/test_falcon.py", "tests/test_chatglm.py",
+    "tests/test_mixtral.py",
+    "tests/test_attention_window.py", "tests/test_quant_fuse.py", "tests/test_fused_qkv_hooks.py",
+    "tests/test_checkpoint.py", "tests/test_executor.py::test_mixed_workload_equals_each_alone",
+    "tests/test_mutation_kills_layers.py",
+    "-m", "not slow", "-k", "not avx2 and not avx512",
+]
+# the position, norm, MLP and window files of core/layers (820 of its ~2,900 mutants): what a
+# shared 2-core machine runs in under an hour; `layers` is the whole folder
+LAYERS_NUMERICS = [f"core/layers/{f}.py" for f in (
+    "rotary", "rotary_2d", "alibi", "position_embedding", "norm", "mlp", "attention_window", "cpu_matmul")]
+# the op families (torch references and launchers; mutmut leaves the @triton.jit kernels alone),
+# not dispatch.py: its CPU branches are what the layer tests run, its CUDA ones need a GPU
+KERNEL_FAMILIES = [f"core/kernels/{f}.py" for f in (
+    "activations", "attention", "lora", "moe", "norms", "rotary", "sampling", "woq_gemm")]
+KERNEL_TESTS = [f"tests/kernels/test_kernels_{f}.py" for f in (
+    "norms", "rotary", "activations", "attention", "moe", "woq_gemm", "lora", "sampling", "dispatch",
+    "attention_window")] + ["tests/kernels/test_mutation_kills_kernels.py"]
+# reassembly, strict keys, q/k/v fan-out, Falcon's self-slicing MQA hook, Qwen2-MoE's layer key
+# maps, GPT-2's buffers, non-finite weights, the streamed (row-block) convert
+LOADER_TESTS = [
+    "tests/test_checkpoint.py", "tests/test_tp_fanout.py", "tests/test_mutation_kills_loader.py",
+    "tests/test_falcon.py", "tests/test_opt.py::test_tp2_pp2_shards_reassemble_to_tp1",
+    "tests/test_opt.py::test_unknown_and_missing_source_keys_fail_with_nearest_names",
+    "tests/test_zoo_hf.py::TestQwen2Moe", "tests/test_zoo_hf.py::TestGPT2",
+    "tests/test_failures.py::test_nan_weights_are_refused_at_convert_and_at_load",
+    "tests/test_failures.py::test_fp16_overflow_at_convert_is_refused", "tests/test_convert_memory.py",
+    "-m", "not slow",
+]
+
 # name -> (module paths inside the package, the fast tests that cover them)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "sampling": (["core/runtime/sampling.py"], ["tests/test_sampling.py"]),
+    "sampling": (["core/runtime/sampling.py"], ["tests/test_sampling.py",
+                                                "tests/test_mutation_kills_sampling.py",
+                                                "tests/test_beam.py::test_beam_search_equals_hf_tiny"]),
     "beam": (["core/runtime/beam.py"], ["tests/test_beam.py", "-m", "not slow"]),
     "kv_cache": (["core/runtime/kv_cache.py"], ["tests/test_kv_pool.py", "tests/test_scheduler.py",
-                                                "tests/test_quant_kv.py"]),
+                                                "tests/test_quant_kv.py",
+                                                "tests/test_mutation_kills_kv_cache.py"]),
     "packing": (["core/quant/packing.py"], ["tests/test_quant.py", "-m", "not slow"]),
-    "loader": (["core/convert/loader.py"], ["tests/test_checkpoint.py", "tests/test_opt.py", "-k",
-                                            "reassemble or strict or checkpoint or tied"]),
-    "layers": (["core/layers/"], ["tests/test_llama_parity.py", "tests/test_cpu_matmul.py", "-m", "not slow"]),
-    "kernels": (["core/kernels/"], ["tests/kernels/test_kernels_norms.py", "tests/kernels/test_kernels_rotary.py",
-                                    "tests/kernels/test_kernels_activations.py", "tests/kernels/test_kernels_attention.py",
-                                    "tests/kernels/test_kernels_moe.py", "tests/kernels/test_kernels_woq_gemm.py"]),
+    "loader": (["core/convert/loader.py"], LOADER_TESTS),
+    "kernels": (KERNEL_FAMILIES, KERNEL_TESTS),
+    "layers_numerics": (LAYERS_NUMERICS, LAYER_TESTS),
+    "layers": (["core/layers/"], LAYER_TESTS),
 }
 
 
@@ -44,8 +80,13 @@ def single_threaded_env() -> dict[str, str]:
     mutmut forks each mutant's test run from a process that has already run torch; a fork of a
     process whose OpenMP thread pool is up deadlocks in the child's first parallel region, so
     every mutant would end as a CPU-time "timeout" (what the first full run showed). With one
-    thread no pool is started and the forks run."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    thread no pool is started and the forks run.
+
+    TRITON_INTERPRET=1 from the start: mutmut runs pytest several times in one process (its
+    collection, the clean run, then a fork per mutant), so tests/kernels/conftest.py finds the
+    kernel modules of the previous run imported; with the variable set before the first import
+    they were built for the interpreter, and the conftest lets them be."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 
 
 def stage(name: str) -> Path:
@@ -81,7 +122,7 @@ def score(work: Path) -> str:
 
 def main(names: list[str]) -> int:
     STAGE.mkdir(exist_ok=True)
-    for name in names or list(MODULES):
+    for name in names or [n for n in MODULES if n != "layers"]:  # the whole of core/layers on request
         work = stage(name)
         subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"], cwd=work, check=False,
                        env=single_threaded_env())

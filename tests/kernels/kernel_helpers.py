@@ -40,7 +40,9 @@ def diff(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    """out matches ref within the dtype's tolerance."""
+    """out matches ref within the dtype's tolerance; both finite (an inf in ref made the bound inf,
+    so a reference dividing by sin = 0 passed: `make mutation`, rotary apply_rotary_ref 22, 26)."""
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all(), f"{dtype}: non-finite output or reference"
     d, b = diff(out, ref), bound(ref, dtype)
     assert d <= b, f"{dtype}: max |out - ref| = {d:.3g} > bound {b:.3g}"
 
