@@ -8,8 +8,9 @@ tied embeddings). For each of float16, int8 and int4:
   W8A16 / W4A16 g128 with zero points, round to nearest), exports a .flm, ftllm loads it, both
   decode. float16: identical over 32 tokens except from a near-tie step (top-2 margin < 1e-3);
   int8 / int4: the first 16 tokens identical on at least 4 of 5 prompts (all but one of --prompts).
-- speed: batch-1 decode tokens/s, (time for 1 + N tokens - time for 1) / N, median of --repeats,
-  ftllm and bestiary alternating, each on the same model: ftllm on its own .flm export (its
+- speed: batch-1 decode tokens/s, (time for 1 + N tokens - time for 1) / N, median of 2 x --repeats,
+  ftllm and bestiary alternating, each side in a process of its own (FastLLM's thread pool spins
+  while idle: in one process it starves bestiary's threads), each on the same model: ftllm on its own .flm export (its
   float16 / int8 / int4 CPU kernels), bestiary on its engine of the same file (float16 -> bf16,
   W8A16, W4A16). The machine may be shared: `uptime` is printed with the figures.
 
@@ -84,17 +85,13 @@ def agreement_rows(hf_dir: Path, work: Path, dtype: str, threads: int, prompts: 
     return rows
 
 
-def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: int,
-          from_flm: bool = False) -> tuple[float, float, str]:
-    """ftllm's and bestiary's decode tok/s; from_flm: bestiary runs ftllm's own file (activation_quant)."""
-    import torch
+def prepare_speed(hf_dir: Path, work: Path, dtype: str, from_flm: bool) -> tuple[Path, Path, str]:
+    """(ftllm's .flm, bestiary's engine dir, bestiary's label) for the speed of `dtype`; from_flm: bestiary
+    runs ftllm's own file (activation_quant)."""
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
-    from bestiary.core.runtime.llm import LLM
-    from bestiary.core.runtime.sampling import SamplingConfig
-    from flm_judge import ftllm_export, ftllm_model
+    from flm_judge import ftllm_export
 
-    torch.set_num_threads(threads)
     flm = ftllm_export(hf_dir, work / f"ft_{dtype}.flm", dtype)
     tag = f"{dtype}_flm" if from_flm else dtype
     ours_ck = work / f"speed_{tag}"
@@ -105,30 +102,63 @@ def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: i
             quant = quant_config(dtype, activation_quant=False)
             convert(hf_dir, ours_ck, dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None,
                     show_progress=False)
+    if not (work / f"engine_{tag}" / "config.json").is_file():
         build_engine(ours_ck, work / f"engine_{tag}", BuildConfig(max_batch_size=1, max_seq_len=256))
-    llm = LLM(str(work / f"engine_{tag}"))
-    ft = ftllm_model(flm, threads)
-    prompt = PROMPTS[0]
-
-    def ours(k: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate([prompt], SamplingConfig(max_new_tokens=k, temperature=0.0, ignore_eos=True))
-        return time.perf_counter() - t0
-
-    def theirs(k: int) -> float:
-        t0 = time.perf_counter()
-        ft.generate([list(prompt)], max_new_tokens=k, do_sample=False, top_k=1)
-        return time.perf_counter() - t0
-
-    ours(2), theirs(2)  # warm up
-    rates: dict[str, list[float]] = {"ours": [], "theirs": []}
-    for _ in range(repeats):
-        for name, run in (("theirs", theirs), ("ours", ours)):
-            one, full = run(1), run(1 + n)
-            rates[name].append(n / max(full - one, 1e-9))
     label = {"float16": "bf16", "int8": "W8A16", "int4": "W4A16 g128"}[dtype]
     if from_flm:
         label = f"ftllm's .flm, {'W8A16' if dtype == 'int8' else 'W4A16'} + activation_quant fastllm_uint8"
+    return flm, work / f"engine_{tag}", label
+
+
+def measure_one(side: str, path: Path, n: int, repeats: int, threads: int) -> list[float]:
+    """In this process, one side only (FastLLM's thread pool spins while it waits: beside it in one
+    process bestiary's threads starve): decode tok/s of each of `repeats` runs,
+    (time for 1 + n tokens - time for 1) / n."""
+    import torch
+
+    torch.set_num_threads(threads)
+    prompt = PROMPTS[0]
+    if side == "ours":
+        from bestiary.core.runtime.llm import LLM
+        from bestiary.core.runtime.sampling import SamplingConfig
+
+        llm = LLM(str(path))
+
+        def run(k: int) -> float:
+            t0 = time.perf_counter()
+            llm.generate([prompt], SamplingConfig(max_new_tokens=k, temperature=0.0, ignore_eos=True))
+            return time.perf_counter() - t0
+    else:
+        from flm_judge import ftllm_model
+
+        ft = ftllm_model(path, threads)
+
+        def run(k: int) -> float:
+            t0 = time.perf_counter()
+            ft.generate([list(prompt)], max_new_tokens=k, do_sample=False, top_k=1)
+            return time.perf_counter() - t0
+
+    run(2)  # warm up
+    rates = []
+    for _ in range(repeats):
+        one, full = run(1), run(1 + n)
+        rates.append(n / max(full - one, 1e-9))
+    return rates
+
+
+def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: int,
+          from_flm: bool = False) -> tuple[float, float, str]:
+    """ftllm's and bestiary's decode tok/s (medians): each side in its own process, alternating, twice."""
+    import json
+
+    flm, engine, label = prepare_speed(hf_dir, work, dtype, from_flm)
+    rates: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for _ in range(2):
+        for side, path in (("theirs", flm), ("ours", engine)):
+            out = subprocess.run([sys.executable, __file__, "--measure", side, str(path), "--new_tokens", str(n),
+                                  "--repeats", str(repeats), "--threads", str(threads)],
+                                 capture_output=True, text=True, check=True).stdout
+            rates[side] += json.loads(out.strip().splitlines()[-1])
     return statistics.median(rates["theirs"]), statistics.median(rates["ours"]), label
 
 
@@ -146,7 +176,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=5, help="How many of the 5 prompts the agreement uses.")
     parser.add_argument("--steps", type=int, default=None, help="Greedy steps compared (default 32 float16, 16 int).")
     parser.add_argument("--skip_speed", action="store_true")
+    parser.add_argument("--measure", nargs=2, default=None, metavar=("SIDE", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure:  # internal: one side's rates, in a process of its own
+        import json
+
+        print(json.dumps(measure_one(args.measure[0], Path(args.measure[1]), args.new_tokens, args.repeats,
+                                     args.threads)))
+        return
     from flm_judge import untied_smollm2
 
     console = Console()
