@@ -183,3 +183,31 @@ def test_quantized_prefill_peak_is_no_higher_than_bf16(converted, smollm2_gguf):
     peaks = {m: _probe("prefill", smollm2_gguf, converted[m][0], m) for m in ("bf16", "W8A16", "W4A16")}
     print(f"prefill peaks (MiB above baseline): {peaks}")
     assert peaks["W8A16"] <= peaks["bf16"] and peaks["W4A16"] <= peaks["bf16"]
+
+
+def test_row_blocks_streams_only_plain_large_2d_copies(monkeypatch):
+    """Which targets WeightsLoader.row_blocks cuts into blocks (hand-computed counts), and every
+    condition that keeps a target whole."""
+    from types import SimpleNamespace
+
+    from bestiary.core.convert import loader as L
+    from bestiary.core.convert.postprocess import concat_dim0, identity
+
+    monkeypatch.setattr(L, "STREAM_ROWS", 16)
+
+    def blocks(shape=(96, 8), source_shape=None, hook=identity, sources=("w",), tp=1, tp_dim=-1, **target_kw):
+        fake = SimpleNamespace(hook_for=lambda key: hook,
+                               source=SimpleNamespace(shape=lambda key: source_shape or shape))
+        target = L.Target("t.weight", "t", shape, torch.float32, tp_dim, **target_kw)
+        return L.WeightsLoader.row_blocks(fake, target, list(sources), tp)
+
+    assert blocks() == 6  # 96 rows: 6 blocks of 16
+    assert blocks((100, 8)) == 10  # 7, 8, 9 do not divide 100: 10 blocks of 10
+    assert blocks((97, 8)) == 1  # prime: no even cut of at most 16 rows
+    assert blocks((32, 8)) == 2 and blocks((31, 8)) == 1 and blocks((30, 8)) == 1  # at least 2 * STREAM_ROWS rows
+    assert blocks((34, 8)) == 17  # 34 = 2 x 17: blocks of 2 rows, the smallest allowed
+    assert blocks(tp=2) == 6 and blocks(tp=1, tp_dim=0) == 6  # replicated at tp 2; any tp_dim at tp 1
+    for kept in (dict(sources=("a", "b")), dict(hook=concat_dim0), dict(shape=(96,)), dict(shape=(96, 8, 2)),
+                 dict(source_shape=(8, 96)), dict(tp=2, tp_dim=0), dict(tp=2, tp_dim=1),
+                 dict(experts=(2, 0)), dict(tp_split=(2, 1))):
+        assert blocks(**kept) == 1, kept
