@@ -175,9 +175,6 @@ class StepLora:
         v = torch.mm(x.to(site.a_t.dtype), site.a_t).mul_(self._mask(site))  # [T, R]
         return torch.mm(v, site.b_t).to(x.dtype)  # [T, N]
 
-    def touches(self, modules: Sequence) -> bool:
-        return self.stack.site_of(modules) is not None
-
     def add_(self, modules: Sequence, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, sum out] += the site's delta on x [T, in] (the compiled CPU plan's buffers)."""
         site = self.stack.site_of(modules)

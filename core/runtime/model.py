@@ -308,8 +308,6 @@ class DecoderLM(nn.Module):
         dispatch mode is not "auto" (checked every step: kernels_mode("torch") runs eagerly)."""
         if not meta.is_decode or ids.device.type != "cpu" or dispatch.mode() != "auto":
             return None
-        if meta.lora is not None and not hasattr(meta.lora, "add_"):  # the plan adds a StepLora's deltas
-            return None
         plans = self.__dict__.setdefault("_decode_plans", {})  # batch -> DecodePlan | None
         b = len(meta.seq_lens)
         if b not in plans or (plans[b] is not None and not plans[b].same_pools(kv_cache.k, kv_cache.v)):
