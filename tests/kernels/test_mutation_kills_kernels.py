@@ -102,3 +102,78 @@ def test_launchers_take_non_contiguous_inputs(how, device) -> None:
     top_p = torch.tensor([1.0, 0.5, 1.0, 0.9], device=device)
     want = sampling.filter_logits(x, top_k, top_p)
     assert torch.equal(sampling.filter_logits(strided(x, how), top_k, top_p), want)
+
+
+def _dense_biased(q, meta, seq_lens, ctx_lens, k_pool, v_pool, scale, slopes, key_bias, windows, sinks):
+    """softmax_j(scale * q_i . k_j + slope_h * (j - i) + key_bias[h, j]) v_j over the keys that
+    j <= i and (no window or j < sink or i - j < window - sink) admit, written out per sequence
+    from the pools' slots: q [T, H, D] -> [T, H * D] float32."""
+    tables, bs = meta.block_tables.cpu(), k_pool.shape[1]
+    flat_k, flat_v = k_pool.flatten(0, 1).cpu().float(), v_pool.flatten(0, 1).cpu().float()
+    h, outs, start = q.shape[1], [], 0
+    for b, (n, ctx) in enumerate(zip(seq_lens, ctx_lens)):
+        pos = torch.arange(ctx + n)
+        slots = tables[b, pos // bs] * bs + pos % bs
+        kk, vv = flat_k[slots], flat_v[slots]  # [L, KVH, D]
+        kk, vv = kk.repeat_interleave(h // kk.shape[1], 1), vv.repeat_interleave(h // vv.shape[1], 1)
+        qpos = (ctx + torch.arange(n))[:, None]  # [n, 1]
+        w, s = windows[b], sinks[b]
+        seen = (pos[None] <= qpos) & ((w == 0) | (pos[None] < s) | (qpos - pos[None] < w - s))  # [n, L]
+        scores = torch.einsum("nhd,lhd->hnl", q[start : start + n].cpu().float(), kk) * scale
+        scores = scores + slopes.cpu()[:, None, None] * (pos[None, None] - qpos[None]).float()
+        scores = scores + key_bias(pos).cpu()[:, None, :]
+        probs = scores.masked_fill(~seen[None], float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hnl,lhd->nhd", probs, vv).reshape(n, -1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("decode", [False, True])
+def test_paged_attention_entry_points_pass_scale_alibi_and_key_bias(decode, windowed, device) -> None:
+    """`paged_attention` (the launcher the layers call) and `paged_attention_ref` hand scale, ALiBi
+    slopes and the key bias to each of their branches (decode / prefill / windowed): both match the
+    biased dense attention written out above, at a scale that is not 1/sqrt(D) (a dropped scale
+    falls back to it). Kills paged_attention 23, 24, 31, 32, 39, 40, 47, 48 and paged_attention_ref
+    8-10, 41, which no test reached: the bias tests call `decode` / `prefill` directly and the
+    windowed ones pass no bias."""
+    from bestiary.core.layers.attention import alibi_slopes
+    from kernel_helpers import assert_close, paged_inputs
+
+    attention = dispatch.family("attention")
+    torch.manual_seed(3)
+    seq, ctx = ([1, 1, 1], [4, 11, 17]) if decode else ([6, 3, 9], [0, 8, 12])
+    h, kvh, d, scale = 4, 2, 16, 0.37
+    q, k, v, meta, kp, vp = paged_inputs(seq, ctx, h, kvh, d, torch.float32, device)
+    windows, sinks = ([5, 0, 7], [2, 0, 0]) if windowed else ([0] * 3, [0] * 3)
+    if windowed:
+        meta.windows, meta.sinks = windows, sinks
+    bounds = meta.window_bounds(0)
+    assert (bounds is not None) == windowed
+    slopes = alibi_slopes(h).to(device) * 4  # steep enough to move the output well past tolerance
+    tilt = torch.linspace(-2.0, 2.0, h, device=device)
+
+    def key_bias(k_pos: torch.Tensor) -> torch.Tensor:  # [L] -> [H, L]: a per-head tilt over positions
+        return tilt[:, None] * torch.cos(k_pos[None, :].float())
+
+    want = _dense_biased(q, meta, seq, ctx, kp, vp, scale, slopes, key_bias, windows, sinks)
+    for slopes_in, kb_in in ((slopes, None), (None, key_bias)):  # each bias must matter on its own
+        plain = _dense_biased(q, meta, seq, ctx, kp, vp, scale, slopes_in if slopes_in is not None else torch.zeros(h),
+                              kb_in or (lambda p: torch.zeros(h, p.numel())), windows, sinks)
+        assert (plain - want).abs().max() > 0.05
+    ref = attention.paged_attention_ref(q, k, v, meta, kp, vp, scale, slopes, key_bias, bounds)
+    assert_close(ref.cpu(), want, torch.float32)
+    out = attention.paged_attention(q, k, v, meta, kp, vp, scale, slopes, key_bias, bounds)
+    assert_close(out.cpu(), want, torch.float32)
+
+
+def test_moe_route_renormalizes_by_default(device) -> None:
+    """Mixtral's rule is the default: the top-k softmax weights sum to 1 per token without an
+    argument (moe_route_ref 1 made the default False; the tests always passed it)."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 8, device=device)
+    for route in (moe.moe_route_ref, moe.moe_route):
+        weights, experts = route(logits, 2)
+        top = torch.softmax(logits.float(), -1).topk(2, -1)
+        assert torch.equal(experts.sort(-1).values.cpu(), top.indices.sort(-1).values.cpu())
+        torch.testing.assert_close(weights.sum(-1).cpu(), torch.ones(5), rtol=1e-5, atol=1e-5)
