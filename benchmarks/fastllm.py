@@ -104,7 +104,7 @@ def prepare_speed(hf_dir: Path, work: Path, dtype: str, from_flm: bool) -> tuple
                     show_progress=False)
     if not (work / f"engine_{tag}" / "config.json").is_file():
         build_engine(ours_ck, work / f"engine_{tag}", BuildConfig(max_batch_size=1, max_seq_len=256))
-    label = {"float16": "bf16", "int8": "W8A16", "int4": "W4A16 g128"}[dtype]
+    label = {"float16": "bf16", "int8": "W8A16", "int4": f"W4A16 g{QUANT['int4'][1]}"}[dtype]
     if from_flm:
         label = f"ftllm's .flm, {'W8A16' if dtype == 'int8' else 'W4A16'} + activation_quant fastllm_uint8"
     return flm, work / f"engine_{tag}", label
@@ -146,17 +146,18 @@ def measure_one(side: str, path: Path, n: int, repeats: int, threads: int) -> li
     return rates
 
 
-def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: int,
+def speed(hf_dir: Path, work: Path, dtype: str, n: int, repeats: int, threads: int, ftllm_threads: int,
           from_flm: bool = False) -> tuple[float, float, str]:
-    """ftllm's and bestiary's decode tok/s (medians): each side in its own process, alternating, twice."""
+    """ftllm's and bestiary's decode tok/s (medians): each side in its own process, alternating, twice;
+    ftllm with `ftllm_threads` workers, bestiary with `threads`."""
     import json
 
     flm, engine, label = prepare_speed(hf_dir, work, dtype, from_flm)
     rates: dict[str, list[float]] = {"ours": [], "theirs": []}
     for _ in range(2):
-        for side, path in (("theirs", flm), ("ours", engine)):
+        for side, path, k in (("theirs", flm, ftllm_threads), ("ours", engine, threads)):
             out = subprocess.run([sys.executable, __file__, "--measure", side, str(path), "--new_tokens", str(n),
-                                  "--repeats", str(repeats), "--threads", str(threads)],
+                                  "--repeats", str(repeats), "--threads", str(k)],
                                  capture_output=True, text=True, check=True).stdout
             rates[side] += json.loads(out.strip().splitlines()[-1])
     return statistics.median(rates["theirs"]), statistics.median(rates["ours"]), label
@@ -170,6 +171,10 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ftllm_threads", type=int, default=None,
+                        help="ftllm's CPU workers (default: --threads - 1, at least 1). Its pool spins and its "
+                             "calling thread works too: with as many workers as cores, it starves itself "
+                             "(0.35 tok/s at 2 workers on 2 cores, 39 at 1, SmolLM2 int8).")
     parser.add_argument("--dtypes", nargs="+", default=["float16", "int8", "int4"])
     parser.add_argument("--workdir", default=None, help="Keep the exports here (default: a temporary dir).")
     parser.add_argument("--skip_agreement", action="store_true")
@@ -192,14 +197,15 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         hf_dir = untied_smollm2(work / "smollm2_hf")
         if not args.skip_speed:
-            table = Table(title=f"batch-1 decode tok/s, {args.new_tokens} tokens, median of {args.repeats}, "
-                                f"{args.threads} threads")
+            ft_threads = args.ftllm_threads or max(1, args.threads - 1)
+            table = Table(title=f"batch-1 decode tok/s, {args.new_tokens} tokens, median of {2 * args.repeats}, "
+                                f"bestiary {args.threads} threads, ftllm {ft_threads} worker(s) + its caller")
             for col in ("dtype", "ftllm", "bestiary", "bestiary / ftllm"):
                 table.add_column(col)
             for dtype in args.dtypes:
                 for from_flm in (False, True) if dtype != "float16" else (False,):
                     ft, ours, label = speed(hf_dir, work, dtype, args.new_tokens, args.repeats, args.threads,
-                                            from_flm)
+                                            ft_threads, from_flm)
                     table.add_row(f"{dtype} (bestiary {label})", f"{ft:.1f}", f"{ours:.1f}", f"{ours / ft:.2f}x")
             console.print(table)
         if not args.skip_agreement:

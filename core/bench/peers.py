@@ -239,7 +239,9 @@ class FastLLMSystem:
             raise PeerSkipped(f"{model_dir}: FastLLM 1.9.0 needs an untied lm_head (give --hf_model a .gguf)")
         if not (model_dir / "tokenizer_config.json").is_file():  # ftllm exits the process without one
             raise PeerSkipped(f"{model_dir}: FastLLM needs tokenizer_config.json beside the weights")
-        llm.set_cpu_threads(threads)
+        # its pool spins while waiting and the calling thread computes too: `threads` workers on
+        # `threads` cores starve it (0.35 tok/s at 2 on 2 cores, 39 at 1: docs/fastllm.md)
+        llm.set_cpu_threads(max(1, threads - 1))
         self.model = llm.model(str(model_dir), dtype=dtype)
         self.max_prompt_len = None
         self.bytes_per_token = None
