@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bestiary.core.cpu import build, ops
+from bestiary.core.quant import packing
 from bestiary.core.quant.kv import as_bytes, quantize_kv
 
 pytestmark = pytest.mark.skipif(build.library() is None, reason="no C compiler: the kernels are not built")
@@ -71,6 +72,42 @@ def test_dequantize_matches_reference(kind, dtype):
     pw = _weight(kind, 48, 100, torch.Generator().manual_seed(1))
     # q * s - s z may be one fused multiply-add in C: equal to float rounding
     torch.testing.assert_close(ops.dequantize(pw, dtype), ops.dequantize_ref(pw).to(dtype))
+
+
+def test_int4_dot_layout_round_trips():
+    """pack_int4_dot: byte j of each 64-feature block holds features j (low) and 32 + j (high)."""
+    codes = torch.randint(0, 16, (3, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # the checkpoint layout: low nibble = even k
+    dot = packing.pack_int4_dot(packed)
+    assert dot[1, 5].item() == codes[1, 5].item() | (codes[1, 37].item() << 4)
+    assert dot[2, 32 + 7].item() == codes[2, 64 + 7].item() | (codes[2, 96 + 7].item() << 4)
+    assert torch.equal(packing.unpack_int4_dot(dot), codes)
+
+
+@pytest.mark.parametrize("group,zp", [(32, True), (64, False), (128, True), (192, False)])
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("xdtype", FLOAT)
+def test_int4_dot_layout_matches_the_checkpoint_layout(cpu_build, group, zp, m, xdtype):
+    """On the AVX-512 + BF16 build int4 weights with K % 64 == 0 are packed in the dot layout
+    (KIND_I4D): bfloat16 inputs run vdpbf16ps on the codes as bfloat16 16 + q (exact), float32
+    inputs an FMA path; both equal the float32 reference to float32 summation error (output
+    float32: no bfloat16 rounding hides an error), and `dequantize` reads the layout too. The
+    other builds keep KIND_I4."""
+    gen = torch.Generator().manual_seed(group + m)
+    n, k = 37, 384  # n: 9 tiles of 4 rows and one row alone; 384 = 2 groups of 192
+    groups = -(-k // group)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, groups, generator=gen) + 0.1
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).float() if zp else None
+    pw = ops.PackedWeight.int4(packed, scale, zeros, group)
+    assert pw.kind == (ops.KIND_I4D if cpu_build == "avx512bf16" else ops.KIND_I4)
+    x = (torch.randn(m, k, generator=gen) * 2).to(xdtype)
+    bias = torch.randn(n, generator=gen)
+    y = ops.linear(x, pw, bias, out_dtype=torch.float32)
+    plain = ops.PackedWeight(ops.KIND_I4, packed, n, k, pw.scale, pw.scale_zero, group)
+    ref = ops.linear_ref(x, plain, bias, out_dtype=torch.float32)
+    assert _rel_err(y, ref) < 2e-6
+    torch.testing.assert_close(ops.dequantize(pw), ops.dequantize_ref(plain))
 
 
 def test_linear_t_is_linear_on_a_transposed_weight():

@@ -128,7 +128,7 @@ def test_int4_rows_not_multiple_of_16_fall_back_to_dequantized():
     lin.fuse()
     lin.quant.set_compute_dtype(lin, torch.float32)
     x = torch.randn(1, 128)
-    assert lin.quant.layout == "checkpoint"
+    assert lin.quant.layout in ("checkpoint", "dot")  # not the aten CPU layout (N % 16 != 0)
     assert (lin(x) - x @ ref_w.t() - lin.bias).abs().max() < 1e-4
 
 

@@ -26,6 +26,7 @@
  *   DT_I4 = 3    int4 weights, two per byte (low nibble = even k), float scale s and s * zero
  *                per row and group of G input features
  *   DT_F8 = 4    float8 e4m3fn KV cache codes (DT_I8 too: int8 KV codes), x ~ code * scale
+ *   DT_I4D = 5   DT_I4 in the dot layout (int4d_tile_bf16): the AVX-512 + BF16 build only
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -52,7 +53,7 @@
 #define BST_BF16DOT (BST_ISA == 3) /* vdpbf16ps: bf16 pairs multiplied exactly, summed in float32 */
 #define BST_SIMD (BST_ISA > 0)
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4, DT_I4D = 5 };
 #define INLINE static inline __attribute__((always_inline))
 
 /* the ISA this library was built for: 3 AVX-512 + BF16, 2 AVX-512, 1 AVX2 + FMA + F16C, 0 scalar */
@@ -543,6 +544,129 @@ static void int4_rows(const float *xf, const float *xp, const float *xsum, int64
     }
 }
 
+/* int4 in the dot layout (DT_I4D; only the vdpbf16ps build packs it, k % 64 == 0): per row,
+ * blocks of 64 features in 32 bytes, byte j of block b = code(64 b + j) | code(64 b + 32 + j) << 4,
+ * so each nibble plane is 32 consecutive features and pairs with 32 consecutive inputs; s and
+ * sz = s * zero as for DT_I4. With bfloat16 inputs a code q becomes the bfloat16 16 + q (bits
+ * 0x4180 | q << 3: exact), one vdpbf16ps per 32-feature chunk multiplies the pairs exactly and
+ * sums them in float32, and
+ *     W x = sum_g s_g sum_{k in g} x_k (16 + q_k) - (16 s_g + sz_g) sum_{k in g} x_k.
+ * float32 inputs take the FMA path on the same layout: sum_g s_g sum_{k in g} x_k q_k - sz_g xsum_g.
+ * cg[c]: the group of chunk c (features 32 c .. 32 c + 31). */
+#if BST_BF16DOT
+INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, const uint8_t *w, const float *s, int64_t groups,
+                            const int32_t *cg, int64_t row0, int R, int M, float res[4][MT]) {
+    const __m512i one6 = _mm512_set1_epi16(0x4180), code = _mm512_set1_epi16(0x0078);
+    __m512 tot[4][MT][2];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) tot[r][i][0] = tot[r][i][1] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 64) {
+        __m512i x0[MT], x1[MT];
+        for (int i = 0; i < M; i++) {
+            x0[i] = _mm512_loadu_si512(x + i * k + kk);
+            x1[i] = _mm512_loadu_si512(x + i * k + kk + 32);
+        }
+        const int32_t *g = cg + kk / 32;
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w + (row0 + r) * (k / 2);
+            if (kk % 128 == 0) /* a row is a few cache lines: fetch the next tile's early */
+                _mm_prefetch((const char *)(wr + R * (k / 2) + kk / 2), _MM_HINT_T0);
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr + kk / 2))); /* [32] u16 */
+            /* (b << 3 & 0x78) | 0x4180: the bfloat16 16 + q of each low nibble; >> 1: the high ones */
+            __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
+            __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
+            __m512 s0 = _mm512_set1_ps(s[(row0 + r) * groups + g[0]]), s1 = _mm512_set1_ps(s[(row0 + r) * groups + g[1]]);
+            for (int i = 0; i < M; i++) {
+                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q0, (__m512bh)x0[i]);
+                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q1, (__m512bh)x1[i]);
+                tot[r][i][0] = _mm512_fmadd_ps(d0, s0, tot[r][i][0]);
+                tot[r][i][1] = _mm512_fmadd_ps(d1, s1, tot[r][i][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(_mm512_add_ps(tot[r][i][0], tot[r][i][1]));
+}
+
+INLINE void int4d_tile_f32(const float *x, int64_t k, const uint8_t *w, const float *s, int64_t groups,
+                           const int32_t *cg, int64_t row0, int R, int M, float res[4][MT]) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m512 tot[4][MT];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) tot[r][i] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 64) {
+        const int32_t *g = cg + kk / 32;
+        for (int r = 0; r < R; r++) {
+            const uint8_t *wr = w + (row0 + r) * (k / 2) + kk / 2;
+            __m128i b0 = _mm_loadu_si128((const __m128i *)wr), b1 = _mm_loadu_si128((const __m128i *)(wr + 16));
+            __m512 q[4]; /* features kk + 16 j .. kk + 16 j + 15 */
+            q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, low4)));
+            q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, low4)));
+            q[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), low4)));
+            q[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), low4)));
+            __m512 s0 = _mm512_set1_ps(s[(row0 + r) * groups + g[0]]), s1 = _mm512_set1_ps(s[(row0 + r) * groups + g[1]]);
+            for (int i = 0; i < M; i++) {
+                const float *xi = x + i * k + kk;
+                __m512 d0 = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xi + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(xi)));
+                __m512 d1 = _mm512_fmadd_ps(q[3], _mm512_loadu_ps(xi + 48), _mm512_mul_ps(q[2], _mm512_loadu_ps(xi + 32)));
+                tot[r][i] = _mm512_fmadd_ps(d1, s1, _mm512_fmadd_ps(d0, s0, tot[r][i]));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(tot[r][i]);
+}
+
+/* DT_I4D rows [r_begin, r_end) of y for all m inputs: tiles of 4 rows x 1 input or 1 row x up to
+ * 4; xb: the bfloat16 inputs (or NULL: xf, float32), xsum [m, groups] the inputs' group sums. */
+static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, int64_t m, int64_t k,
+                       const uint8_t *w, const float *s, const float *sz, int64_t group, const float *bias, void *y,
+                       int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
+    const int64_t groups = (k + group - 1) / group;
+    int32_t *cg = (int32_t *)malloc(sizeof(int32_t) * (size_t)(k / 32));
+    for (int64_t c = 0; c < k / 32; c++) cg[c] = (int32_t)(c * 32 / group);
+    const float offset = xb ? 16.f : 0.f; /* the codes' bfloat16 offset (16 + q) */
+    for (int64_t i0 = 0; i0 < m; i0 += MT) {
+        int M = m - i0 >= MT ? MT : (int)(m - i0);
+        for (int64_t row0 = r_begin; row0 < r_end;) {
+            int R = M == 1 && r_end - row0 >= 4 ? 4 : 1;
+            float res[4][MT];
+            if (xb) {
+                const uint16_t *xi = xb + i0 * k;
+                if (R == 4) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 4, 1, res);
+                else if (M == 1) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 1, res);
+                else if (M == 2) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 2, res);
+                else if (M == 3) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 3, res);
+                else int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 4, res);
+            } else {
+                const float *xi = xf + i0 * k;
+                if (R == 4) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 4, 1, res);
+                else if (M == 1) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 1, res);
+                else if (M == 2) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 2, res);
+                else if (M == 3) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 3, res);
+                else int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 4, res);
+            }
+            for (int r = 0; r < R; r++) {
+                const float *sr = s + (row0 + r) * groups, *szr = sz + (row0 + r) * groups;
+                for (int i = 0; i < M; i++) {
+                    float v = res[r][i];
+                    for (int64_t gi = 0; gi < groups; gi++) v -= (offset * sr[gi] + szr[gi]) * xsum[(i0 + i) * groups + gi];
+                    store_f(y, ydt, (i0 + i) * n + row0 + r, v + (bias ? bias[row0 + r] : 0.f));
+                }
+            }
+            row0 += R;
+        }
+    }
+    free(cg);
+}
+#endif
+
+/* the code of feature kk of a DT_I4D row (the dot layout above) */
+INLINE int int4d_code(const uint8_t *wr, int64_t kk) {
+    uint8_t byte = wr[kk / 64 * 32 + kk % 32];
+    return (kk % 64 < 32) ? byte & 15 : byte >> 4;
+}
+
 /* Float weights held transposed, Wt [k, n] (the layout the CPU GEMMs of torch read too):
  * y[i, c] = sum_k x[i, k] Wt[k, c]. A tile is M inputs x C vectors of VW columns; each step
  * over k loads C weight vectors and broadcasts M inputs. Column blocks of 64 stay in L2
@@ -827,6 +951,14 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
             for (int64_t kk = 0; kk < kb; kk++) xsum[i * groups + kk / group] += xf[i * k + kk];
 #endif
     }
+#if BST_BF16DOT
+    if (wdt == DT_I4D) { /* the inputs' group sums (the zero point and the codes' offset) */
+        int64_t groups = (k + group - 1) / group;
+        xsum = (float *)calloc((size_t)(m * groups), sizeof(float));
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t kk = 0; kk < k; kk++) xsum[i * groups + kk / group] += xf[i * k + kk];
+    }
+#endif
     int parts = threads < 1 ? 1 : threads;
     if (n < 64 * parts) parts = 1;
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
@@ -839,6 +971,11 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
             cols_range(xf, x2, m, k, w, wdt, bias, y, ydt, n, cb < n ? cb : n, ce < n ? ce : n);
         } else if (wdt == DT_I4)
             int4_rows(xf, xp, xsum, m, k, (const uint8_t *)w, scale, sz, group, bias, y, ydt, n, b, e);
+#if BST_BF16DOT
+        else if (wdt == DT_I4D)
+            int4d_rows(xf, xdt == DT_BF16 ? (const uint16_t *)x : NULL, xsum, m, k, (const uint8_t *)w, scale, sz, group,
+                       bias, y, ydt, n, b, e);
+#endif
         else
             dense_rows(xf, m, k, w, wdt, wdt == DT_I8 ? scale : NULL, bias, y, ydt, n, b, e);
     }
@@ -847,11 +984,11 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
     free(xf);
 }
 
-/* W [n, k] (I8 with scale / I4 with s, sz) -> float rows [n, k] in ydt: the dequantized
+/* W [n, k] (I8 with scale / I4, I4D with s, sz) -> float rows [n, k] in ydt: the dequantized
  * weight the prefill GEMM multiplies by. */
 void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *scale, const float *sz,
                     int64_t group, void *y, int ydt, int threads) {
-    int64_t groups = wdt == DT_I4 ? (k + group - 1) / group : 1;
+    int64_t groups = wdt == DT_I4 || wdt == DT_I4D ? (k + group - 1) / group : 1;
 #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
     for (int64_t row = 0; row < n; row++) {
         for (int64_t kk = 0; kk < k; kk++) {
@@ -860,6 +997,9 @@ void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *s
                 v = (float)((const int8_t *)w)[row * k + kk] * scale[row];
             } else if (wdt == DT_I4) {
                 v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
+            } else if (wdt == DT_I4D) {
+                v = (float)int4d_code((const uint8_t *)w + row * (k / 2), kk) * scale[row * groups + kk / group] -
+                    sz[row * groups + kk / group];
             } else {
                 v = NAN; /* float weights are not dequantized */
             }

@@ -33,7 +33,7 @@ from bestiary.core.quant import packing
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale
 MAX_HEAD_DIM = 512  # decode_attention keeps a head's q, output and one K/V row in stack buffers
-KIND_F32, KIND_BF16, KIND_I8, KIND_I4 = 0, 1, 2, 3
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D = 0, 1, 2, 3, 5
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -60,6 +60,9 @@ class PackedWeight:
     kind KIND_I8: weight int8 [n, k], W = q * scale[:, None], scale float32 [n].
     kind KIND_I4: weight uint8 [n, k/2] (low nibble = even k), W[:, j] = q * s - s * z with
     s = scale [n, groups], s * z = scale_zero [n, groups] (float32), groups of `group` features.
+    kind KIND_I4D: the same codes in the dot layout the AVX-512 + BF16 build reads with vdpbf16ps
+    (`int4` packs it there when k % 64 == 0): per row, blocks of 64 features in 32 bytes, byte j
+    of block b = code(64 b + j) | code(64 b + 32 + j) << 4 (`packing.pack_int4_dot`).
     """
 
     kind: int
@@ -83,18 +86,29 @@ class PackedWeight:
         return cls(KIND_I8, q.contiguous(), q.shape[0], q.shape[1], scale.float().contiguous())
 
     @classmethod
-    def int4(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int) -> PackedWeight:
+    def int4(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int,
+             dot: bool = False) -> PackedWeight:
         """uint8 packed [n, k/2], scale [n, groups], zeros [n, groups] or None (symmetric: 8);
-        group a multiple of 32 (the kernel's block)."""
+        group a multiple of 32 (the kernel's block). dot: `packed` already is in the dot layout;
+        else a copy is repacked into it where `dot_layout_fits`."""
         if group % 32:
             raise ValueError(f"int4 group size {group}: the compiled kernel needs a multiple of 32")
         s = scale.float().contiguous()
         z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
-        return cls(KIND_I4, packed.contiguous(), packed.shape[0], packed.shape[1] * 2, s, (s * z).contiguous(), group)
+        n, k = packed.shape[0], packed.shape[1] * 2
+        if not dot and dot_layout_fits(k):  # vdpbf16ps: ~1.5x the GEMV
+            packed, dot = packing.pack_int4_dot(packed), True
+        return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, (s * z).contiguous(), group)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.scale_zero) if t is not None)
+
+
+def dot_layout_fits(k: int) -> bool:
+    """True when this build packs int4 weights of K input features in the dot layout (KIND_I4D)."""
+    lib = library()
+    return lib is not None and lib.bst_isa() == 3 and k % packing.DOT_BLOCK == 0
 
 
 def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
@@ -119,7 +133,7 @@ def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torc
 
 def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The int8 / int4 weight W [N, K] in `dtype` (float32 / bfloat16)."""
-    if pw.kind not in (KIND_I8, KIND_I4):
+    if pw.kind not in (KIND_I8, KIND_I4, KIND_I4D):
         raise ValueError("dequantize: only int8 / int4 weights")
     out = torch.empty(pw.n, pw.k, dtype=dtype)
     library().bst_dequantize(pw.weight.data_ptr(), pw.kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
@@ -134,7 +148,7 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         return w.float().t()
     if pw.kind == KIND_I8:
         return w.float() * pw.scale[:, None]
-    codes = packing.unpack_int4(w).float()  # [N, K]
+    codes = (packing.unpack_int4_dot(w) if pw.kind == KIND_I4D else packing.unpack_int4(w)).float()  # [N, K]
     s = pw.scale.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     sz = pw.scale_zero.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     return codes * s - sz

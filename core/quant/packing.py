@@ -97,6 +97,25 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
+DOT_BLOCK = 64  # the int4 dot layout: features per block of 32 bytes
+
+
+def pack_int4_dot(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] (pack_int4's layout) -> the same codes in the dot layout [N, K/2] that the
+    compiled vdpbf16ps GEMV reads (core.cpu): per block of 64 features, byte j = code(j) |
+    code(32 + j) << 4, so each nibble plane holds 32 consecutive features (K % 64 == 0)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    codes = unpack_int4(packed).view(n, k // DOT_BLOCK, 2, DOT_BLOCK // 2)  # [N, blocks, plane, 32]
+    return (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4_dot(weight: torch.Tensor) -> torch.Tensor:
+    """The dot layout [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4_dot before packing)."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    blocks = weight.reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
+    return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, k)  # [N, blocks, plane, 32] -> [N, K]
+
+
 @dataclass
 class Int4Codes:
     """One int4 linear before packing: codes uint8 [N, K] (0..15), s and z float32 [N, groups] (z None: 8)."""

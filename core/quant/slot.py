@@ -7,7 +7,9 @@ and adds `weights_scaling_factor` (and `zeros`) parameters, so the checkpoint na
 After loading, `prepare(linear)` repacks for the device that will run it:
 
     CPU with the compiled kernels (core.cpu): the checkpoint layout as it is, scales as
-                float32 (a core.cpu.ops.PackedWeight); no repacking
+                float32 (a core.cpu.ops.PackedWeight); on the avx512bf16 build an int4
+                weight with K % 64 == 0 is repacked in place into the dot layout its
+                vdpbf16ps GEMV reads (packing.pack_int4_dot; back on a move to another device)
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
                 to the compute dtype
     CPU, int4:  weight repacked in place by aten._convert_weight_to_int4pack_for_cpu (same
@@ -170,6 +172,8 @@ class WeightOnlySlot:
         w = linear.weight
         if self.layout == "cpu":
             return packing.unpack_int4_cpu(w)[:, : self.in_local]  # drop the padded features
+        if self.layout == "dot":
+            return packing.unpack_int4_dot(w)
         return packing.unpack_int4(w)
 
     def dequantize(self, linear: nn.Module) -> torch.Tensor:
@@ -187,13 +191,21 @@ class WeightOnlySlot:
         self._perm = False  # in_perm is looked at again on the next matmul
         self._packed = None
         if linear.weight.device.type != "cpu":
+            if self.layout == "dot":  # the device kernels read the checkpoint layout
+                linear.weight = _param(packing.pack_int4(self.codes(linear)))
+                self.layout = "checkpoint"
             return
         s = linear.weights_scaling_factor
         if self.runs_compiled(linear):
             ops = dispatch.cpu_ops()
-            z = getattr(linear, "zeros", None)
-            self._packed = (ops.PackedWeight.int8(linear.weight, s) if self.lq.bits == 8
-                            else ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size))
+            if self.lq.bits == 8:
+                self._packed = ops.PackedWeight.int8(linear.weight, s)
+                return
+            if self.layout == "checkpoint" and ops.dot_layout_fits(linear.weight.shape[1] * 2):  # in place: one copy
+                linear.weight = _param(packing.pack_int4_dot(linear.weight.data))
+                self.layout = "dot"
+            self._packed = ops.PackedWeight.int4(linear.weight, s, getattr(linear, "zeros", None), self.lq.group_size,
+                                                 dot=self.layout == "dot")
             return
         if self.lq.bits == 8:
             self._kernel_scales = s.to(self.compute_dtype).contiguous()
@@ -210,9 +222,9 @@ class WeightOnlySlot:
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
 
     def runs_compiled(self, linear: nn.Module) -> bool:
-        """True when the compiled CPU kernels (core.cpu) run this layer, in the checkpoint layout."""
+        """True when the compiled CPU kernels (core.cpu) run this layer (checkpoint or dot layout)."""
         kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
-        return (self.layout == "checkpoint" and kernel_group
+        return (self.layout in ("checkpoint", "dot") and kernel_group
                 and dispatch.use_cpu_kernels(linear.weights_scaling_factor))
 
     def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
