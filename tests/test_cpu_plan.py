@@ -138,6 +138,9 @@ def test_plan_rebuilt_for_new_pools(hf_dir, tmp_path):
     assert plan.same_pools(list(kv.k), list(kv.v))
     other = [torch.zeros_like(p) for p in kv.k]
     assert not plan.same_pools(other, list(kv.v))
+    # the stacked pools (what DecoderLM passes each step) read as the same layers, another stack does not
+    assert isinstance(kv.k, torch.Tensor) and plan.same_pools(kv.k, kv.v)
+    assert not plan.same_pools(torch.zeros_like(kv.k), kv.v) and not plan.same_pools(kv.k[:-1], kv.v)
 
 
 def test_profiled_plan_times_every_record_and_gives_the_same_logits(hf_dir, tmp_path):
