@@ -44,12 +44,19 @@ def mode_settings() -> dict:
             "W4A16": ("bfloat16", QuantConfig(quant_algo="W4A16"))}
 
 
-def use_isa(isa: str) -> None:
-    """Force the kernel build for the rest of the process (the next op loads it)."""
+def use_isa(isa: str, model=None) -> None:
+    """Force the kernel build for the rest of the process (the next op loads it); `model`'s
+    quantized weights are prepared again for it (int4 is held in the dot layout only on
+    avx512bf16) and its decode plans rebuilt."""
     from bestiary.core.cpu import build
 
     os.environ[build.ISA_ENV_VAR] = isa
     build.library.cache_clear()
+    if model is not None:
+        for module in model.modules():
+            if getattr(module, "quant", None) is not None and hasattr(module.quant, "prepare"):
+                module.quant.prepare(module)
+        model.__dict__.pop("_decode_plans", None)
 
 
 def op_cases() -> dict:
@@ -162,12 +169,12 @@ def main() -> None:
             names = list(runners)
             for name in names:  # warm-up (and each build compiled before any timing)
                 if name != LLAMA_CPP:
-                    use_isa(name)
+                    use_isa(name, llm.engine.model)
                 runners[name](4)
             for r in range(args.repeats):
                 for name in names[r % len(names):] + names[: r % len(names)]:
                     if name != LLAMA_CPP:
-                        use_isa(name)
+                        use_isa(name, llm.engine.model)
                     rates.setdefault((mode, name), []).append(decode_rate(runners[name], args.new_tokens))
             del llm
             gc.collect()

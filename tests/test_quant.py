@@ -132,6 +132,43 @@ def test_int4_rows_not_multiple_of_16_fall_back_to_dequantized():
     assert (lin(x) - x @ ref_w.t() - lin.bias).abs().max() < 1e-4
 
 
+def test_int4_layout_follows_the_kernel_build(monkeypatch):
+    """On a build with the vdpbf16ps int4 GEMV the weight is repacked in place into the dot layout
+    (codes unchanged); prepared again under a build without it (BESTIARY_CPU_ISA switched in-process,
+    benchmarks/cpu_isa.py) it goes back to the checkpoint layout, and both give the same outputs."""
+    from bestiary.core.cpu import ops
+    from bestiary.core.quant import packing
+
+    lin, _ = _quant_linear(LinearQuant("W4A16", 4, 64, True), n=40, k=128)
+    checkpoint_bytes, codes = lin.weight.detach().clone(), lin.quant.codes(lin)
+    lin.fuse()
+    if lin.quant.layout != "dot":
+        pytest.skip("this CPU has no avx512bf16 kernel build")
+    assert torch.equal(lin.weight, packing.pack_int4_dot(checkpoint_bytes)) and torch.equal(lin.quant.codes(lin), codes)
+    x = torch.randn(2, 128).bfloat16()
+    y_dot = lin(x)
+    monkeypatch.setattr(ops, "dot_layout_fits", lambda k: False)
+    lin.quant.prepare(lin)
+    assert lin.quant.layout == "checkpoint" and torch.equal(lin.weight, checkpoint_bytes)
+    assert lin.quant._packed.kind == ops.KIND_I4
+    torch.testing.assert_close(lin(x).float(), y_dot.float(), rtol=1e-2, atol=1e-2)  # bf16 outputs
+
+
+def test_int4_dot_layout_refused_by_other_builds(monkeypatch):
+    """A weight packed for the avx512bf16 build is never handed to another one."""
+    from bestiary.core.cpu import ops
+
+    class OtherBuild:
+        def bst_isa(self) -> int:
+            return 2
+
+    pw = ops.PackedWeight(ops.KIND_I4D, torch.zeros(4, 32, dtype=torch.uint8), 4, 64, torch.ones(4, 1),
+                          torch.zeros(4, 1), 64)
+    monkeypatch.setattr(ops, "library", lambda: OtherBuild())
+    with pytest.raises(ValueError, match="avx512bf16"):
+        ops.linear(torch.zeros(1, 64), pw)
+
+
 # --- checkpoints ---------------------------------------------------------------------------
 def dequantize_by_hand(tensors: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
     """The float weight [N, K] of `prefix` from the stored tensors, written out from the layout doc."""

@@ -971,11 +971,15 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
             cols_range(xf, x2, m, k, w, wdt, bias, y, ydt, n, cb < n ? cb : n, ce < n ? ce : n);
         } else if (wdt == DT_I4)
             int4_rows(xf, xp, xsum, m, k, (const uint8_t *)w, scale, sz, group, bias, y, ydt, n, b, e);
+        else if (wdt == DT_I4D) {
 #if BST_BF16DOT
-        else if (wdt == DT_I4D)
             int4d_rows(xf, xdt == DT_BF16 ? (const uint16_t *)x : NULL, xsum, m, k, (const uint8_t *)w, scale, sz, group,
                        bias, y, ydt, n, b, e);
+#else /* packed for the avx512bf16 build: NaN rather than a plausible wrong answer */
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t r = b; r < e; r++) store_f(y, ydt, i * n + r, NAN);
 #endif
+        }
         else
             dense_rows(xf, m, k, w, wdt, wdt == DT_I8 ? scale : NULL, bias, y, ydt, n, b, e);
     }

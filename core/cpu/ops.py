@@ -123,6 +123,8 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torch.Tensor:
+    if kind == KIND_I4D and library().bst_isa() != 3:
+        raise ValueError("an int4 weight in the dot layout needs the avx512bf16 kernel build (prepare it again)")
     x = x.contiguous()
     m = x.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)

@@ -9,7 +9,8 @@ After loading, `prepare(linear)` repacks for the device that will run it:
     CPU with the compiled kernels (core.cpu): the checkpoint layout as it is, scales as
                 float32 (a core.cpu.ops.PackedWeight); on the avx512bf16 build an int4
                 weight with K % 64 == 0 is repacked in place into the dot layout its
-                vdpbf16ps GEMV reads (packing.pack_int4_dot; back on a move to another device)
+                vdpbf16ps GEMV reads (packing.pack_int4_dot; back on a move to another device
+                or when prepared again under a build without that GEMV)
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
                 to the compute dtype
     CPU, int4:  weight repacked in place by aten._convert_weight_to_int4pack_for_cpu (same
@@ -201,9 +202,13 @@ class WeightOnlySlot:
             if self.lq.bits == 8:
                 self._packed = ops.PackedWeight.int8(linear.weight, s)
                 return
-            if self.layout == "checkpoint" and ops.dot_layout_fits(linear.weight.shape[1] * 2):  # in place: one copy
+            dot = ops.dot_layout_fits(linear.weight.shape[1] * 2)  # this build reads the dot layout
+            if self.layout == "checkpoint" and dot:  # in place: one copy
                 linear.weight = _param(packing.pack_int4_dot(linear.weight.data))
                 self.layout = "dot"
+            elif self.layout == "dot" and not dot:  # another build loaded since (BESTIARY_CPU_ISA)
+                linear.weight = _param(packing.pack_int4(self.codes(linear)))
+                self.layout = "checkpoint"
             self._packed = ops.PackedWeight.int4(linear.weight, s, getattr(linear, "zeros", None), self.lq.group_size,
                                                  dot=self.layout == "dot")
             return
