@@ -177,3 +177,68 @@ def test_moe_route_renormalizes_by_default(device) -> None:
         top = torch.softmax(logits.float(), -1).topk(2, -1)
         assert torch.equal(experts.sort(-1).values.cpu(), top.indices.sort(-1).values.cpu())
         torch.testing.assert_close(weights.sum(-1).cpu(), torch.ones(5), rtol=1e-5, atol=1e-5)
+
+
+def _step(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose last stride is 2 (any rank)."""
+    wide = t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose second-to-last stride is 1 (the last two dims swapped in memory)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def test_more_launchers_guard_their_strides(device) -> None:
+    """grouped_gemm and lora_sgmv copy an input whose last dim is strided or transposed (equal to
+    contiguous); the activation, rotary and attention launchers refuse one with a ValueError whose
+    whole text is checked (their kernels read rows as dense): kills the `stride(-2)` checks of
+    grouped_gemm 21 and lora_sgmv, paged_attention 1, 2, and the message mutants rotary._launch 21,
+    activations._launch 33 (other stride mutants are equivalent: `and False` only copies,
+    `stride(+1)` is `stride(-1)` on 2-D inputs)."""
+    torch.manual_seed(5)
+    a = torch.randn(6, 40, device=device)
+    w = torch.randn(3, 24, 40, device=device) / 40**0.5
+    experts = torch.randint(0, 3, (6, 2), device=device)
+    want = moe.grouped_gemm(a, w, experts, 2, None, block_m=16, block_n=32, block_k=32)
+    for a_in, w_in in ((_step(a), w), (a, _step(w)), (_transposed(a), w), (a, _transposed(w))):
+        torch.testing.assert_close(moe.grouped_gemm(a_in, w_in, experts, 2, None, block_m=16, block_n=32, block_k=32),
+                                   want)
+    lora = dispatch.family("lora")
+    x = torch.randn(5, 32, device=device)
+    la, lb = torch.randn(2, 4, 32, device=device), torch.randn(2, 48, 4, device=device)
+    args = (torch.tensor([0, 2, 5], dtype=torch.int32, device=device), torch.tensor([1, 0], dtype=torch.int32, device=device),
+            torch.tensor([4, 3], dtype=torch.int32, device=device), torch.tensor([0.5, 2.0], device=device))
+    want = lora.lora_sgmv(x, la, lb, *args, block_n=32, block_k=32)
+    for view in (_step, _transposed):
+        for inputs in ((view(x), la, lb), (x, view(la), lb), (x, la, view(lb))):
+            torch.testing.assert_close(lora.lora_sgmv(*inputs, *args, block_n=32, block_k=32), want)
+
+    acts = dispatch.family("activations")
+    f, g = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
+    refused = "^activation kernel: inputs need a unit last stride$"  # the whole message: a user reads it
+    for bad in ((_step(f), g), (f, _step(g))):
+        with pytest.raises(ValueError, match=refused):
+            acts.act_and_mul(*bad, "silu")
+    with pytest.raises(ValueError, match=refused):
+        acts.activation(_step(f), "gelu")
+    fused = torch.randn(4, 32, device=device)  # the two halves of a fused [T, 2I]: rows apart, unit last stride
+    torch.testing.assert_close(acts.act_and_mul(fused[:, :16], fused[:, 16:], "silu"),
+                               acts.act_and_mul_ref(fused[:, :16], fused[:, 16:], "silu"))
+
+    rot = dispatch.family("rotary")
+    xr, cos, sin = torch.randn(3, 2, 8, device=device), torch.rand(3, 1, 4, device=device), torch.rand(3, 1, 4, device=device)
+    for bad in ((_step(xr), cos, sin), (xr, _step(cos), sin), (xr, cos, _step(sin))):
+        with pytest.raises(ValueError, match="^rotary kernel: x, cos and sin need a unit last stride$"):
+            rot.apply_rotary(*bad, 8, "neox")
+
+    from kernel_helpers import paged_inputs
+
+    attention = dispatch.family("attention")
+    q, k, v, meta, kp, vp = paged_inputs([1, 1], [3, 6], 2, 1, 16, torch.float32, device)
+    for bad in ((_step(q.contiguous()), kp, vp), (q, _step(kp), _step(vp)), (q, kp, _step(vp))):
+        with pytest.raises(ValueError, match="^attention kernel: q and the pools need a unit last stride, K and V "
+                                             "pools one layout$"):
+            attention.paged_attention(bad[0], k, v, meta, bad[1], bad[2], 0.25, None)
