@@ -193,8 +193,7 @@ class WeightOnlySlot:
         self._packed = None
         if linear.weight.device.type != "cpu":
             if self.layout == "dot":  # the device kernels read the checkpoint layout
-                linear.weight = _param(packing.pack_int4(self.codes(linear)))
-                self.layout = "checkpoint"
+                self._to_checkpoint_layout(linear)
             return
         s = linear.weights_scaling_factor
         if self.runs_compiled(linear):
@@ -207,8 +206,7 @@ class WeightOnlySlot:
                 linear.weight = _param(packing.pack_int4_dot(linear.weight.data))
                 self.layout = "dot"
             elif self.layout == "dot" and not dot:  # another build loaded since (BESTIARY_CPU_ISA)
-                linear.weight = _param(packing.pack_int4(self.codes(linear)))
-                self.layout = "checkpoint"
+                self._to_checkpoint_layout(linear)
             self._packed = ops.PackedWeight.int4(linear.weight, s, getattr(linear, "zeros", None), self.lq.group_size,
                                                  dot=self.layout == "dot")
             return
@@ -225,6 +223,11 @@ class WeightOnlySlot:
             self.layout = "cpu"
         z = getattr(linear, "zeros", None)
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
+
+    def _to_checkpoint_layout(self, linear: nn.Module) -> None:
+        """The int4 weight from the dot layout back into the checkpoint layout, in place."""
+        linear.weight = _param(packing.pack_int4(self.codes(linear)))
+        self.layout = "checkpoint"
 
     def runs_compiled(self, linear: nn.Module) -> bool:
         """True when the compiled CPU kernels (core.cpu) run this layer (checkpoint or dot layout)."""
