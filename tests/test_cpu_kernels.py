@@ -75,13 +75,53 @@ def test_dequantize_matches_reference(kind, dtype):
 
 
 def test_int4_dot_layout_round_trips():
-    """pack_int4_dot: byte j of each 64-feature block holds features j (low) and 32 + j (high)."""
-    codes = torch.randint(0, 16, (3, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    """pack_int4_dot: byte j of each 64-feature block holds features j (low) and 32 + j (high); rows
+    in tiles of 4 (here one whole tile and one of 2 rows), a tile's blocks row after row."""
+    codes = torch.randint(0, 16, (6, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # the checkpoint layout: low nibble = even k
-    dot = packing.pack_int4_dot(packed)
-    assert dot[1, 5].item() == codes[1, 5].item() | (codes[1, 37].item() << 4)
-    assert dot[2, 32 + 7].item() == codes[2, 64 + 7].item() | (codes[2, 96 + 7].item() << 4)
-    assert torch.equal(packing.unpack_int4_dot(dot), codes)
+    dot = packing.pack_int4_dot(packed).flatten()
+
+    def byte(r: int, b: int, j: int) -> int:
+        return codes[r, 64 * b + j].item() | (codes[r, 64 * b + 32 + j].item() << 4)
+
+    assert dot[32 * 1 + 5].item() == byte(1, 0, 5)  # tile 0, block 0, row 1
+    assert dot[128 * 1 + 32 * 3 + 7].item() == byte(3, 1, 7)  # tile 0, block 1, row 3
+    assert dot[4 * 64 + 64 * 1 + 32 * 1 + 9].item() == byte(5, 1, 9)  # the short tile: block 1, its row 1
+    assert torch.equal(packing.unpack_int4_dot(packing.pack_int4_dot(packed)), codes)
+    assert torch.equal(packing.unpack_int4_dot(packing.pack_int4_dot(packed[:3])), codes[:3])
+
+
+def test_int8_tiled_layout_round_trips():
+    """pack_int8_tiled: per tile of 8 rows, per block of 16 features, the 8 rows' 16 codes in turn."""
+    q = torch.randint(-127, 128, (16, 48), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    t = packing.pack_int8_tiled(q).flatten()
+    assert t[16 * 3 + 5].item() == q[3, 5].item()  # tile 0, block 0, row 3
+    assert t[128 + 16 * 2 + 7].item() == q[2, 16 + 7].item()  # tile 0, block 1, row 2
+    assert t[8 * 48 + 128 * 2 + 16 * 6 + 1].item() == q[8 + 6, 32 + 1].item()  # tile 1, block 2, row 6
+    assert torch.equal(packing.unpack_int8_tiled(packing.pack_int8_tiled(q)), q)
+    assert packing.int8_tiles_fit(16, 48) and not packing.int8_tiles_fit(12, 48) and not packing.int8_tiles_fit(16, 40)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("xdtype", FLOAT)
+def test_int8_tiled_layout_matches_the_row_major_layout(m, xdtype):
+    """int8 weights with N % 8 == 0 and K % 16 == 0 are held in row tiles (KIND_I8T): the same
+    sums in the same order as the row-major layout, so the outputs are equal bit for bit, on every
+    build; `dequantize` reads the layout too."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 72, 208  # 9 tiles; 13 blocks of 16 features
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) + 0.1
+    pw = ops.PackedWeight.int8(q, scale)
+    plain = ops.PackedWeight(ops.KIND_I8, q, n, k, pw.scale)
+    assert pw.kind == ops.KIND_I8T and ops.PackedWeight.int8(q[:12], scale[:12]).kind == ops.KIND_I8
+    x = torch.randn(m, k, generator=gen).to(xdtype)
+    bias = torch.randn(n, generator=gen)
+    y = ops.linear(x, pw, bias, out_dtype=torch.float32)
+    assert torch.equal(y, ops.linear(x, plain, bias, out_dtype=torch.float32))
+    assert _rel_err(y, ops.linear_ref(x, plain, bias, out_dtype=torch.float32)) < 1e-5
+    torch.testing.assert_close(ops.dequantize(pw), ops.dequantize_ref(plain))
+    torch.testing.assert_close(ops.dequantize_ref(pw), ops.dequantize_ref(plain))
 
 
 @pytest.mark.parametrize("group,zp", [(32, True), (64, False), (128, True), (192, False)])

@@ -154,6 +154,57 @@ def test_int4_layout_follows_the_kernel_build(monkeypatch):
     torch.testing.assert_close(lin(x).float(), y_dot.float(), rtol=1e-2, atol=1e-2)  # bf16 outputs
 
 
+def test_int8_weight_held_in_row_tiles_in_place():
+    """With the compiled kernels an int8 weight (N % 8 == 0, K % 16 == 0) is repacked in place into
+    row tiles (one copy); dequantize reads it back, the aten path (kernels off) and a move to
+    another device get the checkpoint layout again, and all give the same output."""
+    from bestiary.core.quant import packing
+
+    lin, _ = _quant_linear(LinearQuant("W8A16", 8), n=40, k=128)
+    checkpoint_bytes, ref_w = lin.weight.detach().clone(), lin.quant.dequantize(lin)
+    lin.fuse()
+    lin.quant.set_compute_dtype(lin, torch.float32)
+    if not lin.quant.runs_compiled(lin):
+        pytest.skip("no compiled CPU kernels here")
+    assert lin.quant.layout == "tiled" and torch.equal(lin.weight, packing.pack_int8_tiled(checkpoint_bytes))
+    assert torch.equal(lin.quant.dequantize(lin), ref_w)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    y_tiled = lin(x)
+    assert (y_tiled - x @ ref_w.t() - lin.bias).abs().max() < 1e-4
+    with dispatch.kernels_mode("torch"):
+        lin.quant.prepare(lin)
+        assert lin.quant.layout == "checkpoint" and torch.equal(lin.weight, checkpoint_bytes)
+        assert (lin(x) - y_tiled).abs().max() < 1e-4
+    lin.quant.prepare(lin)
+    assert lin.quant.layout == "tiled"
+    lin.to("meta")
+    lin.quant.prepare(lin)
+    assert lin.quant.layout == "checkpoint"
+
+
+def test_int8_tiles_fuse_only_whole_tiles():
+    """Fused int8 members are views of the fused layer's rows: with tiles, only members of whole
+    tiles fuse (rows 8 apart), else each member keeps its own weight."""
+    from bestiary.core.quant.fuse import fuse_quantized
+
+    def members(*rows: int) -> list[Linear]:
+        out = [_quant_linear(LinearQuant("W8A16", 8), n=n, k=64, seed=n)[0] for n in rows]
+        for m in out:
+            m.bias = None
+        return out
+
+    parts = members(16, 24)
+    weights = [m.quant.dequantize(m) for m in parts]
+    fused = fuse_quantized(parts)
+    if not fused.quant.runs_compiled(fused):
+        pytest.skip("no compiled CPU kernels here")
+    fused.quant.set_compute_dtype(fused, torch.float32)
+    x = torch.randn(2, 64)
+    assert fused.quant.layout == "tiled" and (fused(x) - x @ torch.cat(weights).t()).abs().max() < 1e-4
+    assert all(m.quant.layout == "tiled" and torch.equal(m.quant.dequantize(m), w) for m, w in zip(parts, weights))
+    assert fuse_quantized(members(12, 20)) is None
+
+
 def test_int4_dot_layout_refused_by_other_builds(monkeypatch):
     """A weight packed for the avx512bf16 build is never handed to another one."""
     from bestiary.core.cpu import ops

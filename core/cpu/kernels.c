@@ -27,6 +27,7 @@
  *                per row and group of G input features
  *   DT_F8 = 4    float8 e4m3fn KV cache codes (DT_I8 too: int8 KV codes), x ~ code * scale
  *   DT_I4D = 5   DT_I4 in the dot layout (int4d_tile_bf16): the AVX-512 + BF16 build only
+ *   DT_I8T = 6   DT_I8 in row tiles (i8t_off): a tile's GEMV reads one sequential stream
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -53,7 +54,7 @@
 #define BST_BF16DOT (BST_ISA == 3) /* vdpbf16ps: bf16 pairs multiplied exactly, summed in float32 */
 #define BST_SIMD (BST_ISA > 0)
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4, DT_I4D = 5 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4, DT_I4D = 5, DT_I8T = 6 };
 #define INLINE static inline __attribute__((always_inline))
 
 /* the ISA this library was built for: 3 AVX-512 + BF16, 2 AVX-512, 1 AVX2 + FMA + F16C, 0 scalar */
@@ -297,6 +298,16 @@ static void from_f32(const float *src, int64_t n, void *p, int dt) {
 #define ROWS 8  /* most weight rows per tile (a single input row: 8 independent FMA chains) */
 #define MT 4    /* most input rows per tile (each weight vector loaded once, used MT times) */
 
+/* DT_I8T, int8 W [n, k] in tiles of I8T_ROWS rows (n % 8 == 0, k % 16 == 0): per tile, per block
+ * of 16 features, the 8 rows' 16 bytes one after another. A tile's GEMV then reads one sequential
+ * stream (the row-major layout interleaves 8 streams 1 row apart: half the bandwidth). */
+#define I8T_ROWS 8
+#define I8T_K 16
+INLINE int64_t w_off(int dt, int64_t row, int64_t kk, int64_t k) {
+    if (dt != DT_I8T) return row * k + kk;
+    return row / I8T_ROWS * I8T_ROWS * k + kk / I8T_K * (I8T_ROWS * I8T_K) + row % I8T_ROWS * I8T_K + kk % I8T_K;
+}
+
 #if BST_SIMD
 /* out[r][i] = dot(W row row0 + r, x row i) for R rows, M inputs (compile-time after inlining).
  * The weight stream of the row 64 features ahead is prefetched. */
@@ -306,22 +317,29 @@ INLINE void dense_block(const float *x, int64_t k, const void *w, int dt, int64_
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = vzero();
     int64_t kk = 0;
+    const int ldt = dt == DT_I8T ? DT_I8 : dt; /* the element type */
     const int64_t esize = dt == DT_F32 ? 4 : dt == DT_BF16 ? 2 : 1, line = 64 / esize;
     for (; kk + VW <= k; kk += VW) {
         vf xv[MT];
         for (int i = 0; i < M; i++) xv[i] = vloadu(x + i * k + kk);
-        if (kk % line == 0) /* rows are short (a few cache lines): fetch the next tile's rows early */
+        if (dt == DT_I8T) { /* one stream: 512 bytes ahead of this block's two lines */
+            if (kk % I8T_K == 0) {
+                const char *p = (const char *)w + w_off(dt, row0, kk, k) + 512;
+                _mm_prefetch(p, _MM_HINT_T0);
+                _mm_prefetch(p + 64, _MM_HINT_T0);
+            }
+        } else if (kk % line == 0) /* rows are short (a few cache lines): fetch the next tile's rows early */
             for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + ((row0 + R + r) * k + kk) * esize, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
-            vf wv = vload_any(w, dt, (row0 + r) * k + kk);
+            vf wv = vload_any(w, ldt, w_off(dt, row0 + r, kk, k));
             for (int i = 0; i < M; i++) acc[r][i] = vfmadd(wv, xv[i], acc[r][i]);
         }
     }
-    if (kk < k) {
+    if (kk < k) { /* (DT_I8T: k % 16 == 0, never) */
         vf xv[MT];
         for (int i = 0; i < M; i++) xv[i] = vload_any_part(x, DT_F32, i * k + kk, k - kk);
         for (int r = 0; r < R; r++) {
-            vf wv = vload_any_part(w, dt, (row0 + r) * k + kk, k - kk);
+            vf wv = vload_any_part(w, ldt, w_off(dt, row0 + r, kk, k), k - kk);
             for (int i = 0; i < M; i++) acc[r][i] = vfmadd(wv, xv[i], acc[r][i]);
         }
     }
@@ -335,9 +353,9 @@ INLINE void dense_block_scalar(const float *x, int64_t k, const void *w, int dt,
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) {
             float s = 0.f;
-            int64_t base = (row0 + r) * k;
             for (int64_t kk = 0; kk < k; kk++) {
-                float wv = dt == DT_I8 ? (float)((const int8_t *)w)[base + kk] : load_f(w, dt, base + kk);
+                int64_t off = w_off(dt, row0 + r, kk, k);
+                float wv = dt == DT_I8 || dt == DT_I8T ? (float)((const int8_t *)w)[off] : load_f(w, dt, off);
                 s += wv * x[i * k + kk];
             }
             out[r][i] = s;
@@ -378,8 +396,10 @@ static void tile_any(const float *xi, int64_t k, const void *w, int wdt, int64_t
         TILE_SHAPES(DT_F32)
     } else if (wdt == DT_BF16) {
         TILE_SHAPES(DT_BF16)
-    } else {
+    } else if (wdt == DT_I8) {
         TILE_SHAPES(DT_I8)
+    } else {
+        TILE_SHAPES(DT_I8T)
     }
 }
 
@@ -546,16 +566,25 @@ static void int4_rows(const float *xf, const float *xp, const float *xsum, int64
 
 /* int4 in the dot layout (DT_I4D; only the vdpbf16ps build packs it, k % 64 == 0): per row,
  * blocks of 64 features in 32 bytes, byte j of block b = code(64 b + j) | code(64 b + 32 + j) << 4,
- * so each nibble plane is 32 consecutive features and pairs with 32 consecutive inputs; s and
+ * so each nibble plane is 32 consecutive features and pairs with 32 consecutive inputs. Rows are
+ * held in tiles of I4D_ROWS (the last one n % 4 rows): per tile, block by block, the rows' 32
+ * bytes one after another (i4d_off), so a 4-row tile's GEMV reads one sequential stream; s and
  * sz = s * zero as for DT_I4. With bfloat16 inputs a code q becomes the bfloat16 16 + q (bits
  * 0x4180 | q << 3: exact), one vdpbf16ps per 32-feature chunk multiplies the pairs exactly and
  * sums them in float32, and
  *     W x = sum_g s_g sum_{k in g} x_k (16 + q_k) - (16 s_g + sz_g) sum_{k in g} x_k.
  * float32 inputs take the FMA path on the same layout: sum_g s_g sum_{k in g} x_k q_k - sz_g xsum_g.
  * cg[c]: the group of chunk c (features 32 c .. 32 c + 31). */
+#define I4D_ROWS 4
+/* the byte offset of row `row`'s 32 bytes of block kk / 64 in a DT_I4D weight [n, k / 2] */
+INLINE int64_t i4d_off(int64_t row, int64_t kk, int64_t k, int64_t n) {
+    int64_t t0 = row / I4D_ROWS * I4D_ROWS, rows = n - t0 < I4D_ROWS ? n - t0 : I4D_ROWS;
+    return t0 * (k / 2) + kk / 64 * rows * 32 + (row - t0) * 32;
+}
+
 #if BST_BF16DOT
-INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, const uint8_t *w, const float *s, int64_t groups,
-                            const int32_t *cg, int64_t row0, int R, int M, float res[4][MT]) {
+INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, int64_t n, const uint8_t *w, const float *s,
+                            int64_t groups, const int32_t *cg, int64_t row0, int R, int M, float res[4][MT]) {
     const __m512i one6 = _mm512_set1_epi16(0x4180), code = _mm512_set1_epi16(0x0078);
     __m512 tot[4][MT][2];
     for (int r = 0; r < R; r++)
@@ -567,11 +596,12 @@ INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, const uint8_t *w, cons
             x1[i] = _mm512_loadu_si512(x + i * k + kk + 32);
         }
         const int32_t *g = cg + kk / 32;
+        const char *ahead = (const char *)(w + i4d_off(row0, kk, k, n)) + 512; /* one stream: 4 blocks ahead */
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
-            const uint8_t *wr = w + (row0 + r) * (k / 2);
-            if (kk % 128 == 0) /* a row is a few cache lines: fetch the next tile's early */
-                _mm_prefetch((const char *)(wr + R * (k / 2) + kk / 2), _MM_HINT_T0);
-            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr + kk / 2))); /* [32] u16 */
+            const uint8_t *wr = w + i4d_off(row0 + r, kk, k, n);
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)wr)); /* [32] u16 */
             /* (b << 3 & 0x78) | 0x4180: the bfloat16 16 + q of each low nibble; >> 1: the high ones */
             __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
             __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
@@ -588,7 +618,78 @@ INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, const uint8_t *w, cons
         for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(_mm512_add_ps(tot[r][i][0], tot[r][i][1]));
 }
 
-INLINE void int4d_tile_f32(const float *x, int64_t k, const uint8_t *w, const float *s, int64_t groups,
+/* x (one bfloat16 input row) as int4d_tile4_bf16 reads it: per 64-feature block b, 4 vectors of
+ * 16 pairs, lanes 8-15 repeating lanes 0-7: (x[4l], x[4l + 2]), (x[32 + 4l], x[32 + 4l + 2]),
+ * (x[4l + 1], x[4l + 3]), (x[32 + 4l + 1], x[32 + 4l + 3]) of the block, l = 0..7. */
+static uint32_t *int4d_pairs(const uint16_t *x, int64_t k) {
+    uint32_t *xq = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(k / 64 * 64));
+    for (int64_t b = 0; b < k / 64; b++)
+        for (int v = 0; v < 4; v++)
+            for (int l = 0; l < 16; l++) {
+                const uint16_t *xb = x + 64 * b + (v & 1) * 32 + (v >> 1) + 4 * (l % 8);
+                xq[(b * 4 + v) * 16 + l] = xb[0] | (uint32_t)xb[2] << 16;
+            }
+    return xq;
+}
+
+INLINE float hsum8(__m256 a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* [a (8 floats), b (8 floats)] */
+INLINE __m512 halves(float a, float b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+/* 4 rows (a whole tile) x 1 bfloat16 input: one 64-byte load holds two rows' 32 bytes of a block;
+ * its 16-bit word w = code(2w) | code(32 + 2w) << 4 | code(2w + 1) << 8 | code(33 + 2w) << 12 of
+ * the row, so the four nibble planes, each made the bfloat16 16 + q as in int4d_tile_bf16, pair
+ * with the four vectors of int4d_pairs, the low 8 lanes for one row and the high 8 for the other,
+ * without widening. A chunk's sums are kept until its group ends (one scale multiply per group). */
+INLINE void int4d_tile4_bf16(const uint32_t *xq, int64_t k, int64_t n, const uint8_t *w, const float *s,
+                             int64_t groups, const int32_t *cg, int64_t row0, float res[4][MT]) {
+    const __m512i one6 = _mm512_set1_epi16(0x4180), code = _mm512_set1_epi16(0x0078);
+    const int64_t chunks = k / 32;
+    __m512 tot[2], acc[2][2]; /* per row pair; acc[.][0]: the low 32 features of the blocks, [1]: the high */
+    for (int p = 0; p < 2; p++) tot[p] = acc[p][0] = acc[p][1] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 64) {
+        const uint8_t *blk = w + i4d_off(row0, kk, k, n); /* the 4 rows' 32 bytes */
+        const char *ahead = (const char *)blk + 512;
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        const __m512i *xv = (const __m512i *)(xq + kk / 64 * 64);
+        for (int p = 0; p < 2; p++) {
+            __m512i b = _mm512_loadu_si512(blk + 64 * p);
+            __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
+            __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
+            __m512i q2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 5), code, one6, 0xEA);
+            __m512i q3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 9), code, one6, 0xEA);
+            acc[p][0] = _mm512_dpbf16_ps(acc[p][0], (__m512bh)q0, (__m512bh)xv[0]);
+            acc[p][1] = _mm512_dpbf16_ps(acc[p][1], (__m512bh)q1, (__m512bh)xv[1]);
+            acc[p][0] = _mm512_dpbf16_ps(acc[p][0], (__m512bh)q2, (__m512bh)xv[2]);
+            acc[p][1] = _mm512_dpbf16_ps(acc[p][1], (__m512bh)q3, (__m512bh)xv[3]);
+        }
+        for (int h = 0; h < 2; h++) { /* a chunk whose group ends here: its sums times the scale */
+            int64_t c = kk / 32 + h;
+            if (c + 2 < chunks && cg[c + 2] == cg[c]) continue;
+            for (int p = 0; p < 2; p++) {
+                const float *sr = s + (row0 + 2 * p) * groups + cg[c];
+                tot[p] = _mm512_fmadd_ps(acc[p][h], halves(sr[0], sr[groups]), tot[p]);
+                acc[p][h] = _mm512_setzero_ps();
+            }
+        }
+    }
+    for (int p = 0; p < 2; p++) {
+        __m256 lo = _mm512_castps512_ps256(tot[p]);
+        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot[p]), 1));
+        res[2 * p][0] = hsum8(lo);
+        res[2 * p + 1][0] = hsum8(hi);
+    }
+}
+
+INLINE void int4d_tile_f32(const float *x, int64_t k, int64_t n, const uint8_t *w, const float *s, int64_t groups,
                            const int32_t *cg, int64_t row0, int R, int M, float res[4][MT]) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m512 tot[4][MT];
@@ -596,8 +697,11 @@ INLINE void int4d_tile_f32(const float *x, int64_t k, const uint8_t *w, const fl
         for (int i = 0; i < M; i++) tot[r][i] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk += 64) {
         const int32_t *g = cg + kk / 32;
+        const char *ahead = (const char *)(w + i4d_off(row0, kk, k, n)) + 512;
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
-            const uint8_t *wr = w + (row0 + r) * (k / 2) + kk / 2;
+            const uint8_t *wr = w + i4d_off(row0 + r, kk, k, n);
             __m128i b0 = _mm_loadu_si128((const __m128i *)wr), b1 = _mm_loadu_si128((const __m128i *)(wr + 16));
             __m512 q[4]; /* features kk + 16 j .. kk + 16 j + 15 */
             q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, low4)));
@@ -617,6 +721,17 @@ INLINE void int4d_tile_f32(const float *x, int64_t k, const uint8_t *w, const fl
         for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(tot[r][i]);
 }
 
+/* sum over a row's groups g of (offset s_g + sz_g) xsum_g: the codes' offset and zero point */
+INLINE float group_terms(const float *sr, const float *szr, const float *xsum, int64_t groups, float offset) {
+    __m512 acc = _mm512_setzero_ps(), off = _mm512_set1_ps(offset);
+    for (int64_t g = 0; g < groups; g += 16) {
+        __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __m512 c = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(mask, sr + g), _mm512_maskz_loadu_ps(mask, szr + g));
+        acc = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(mask, xsum + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* DT_I4D rows [r_begin, r_end) of y for all m inputs: tiles of 4 rows x 1 input or 1 row x up to
  * 4; xb: the bfloat16 inputs (or NULL: xf, float32), xsum [m, groups] the inputs' group sums. */
 static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, int64_t m, int64_t k,
@@ -628,42 +743,46 @@ static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, i
     const float offset = xb ? 16.f : 0.f; /* the codes' bfloat16 offset (16 + q) */
     for (int64_t i0 = 0; i0 < m; i0 += MT) {
         int M = m - i0 >= MT ? MT : (int)(m - i0);
+        uint32_t *xq = NULL; /* input i0 as int4d_tile4_bf16 reads it (M == 1) */
         for (int64_t row0 = r_begin; row0 < r_end;) {
             int R = M == 1 && r_end - row0 >= 4 ? 4 : 1;
             float res[4][MT];
             if (xb) {
                 const uint16_t *xi = xb + i0 * k;
-                if (R == 4) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 4, 1, res);
-                else if (M == 1) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 1, res);
-                else if (M == 2) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 2, res);
-                else if (M == 3) int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 3, res);
-                else int4d_tile_bf16(xi, k, w, s, groups, cg, row0, 1, 4, res);
+                if (R == 4) {
+                    if (!xq) xq = int4d_pairs(xi, k);
+                    int4d_tile4_bf16(xq, k, n, w, s, groups, cg, row0, res);
+                }
+                else if (M == 1) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 1, res);
+                else if (M == 2) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 2, res);
+                else if (M == 3) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 3, res);
+                else int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 4, res);
             } else {
                 const float *xi = xf + i0 * k;
-                if (R == 4) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 4, 1, res);
-                else if (M == 1) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 1, res);
-                else if (M == 2) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 2, res);
-                else if (M == 3) int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 3, res);
-                else int4d_tile_f32(xi, k, w, s, groups, cg, row0, 1, 4, res);
+                if (R == 4) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 4, 1, res);
+                else if (M == 1) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 1, res);
+                else if (M == 2) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 2, res);
+                else if (M == 3) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 3, res);
+                else int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 4, res);
             }
             for (int r = 0; r < R; r++) {
                 const float *sr = s + (row0 + r) * groups, *szr = sz + (row0 + r) * groups;
                 for (int i = 0; i < M; i++) {
-                    float v = res[r][i];
-                    for (int64_t gi = 0; gi < groups; gi++) v -= (offset * sr[gi] + szr[gi]) * xsum[(i0 + i) * groups + gi];
+                    float v = res[r][i] - group_terms(sr, szr, xsum + (i0 + i) * groups, groups, offset);
                     store_f(y, ydt, (i0 + i) * n + row0 + r, v + (bias ? bias[row0 + r] : 0.f));
                 }
             }
             row0 += R;
         }
+        free(xq);
     }
     free(cg);
 }
 #endif
 
-/* the code of feature kk of a DT_I4D row (the dot layout above) */
-INLINE int int4d_code(const uint8_t *wr, int64_t kk) {
-    uint8_t byte = wr[kk / 64 * 32 + kk % 32];
+/* the code of feature kk of row `row` of a DT_I4D weight [n, k / 2] (the dot layout above) */
+INLINE int int4d_code(const uint8_t *w, int64_t row, int64_t kk, int64_t k, int64_t n) {
+    uint8_t byte = w[i4d_off(row, kk, k, n) + kk % 32];
     return (kk % 64 < 32) ? byte & 15 : byte >> 4;
 }
 
@@ -927,7 +1046,7 @@ INLINE float *group_sums(const float *xf, int64_t m, int64_t k, int64_t upto, in
 }
 
 /* y [m, n] (ydt) = x [m, k] (xdt) @ W^T: F32 / BF16 weights held transposed, Wt [k, n]; I8
- * q [n, k] with scale [n]; for I4 s and sz = s * zero [n, ceil(k / group)], group % 32 == 0; bias [n] float or NULL. */
+ * q [n, k] (I8T: in row tiles) with scale [n]; for I4 s and sz = s * zero [n, ceil(k / group)], group % 32 == 0; bias [n] float or NULL. */
 void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int wdt, int64_t n,
                 const float *scale, const float *sz, int64_t group, const float *bias, void *y, int ydt,
                 int threads) {
@@ -982,7 +1101,7 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
 #endif
         }
         else
-            dense_rows(xf, m, k, w, wdt, wdt == DT_I8 ? scale : NULL, bias, y, ydt, n, b, e);
+            dense_rows(xf, m, k, w, wdt, wdt == DT_I8 || wdt == DT_I8T ? scale : NULL, bias, y, ydt, n, b, e);
     }
     free(x2);
     free(xsum);
@@ -998,12 +1117,12 @@ void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *s
     for (int64_t row = 0; row < n; row++) {
         for (int64_t kk = 0; kk < k; kk++) {
             float v;
-            if (wdt == DT_I8) {
-                v = (float)((const int8_t *)w)[row * k + kk] * scale[row];
+            if (wdt == DT_I8 || wdt == DT_I8T) {
+                v = (float)((const int8_t *)w)[w_off(wdt, row, kk, k)] * scale[row];
             } else if (wdt == DT_I4) {
                 v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
             } else if (wdt == DT_I4D) {
-                v = (float)int4d_code((const uint8_t *)w + row * (k / 2), kk) * scale[row * groups + kk / group] -
+                v = (float)int4d_code((const uint8_t *)w, row, kk, k, n) * scale[row * groups + kk / group] -
                     sz[row * groups + kk / group];
             } else {
                 v = NAN; /* float weights are not dequantized */

@@ -347,8 +347,8 @@ class DecodePlan:
         """(label, seconds) of every record since start_profile, in order: the op, and for a linear its
         K x N and weight kind (e.g. "linear 576x1728 bf16")."""
         names = ["embed", "rms_norm", "linear", "rotary", "kv_write", "attention", "act_mul", "lora"]
-        kinds = {ops.KIND_F32: "fp32", ops.KIND_BF16: "bf16", ops.KIND_I8: "int8", ops.KIND_I4: "int4",
-                 ops.KIND_I4D: "int4"}
+        kinds = {ops.KIND_F32: "fp32", ops.KIND_BF16: "bf16", ops.KIND_I8: "int8", ops.KIND_I8T: "int8",
+                 ops.KIND_I4: "int4", ops.KIND_I4D: "int4"}
         rows = []
         for record, seconds in zip(self.records, self.profile.tolist()):
             label = names[record.op]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from bestiary.core.layers.linear import Linear
-from bestiary.core.quant.packing import CPU_INT4_BLOCK_N
+from bestiary.core.quant.packing import CPU_INT4_BLOCK_N, TILE_ROWS
 from bestiary.core.quant.slot import WeightOnlySlot
 from torch import nn
 
@@ -33,6 +33,8 @@ def _fusable(members: list[Linear]) -> bool:
             return False
         if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N and not slot.runs_compiled(m):
             return False  # the aten CPU int4 layout: a member's rows must start on one of its blocks
+        if first.lq.bits == 8 and slot.out_local % TILE_ROWS and slot.runs_compiled(m):
+            return False  # the compiled int8 tiles: a member's rows must be whole tiles
     return True
 
 

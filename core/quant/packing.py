@@ -83,6 +83,28 @@ def dequantize_int8(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = N
     return (q.float() - z.float()[:, None]) * s.float()[:, None]
 
 
+TILE_ROWS, TILE_K = 8, 16  # the int8 tiled layout: rows per tile, features per block
+
+
+def int8_tiles_fit(n: int, k: int) -> bool:
+    """True when an int8 weight [n, k] can be held in the tiled layout (pack_int8_tiled)."""
+    return n % TILE_ROWS == 0 and k % TILE_K == 0
+
+
+def pack_int8_tiled(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the same codes in the tiled layout [N, K] the compiled GEMV reads (core.cpu):
+    per tile of 8 rows, per block of 16 features, the 8 rows' 16 codes one after another, so a
+    tile is one sequential stream (N % 8 == 0, K % 16 == 0)."""
+    n, k = q.shape
+    return q.reshape(n // TILE_ROWS, TILE_ROWS, k // TILE_K, TILE_K).transpose(1, 2).reshape(n, k).contiguous()
+
+
+def unpack_int8_tiled(t: torch.Tensor) -> torch.Tensor:
+    """The tiled layout [N, K] -> int8 [N, K] row-major (inverse of pack_int8_tiled)."""
+    n, k = t.shape
+    return t.reshape(n // TILE_ROWS, k // TILE_K, TILE_ROWS, TILE_K).transpose(1, 2).reshape(n, k).contiguous()
+
+
 # --- int4 group-wise ---------------------------------------------------------------------
 
 
@@ -97,22 +119,37 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
-DOT_BLOCK = 64  # the int4 dot layout: features per block of 32 bytes
+DOT_BLOCK, DOT_ROWS = 64, 4  # the int4 dot layout: features per block of 32 bytes, rows per tile
+
+
+def _dot_tiles(t: torch.Tensor, to_tiles: bool) -> torch.Tensor:
+    """[N, K/2] bytes with rows in order <-> rows in tiles of DOT_ROWS (the last one N % 4 rows):
+    per tile, per block of 32 bytes, its rows' bytes one after another."""
+    n, half = t.shape
+    whole = n - n % DOT_ROWS
+    out = torch.empty_like(t)
+    for start, stop, rows in ((0, whole, DOT_ROWS), (whole, n, n % DOT_ROWS)):  # the whole tiles, the short one
+        if stop == start:
+            continue
+        shape = (-1, rows, half // 32, 32) if to_tiles else (-1, half // 32, rows, 32)
+        out[start:stop] = t[start:stop].reshape(shape).transpose(1, 2).reshape(stop - start, half)
+    return out
 
 
 def pack_int4_dot(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] (pack_int4's layout) -> the same codes in the dot layout [N, K/2] that the
     compiled vdpbf16ps GEMV reads (core.cpu): per block of 64 features, byte j = code(j) |
-    code(32 + j) << 4, so each nibble plane holds 32 consecutive features (K % 64 == 0)."""
+    code(32 + j) << 4, so each nibble plane holds 32 consecutive features (K % 64 == 0); rows in
+    tiles of 4 (the last one N % 4), per tile the rows' 32 bytes of a block one after another."""
     n, k = packed.shape[0], packed.shape[1] * 2
     codes = unpack_int4(packed).view(n, k // DOT_BLOCK, 2, DOT_BLOCK // 2)  # [N, blocks, plane, 32]
-    return (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return _dot_tiles((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2), to_tiles=True)
 
 
 def unpack_int4_dot(weight: torch.Tensor) -> torch.Tensor:
     """The dot layout [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4_dot before packing)."""
     n, k = weight.shape[0], weight.shape[1] * 2
-    blocks = weight.reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
+    blocks = _dot_tiles(weight, to_tiles=False).reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
     return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, k)  # [N, blocks, plane, 32] -> [N, K]
 
 

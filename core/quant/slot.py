@@ -7,10 +7,12 @@ and adds `weights_scaling_factor` (and `zeros`) parameters, so the checkpoint na
 After loading, `prepare(linear)` repacks for the device that will run it:
 
     CPU with the compiled kernels (core.cpu): the checkpoint layout as it is, scales as
-                float32 (a core.cpu.ops.PackedWeight); on the avx512bf16 build an int4
-                weight with K % 64 == 0 is repacked in place into the dot layout its
-                vdpbf16ps GEMV reads (packing.pack_int4_dot; back on a move to another device
-                or when prepared again under a build without that GEMV)
+                float32 (a core.cpu.ops.PackedWeight); an int8 weight with N % 8 == 0 and
+                K % 16 == 0 is repacked in place into row tiles (packing.pack_int8_tiled: one
+                sequential stream per tile); on the avx512bf16 build an int4 weight with
+                K % 64 == 0 into the dot layout its vdpbf16ps GEMV reads
+                (packing.pack_int4_dot). Both go back to the checkpoint layout on a move to
+                another device, or (dot) when prepared again under a build without that GEMV
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
                 to the compute dtype
     CPU, int4:  weight repacked in place by aten._convert_weight_to_int4pack_for_cpu (same
@@ -74,7 +76,7 @@ class WeightOnlySlot:
         self.out_local, self.in_local = shape
         self.compute_dtype = torch.bfloat16
         self.max_kernel_tokens = DEFAULT_MAX_KERNEL_TOKENS
-        self.layout = "checkpoint"  # "cpu" once the int4 weight is in the aten CPU layout
+        self.layout = "checkpoint"  # "cpu" / "dot" / "tiled": the aten int4, int4 dot, int8 tiled layouts
         self.k_pad = 0  # cpu layout: zero input features appended so the group size divides K
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
         self.in_offset = 0  # in_perm: first in-feature of this rank (row-parallel on tp ranks)
@@ -183,7 +185,8 @@ class WeightOnlySlot:
         s = linear.weights_scaling_factor
         z = getattr(linear, "zeros", None)
         if self.lq.bits == 8:
-            return packing.dequantize_int8(linear.weight, s, z)
+            q = packing.unpack_int8_tiled(linear.weight) if self.layout == "tiled" else linear.weight
+            return packing.dequantize_int8(q, s, z)
         return packing.dequantize_int4(self.codes(linear), s, z, self.lq.group_size)
 
     # --- running -----------------------------------------------------------------------------
@@ -192,14 +195,16 @@ class WeightOnlySlot:
         self._perm = False  # in_perm is looked at again on the next matmul
         self._packed = None
         if linear.weight.device.type != "cpu":
-            if self.layout == "dot":  # the device kernels read the checkpoint layout
-                self._to_checkpoint_layout(linear)
+            self._to_checkpoint_layout(linear)  # the device kernels read the checkpoint layout
             return
         s = linear.weights_scaling_factor
         if self.runs_compiled(linear):
             ops = dispatch.cpu_ops()
             if self.lq.bits == 8:
-                self._packed = ops.PackedWeight.int8(linear.weight, s)
+                if self.layout == "checkpoint" and packing.int8_tiles_fit(*linear.weight.shape):  # in place
+                    linear.weight = _param(packing.pack_int8_tiled(linear.weight.data))
+                    self.layout = "tiled"
+                self._packed = ops.PackedWeight.int8(linear.weight, s, tiled=self.layout == "tiled")
                 return
             dot = ops.dot_layout_fits(linear.weight.shape[1] * 2)  # this build reads the dot layout
             if self.layout == "checkpoint" and dot:  # in place: one copy
@@ -210,6 +215,7 @@ class WeightOnlySlot:
             self._packed = ops.PackedWeight.int4(linear.weight, s, getattr(linear, "zeros", None), self.lq.group_size,
                                                  dot=self.layout == "dot")
             return
+        self._to_checkpoint_layout(linear)  # the aten kernels read the checkpoint layout
         if self.lq.bits == 8:
             self._kernel_scales = s.to(self.compute_dtype).contiguous()
             return
@@ -225,14 +231,19 @@ class WeightOnlySlot:
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
 
     def _to_checkpoint_layout(self, linear: nn.Module) -> None:
-        """The int4 weight from the dot layout back into the checkpoint layout, in place."""
-        linear.weight = _param(packing.pack_int4(self.codes(linear)))
+        """An int4 weight in the dot layout / int8 in tiles back into the checkpoint layout, in place."""
+        if self.layout == "dot":
+            linear.weight = _param(packing.pack_int4(self.codes(linear)))
+        elif self.layout == "tiled":
+            linear.weight = _param(packing.unpack_int8_tiled(linear.weight.data))
+        else:
+            return
         self.layout = "checkpoint"
 
     def runs_compiled(self, linear: nn.Module) -> bool:
         """True when the compiled CPU kernels (core.cpu) run this layer (checkpoint or dot layout)."""
         kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
-        return (self.layout in ("checkpoint", "dot") and kernel_group
+        return (self.layout in ("checkpoint", "dot", "tiled") and kernel_group
                 and dispatch.use_cpu_kernels(linear.weights_scaling_factor))
 
     def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
