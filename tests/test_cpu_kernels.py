@@ -131,8 +131,9 @@ def test_int4_dot_layout_matches_the_checkpoint_layout(cpu_build, group, zp, m, 
     """On the AVX-512 + BF16 build int4 weights with K % 64 == 0 are packed in the dot layout
     (KIND_I4D): bfloat16 inputs run vdpbf16ps on the codes as bfloat16 16 + q (exact), float32
     inputs an FMA path; both equal the float32 reference to float32 summation error (output
-    float32: no bfloat16 rounding hides an error), and `dequantize` reads the layout too. The
-    other builds keep KIND_I4."""
+    float32: no bfloat16 rounding hides an error), each row the same in any batch, and
+    `dequantize` reads the layout (codes and scales in 4-row tiles) too. The other builds keep
+    KIND_I4."""
     gen = torch.Generator().manual_seed(group + m)
     n, k = 37, 384  # n: 9 tiles of 4 rows and one row alone; 384 = 2 groups of 192
     groups = -(-k // group)
@@ -144,9 +145,11 @@ def test_int4_dot_layout_matches_the_checkpoint_layout(cpu_build, group, zp, m, 
     x = (torch.randn(m, k, generator=gen) * 2).to(xdtype)
     bias = torch.randn(n, generator=gen)
     y = ops.linear(x, pw, bias, out_dtype=torch.float32)
-    plain = ops.PackedWeight(ops.KIND_I4, packed, n, k, pw.scale, pw.scale_zero, group)
+    z = zeros if zp else torch.full_like(scale, 8.0)
+    plain = ops.PackedWeight(ops.KIND_I4, packed, n, k, scale, (scale * z).contiguous(), group)  # the checkpoint layout
     ref = ops.linear_ref(x, plain, bias, out_dtype=torch.float32)
     assert _rel_err(y, ref) < 2e-6
+    assert torch.equal(ops.linear(x[-1:], pw, bias, out_dtype=torch.float32), y[-1:])  # batch-invariant rows
     torch.testing.assert_close(ops.dequantize(pw), ops.dequantize_ref(plain))
 
 

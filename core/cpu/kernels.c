@@ -582,6 +582,12 @@ INLINE int64_t i4d_off(int64_t row, int64_t kk, int64_t k, int64_t n) {
     return t0 * (k / 2) + kk / 64 * rows * 32 + (row - t0) * 32;
 }
 
+/* the index of row `row`'s group g in DT_I4D scales (s, sz): tiles as the codes, per tile [groups][rows] */
+INLINE int64_t i4d_soff(int64_t row, int64_t g, int64_t groups, int64_t n) {
+    int64_t t0 = row / I4D_ROWS * I4D_ROWS, rows = n - t0 < I4D_ROWS ? n - t0 : I4D_ROWS;
+    return t0 * groups + g * rows + (row - t0);
+}
+
 #if BST_BF16DOT
 INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, int64_t n, const uint8_t *w, const float *s,
                             int64_t groups, const int32_t *cg, int64_t row0, int R, int M, float res[4][MT]) {
@@ -605,7 +611,8 @@ INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, int64_t n, const uint8
             /* (b << 3 & 0x78) | 0x4180: the bfloat16 16 + q of each low nibble; >> 1: the high ones */
             __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
             __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
-            __m512 s0 = _mm512_set1_ps(s[(row0 + r) * groups + g[0]]), s1 = _mm512_set1_ps(s[(row0 + r) * groups + g[1]]);
+            __m512 s0 = _mm512_set1_ps(s[i4d_soff(row0 + r, g[0], groups, n)]);
+            __m512 s1 = _mm512_set1_ps(s[i4d_soff(row0 + r, g[1], groups, n)]);
             for (int i = 0; i < M; i++) {
                 __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q0, (__m512bh)x0[i]);
                 __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q1, (__m512bh)x1[i]);
@@ -638,22 +645,22 @@ INLINE float hsum8(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* [a (8 floats), b (8 floats)] */
-INLINE __m512 halves(float a, float b) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
-}
 
-/* 4 rows (a whole tile) x 1 bfloat16 input: one 64-byte load holds two rows' 32 bytes of a block;
+/* 4 rows (a whole tile) x 1 bfloat16 input (column i of res): one 64-byte load holds two rows' 32 bytes of a block;
  * its 16-bit word w = code(2w) | code(32 + 2w) << 4 | code(2w + 1) << 8 | code(33 + 2w) << 12 of
  * the row, so the four nibble planes, each made the bfloat16 16 + q as in int4d_tile_bf16, pair
  * with the four vectors of int4d_pairs, the low 8 lanes for one row and the high 8 for the other,
  * without widening. A chunk's sums are kept until its group ends (one scale multiply per group). */
 INLINE void int4d_tile4_bf16(const uint32_t *xq, int64_t k, int64_t n, const uint8_t *w, const float *s,
-                             int64_t groups, const int32_t *cg, int64_t row0, float res[4][MT]) {
+                             int64_t groups, const int32_t *cg, int64_t row0, float res[4][MT], int i) {
     const __m512i one6 = _mm512_set1_epi16(0x4180), code = _mm512_set1_epi16(0x0078);
     const int64_t chunks = k / 32;
-    __m512 tot[2], acc[2][2]; /* per row pair; acc[.][0]: the low 32 features of the blocks, [1]: the high */
-    for (int p = 0; p < 2; p++) tot[p] = acc[p][0] = acc[p][1] = _mm512_setzero_ps();
+    const __m512i pair_idx[2] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                 _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)};
+    /* per row pair, per nibble plane (4 independent vdpbf16ps chains per pair): planes 0 and 2 hold
+     * the low 32 features of the blocks, 1 and 3 the high ones */
+    __m512 tot[2], acc[2][4];
+    for (int p = 0; p < 2; p++) tot[p] = acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk += 64) {
         const uint8_t *blk = w + i4d_off(row0, kk, k, n); /* the 4 rows' 32 bytes */
         const char *ahead = (const char *)blk + 512;
@@ -668,24 +675,41 @@ INLINE void int4d_tile4_bf16(const uint32_t *xq, int64_t k, int64_t n, const uin
             __m512i q3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 9), code, one6, 0xEA);
             acc[p][0] = _mm512_dpbf16_ps(acc[p][0], (__m512bh)q0, (__m512bh)xv[0]);
             acc[p][1] = _mm512_dpbf16_ps(acc[p][1], (__m512bh)q1, (__m512bh)xv[1]);
-            acc[p][0] = _mm512_dpbf16_ps(acc[p][0], (__m512bh)q2, (__m512bh)xv[2]);
-            acc[p][1] = _mm512_dpbf16_ps(acc[p][1], (__m512bh)q3, (__m512bh)xv[3]);
+            acc[p][2] = _mm512_dpbf16_ps(acc[p][2], (__m512bh)q2, (__m512bh)xv[2]);
+            acc[p][3] = _mm512_dpbf16_ps(acc[p][3], (__m512bh)q3, (__m512bh)xv[3]);
         }
-        for (int h = 0; h < 2; h++) { /* a chunk whose group ends here: its sums times the scale */
-            int64_t c = kk / 32 + h;
-            if (c + 2 < chunks && cg[c + 2] == cg[c]) continue;
+        /* a chunk whose group ends here: its sums times the scales (low and high chunk of the block) */
+        int64_t c = kk / 32;
+        int end_lo = c + 2 >= chunks || cg[c + 2] != cg[c], end_hi = c + 3 >= chunks || cg[c + 3] != cg[c + 1];
+        if (end_lo && end_hi && cg[c] == cg[c + 1]) { /* one group: one multiply */
+            __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(s + i4d_soff(row0, cg[c], groups, n))); /* 4 rows */
             for (int p = 0; p < 2; p++) {
-                const float *sr = s + (row0 + 2 * p) * groups + cg[c];
-                tot[p] = _mm512_fmadd_ps(acc[p][h], halves(sr[0], sr[groups]), tot[p]);
-                acc[p][h] = _mm512_setzero_ps();
+                __m512 a = _mm512_add_ps(_mm512_add_ps(acc[p][0], acc[p][2]), _mm512_add_ps(acc[p][1], acc[p][3]));
+                tot[p] = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(pair_idx[p], s4), tot[p]);
+                acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = _mm512_setzero_ps();
+            }
+        } else {
+            if (end_lo) {
+                __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(s + i4d_soff(row0, cg[c], groups, n)));
+                for (int p = 0; p < 2; p++) {
+                    tot[p] = _mm512_fmadd_ps(_mm512_add_ps(acc[p][0], acc[p][2]), _mm512_permutexvar_ps(pair_idx[p], s4), tot[p]);
+                    acc[p][0] = acc[p][2] = _mm512_setzero_ps();
+                }
+            }
+            if (end_hi) {
+                __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(s + i4d_soff(row0, cg[c + 1], groups, n)));
+                for (int p = 0; p < 2; p++) {
+                    tot[p] = _mm512_fmadd_ps(_mm512_add_ps(acc[p][1], acc[p][3]), _mm512_permutexvar_ps(pair_idx[p], s4), tot[p]);
+                    acc[p][1] = acc[p][3] = _mm512_setzero_ps();
+                }
             }
         }
     }
     for (int p = 0; p < 2; p++) {
         __m256 lo = _mm512_castps512_ps256(tot[p]);
         __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot[p]), 1));
-        res[2 * p][0] = hsum8(lo);
-        res[2 * p + 1][0] = hsum8(hi);
+        res[2 * p][i] = hsum8(lo);
+        res[2 * p + 1][i] = hsum8(hi);
     }
 }
 
@@ -708,7 +732,8 @@ INLINE void int4d_tile_f32(const float *x, int64_t k, int64_t n, const uint8_t *
             q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, low4)));
             q[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), low4)));
             q[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), low4)));
-            __m512 s0 = _mm512_set1_ps(s[(row0 + r) * groups + g[0]]), s1 = _mm512_set1_ps(s[(row0 + r) * groups + g[1]]);
+            __m512 s0 = _mm512_set1_ps(s[i4d_soff(row0 + r, g[0], groups, n)]);
+            __m512 s1 = _mm512_set1_ps(s[i4d_soff(row0 + r, g[1], groups, n)]);
             for (int i = 0; i < M; i++) {
                 const float *xi = x + i * k + kk;
                 __m512 d0 = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xi + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(xi)));
@@ -721,19 +746,38 @@ INLINE void int4d_tile_f32(const float *x, int64_t k, int64_t n, const uint8_t *
         for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(tot[r][i]);
 }
 
-/* sum over a row's groups g of (offset s_g + sz_g) xsum_g: the codes' offset and zero point */
-INLINE float group_terms(const float *sr, const float *szr, const float *xsum, int64_t groups, float offset) {
-    __m512 acc = _mm512_setzero_ps(), off = _mm512_set1_ps(offset);
-    for (int64_t g = 0; g < groups; g += 16) {
-        __mmask16 mask = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
-        __m512 c = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(mask, sr + g), _mm512_maskz_loadu_ps(mask, szr + g));
-        acc = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(mask, xsum + g), acc);
+/* sum over row `row`'s groups g of (offset s_g + sz_g) xsum_g: the codes' offset and zero point */
+INLINE float group_terms(const float *s, const float *sz, const float *xsum, int64_t row, int64_t groups, int64_t n,
+                         float offset) {
+    float v = 0.f;
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t j = i4d_soff(row, g, groups, n);
+        v += (offset * s[j] + sz[j]) * xsum[g];
     }
-    return _mm512_reduce_add_ps(acc);
+    return v;
 }
 
-/* DT_I4D rows [r_begin, r_end) of y for all m inputs: tiles of 4 rows x 1 input or 1 row x up to
- * 4; xb: the bfloat16 inputs (or NULL: xf, float32), xsum [m, groups] the inputs' group sums. */
+/* group_terms of a whole 4-row tile (scales from st, szt: [groups][4]), 4 groups per vector */
+INLINE void group_terms4(const float *st, const float *szt, const float *xsum, int64_t groups, float offset,
+                         float out[4]) {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* xsum_g per row */
+    __m512 acc = _mm512_setzero_ps(), off = _mm512_set1_ps(offset);
+    for (int64_t g = 0; g < groups; g += 4) {
+        int64_t left = groups - g >= 4 ? 4 : groups - g;
+        __mmask16 lanes = (__mmask16)((1u << (4 * left)) - 1);
+        __m512 c = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(lanes, st + 4 * g), _mm512_maskz_loadu_ps(lanes, szt + 4 * g));
+        __m512 xs = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps((__mmask8)((1u << left) - 1), xsum + g)));
+        acc = _mm512_fmadd_ps(c, xs, acc);
+    }
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* DT_I4D rows [r_begin, r_end) of y for all m inputs: whole 4-row tiles with int4d_tile4_bf16 per
+ * input (bfloat16 inputs; the tile stays in L1 for the next input) or int4d_tile_f32 (4 rows x up
+ * to 4 inputs), the short last tile row by row. Each row's sums run in the same order whatever m
+ * is (batch-invariant). xb: the bfloat16 inputs (or NULL: xf, float32), xsum [m, groups] the
+ * inputs' group sums. */
 static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, int64_t m, int64_t k,
                        const uint8_t *w, const float *s, const float *sz, int64_t group, const float *bias, void *y,
                        int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
@@ -743,38 +787,45 @@ static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, i
     const float offset = xb ? 16.f : 0.f; /* the codes' bfloat16 offset (16 + q) */
     for (int64_t i0 = 0; i0 < m; i0 += MT) {
         int M = m - i0 >= MT ? MT : (int)(m - i0);
-        uint32_t *xq = NULL; /* input i0 as int4d_tile4_bf16 reads it (M == 1) */
+        uint32_t *xq[MT] = {NULL}; /* the inputs as int4d_tile4_bf16 reads them */
         for (int64_t row0 = r_begin; row0 < r_end;) {
-            int R = M == 1 && r_end - row0 >= 4 ? 4 : 1;
-            float res[4][MT];
-            if (xb) {
-                const uint16_t *xi = xb + i0 * k;
-                if (R == 4) {
-                    if (!xq) xq = int4d_pairs(xi, k);
-                    int4d_tile4_bf16(xq, k, n, w, s, groups, cg, row0, res);
+            int R = r_end - row0 >= I4D_ROWS ? I4D_ROWS : 1; /* a whole tile, or a row of the short one */
+            float res[4][MT], terms[MT][4];
+            if (xb && R == 4)
+                for (int i = 0; i < M; i++) {
+                    if (!xq[i]) xq[i] = int4d_pairs(xb + (i0 + i) * k, k);
+                    int4d_tile4_bf16(xq[i], k, n, w, s, groups, cg, row0, res, i);
                 }
-                else if (M == 1) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 1, res);
+            else if (xb) {
+                const uint16_t *xi = xb + i0 * k;
+                if (M == 1) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 1, res);
                 else if (M == 2) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 2, res);
                 else if (M == 3) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 3, res);
                 else int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 4, res);
             } else {
                 const float *xi = xf + i0 * k;
-                if (R == 4) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 4, 1, res);
-                else if (M == 1) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 1, res);
+                if (R == 4) {
+                    if (M == 1) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 4, 1, res);
+                    else if (M == 2) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 4, 2, res);
+                    else if (M == 3) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 4, 3, res);
+                    else int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 4, 4, res);
+                } else if (M == 1) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 1, res);
                 else if (M == 2) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 2, res);
                 else if (M == 3) int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 3, res);
                 else int4d_tile_f32(xi, k, n, w, s, groups, cg, row0, 1, 4, res);
             }
-            for (int r = 0; r < R; r++) {
-                const float *sr = s + (row0 + r) * groups, *szr = sz + (row0 + r) * groups;
-                for (int i = 0; i < M; i++) {
-                    float v = res[r][i] - group_terms(sr, szr, xsum + (i0 + i) * groups, groups, offset);
-                    store_f(y, ydt, (i0 + i) * n + row0 + r, v + (bias ? bias[row0 + r] : 0.f));
-                }
+            for (int i = 0; i < M; i++) {
+                if (R == 4)
+                    group_terms4(s + i4d_soff(row0, 0, groups, n), sz + i4d_soff(row0, 0, groups, n),
+                                 xsum + (i0 + i) * groups, groups, offset, terms[i]);
+                else
+                    terms[i][0] = group_terms(s, sz, xsum + (i0 + i) * groups, row0, groups, n, offset);
+                for (int r = 0; r < R; r++)
+                    store_f(y, ydt, (i0 + i) * n + row0 + r, res[r][i] - terms[i][r] + (bias ? bias[row0 + r] : 0.f));
             }
             row0 += R;
         }
-        free(xq);
+        for (int i = 0; i < MT; i++) free(xq[i]);
     }
     free(cg);
 }
@@ -1122,8 +1173,8 @@ void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *s
             } else if (wdt == DT_I4) {
                 v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
             } else if (wdt == DT_I4D) {
-                v = (float)int4d_code((const uint8_t *)w, row, kk, k, n) * scale[row * groups + kk / group] -
-                    sz[row * groups + kk / group];
+                int64_t j = i4d_soff(row, kk / group, groups, n);
+                v = (float)int4d_code((const uint8_t *)w, row, kk, k, n) * scale[j] - sz[j];
             } else {
                 v = NAN; /* float weights are not dequantized */
             }

@@ -64,7 +64,8 @@ class PackedWeight:
     s = scale [n, groups], s * z = scale_zero [n, groups] (float32), groups of `group` features.
     kind KIND_I4D: the same codes in the dot layout the AVX-512 + BF16 build reads with vdpbf16ps
     (`int4` packs it there when k % 64 == 0): per row, blocks of 64 features in 32 bytes, byte j
-    of block b = code(64 b + j) | code(64 b + 32 + j) << 4 (`packing.pack_int4_dot`).
+    of block b = code(64 b + j) | code(64 b + 32 + j) << 4, rows in tiles of 4 (`packing.pack_int4_dot`);
+    scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.dot_tiles`).
     """
 
     kind: int
@@ -104,7 +105,10 @@ class PackedWeight:
         n, k = packed.shape[0], packed.shape[1] * 2
         if not dot and dot_layout_fits(k):  # vdpbf16ps: ~1.5x the GEMV
             packed, dot = packing.pack_int4_dot(packed), True
-        return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, (s * z).contiguous(), group)
+        sz = s * z
+        if dot:  # the scales of a tile's rows side by side
+            s, sz = packing.dot_tiles(s, to_tiles=True, unit=1), packing.dot_tiles(sz, to_tiles=True, unit=1)
+        return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
 
     @property
     def nbytes(self) -> int:
@@ -157,9 +161,12 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
     if pw.kind in (KIND_I8, KIND_I8T):
         q = packing.unpack_int8_tiled(w) if pw.kind == KIND_I8T else w
         return q.float() * pw.scale[:, None]
+    s, sz = pw.scale, pw.scale_zero  # [N, groups]
+    if pw.kind == KIND_I4D:
+        s, sz = packing.dot_tiles(s, to_tiles=False, unit=1), packing.dot_tiles(sz, to_tiles=False, unit=1)
     codes = (packing.unpack_int4_dot(w) if pw.kind == KIND_I4D else packing.unpack_int4(w)).float()  # [N, K]
-    s = pw.scale.repeat_interleave(pw.group, dim=1)[:, : pw.k]
-    sz = pw.scale_zero.repeat_interleave(pw.group, dim=1)[:, : pw.k]
+    s = s.repeat_interleave(pw.group, dim=1)[:, : pw.k]
+    sz = sz.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     return codes * s - sz
 
 

@@ -122,16 +122,17 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 DOT_BLOCK, DOT_ROWS = 64, 4  # the int4 dot layout: features per block of 32 bytes, rows per tile
 
 
-def _dot_tiles(t: torch.Tensor, to_tiles: bool) -> torch.Tensor:
-    """[N, K/2] bytes with rows in order <-> rows in tiles of DOT_ROWS (the last one N % 4 rows):
-    per tile, per block of 32 bytes, its rows' bytes one after another."""
+def dot_tiles(t: torch.Tensor, to_tiles: bool, unit: int = 32) -> torch.Tensor:
+    """[N, C] with rows in order <-> rows in tiles of DOT_ROWS (the last one N % 4 rows): per tile,
+    per block of `unit` columns, its rows' blocks one after another (the dot layout's codes: 32
+    bytes; its scales: 1, [groups][rows] per tile)."""
     n, half = t.shape
     whole = n - n % DOT_ROWS
     out = torch.empty_like(t)
     for start, stop, rows in ((0, whole, DOT_ROWS), (whole, n, n % DOT_ROWS)):  # the whole tiles, the short one
         if stop == start:
             continue
-        shape = (-1, rows, half // 32, 32) if to_tiles else (-1, half // 32, rows, 32)
+        shape = (-1, rows, half // unit, unit) if to_tiles else (-1, half // unit, rows, unit)
         out[start:stop] = t[start:stop].reshape(shape).transpose(1, 2).reshape(stop - start, half)
     return out
 
@@ -143,13 +144,13 @@ def pack_int4_dot(packed: torch.Tensor) -> torch.Tensor:
     tiles of 4 (the last one N % 4), per tile the rows' 32 bytes of a block one after another."""
     n, k = packed.shape[0], packed.shape[1] * 2
     codes = unpack_int4(packed).view(n, k // DOT_BLOCK, 2, DOT_BLOCK // 2)  # [N, blocks, plane, 32]
-    return _dot_tiles((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2), to_tiles=True)
+    return dot_tiles((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2), to_tiles=True)
 
 
 def unpack_int4_dot(weight: torch.Tensor) -> torch.Tensor:
     """The dot layout [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4_dot before packing)."""
     n, k = weight.shape[0], weight.shape[1] * 2
-    blocks = _dot_tiles(weight, to_tiles=False).reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
+    blocks = dot_tiles(weight, to_tiles=False).reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
     return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, k)  # [N, blocks, plane, 32] -> [N, K]
 
 
