@@ -381,3 +381,23 @@ def test_norm_activation_and_kv_write_at_model_widths(dtype):
         for i in range(2):
             want = quantize_kv(kv[:, i], scales[i], code)
             assert torch.equal(as_bytes(pools[i].flatten(0, 1)[slots]), as_bytes(want)), (code, i)
+
+
+@pytest.mark.parametrize("v", [1, 7, 16, 100, 49152])
+def test_argmax_rows_is_torch_argmax(v):
+    """The greedy token: torch.argmax's answer on every build, for a maximum anywhere (the vector
+    part or the tail past whole vectors), ties (the first), infinities, every entry -inf (0) and
+    NaN (the first NaN), row by row in a batch."""
+    gen = torch.Generator().manual_seed(v)
+    x = torch.randn(9, v, generator=gen)
+    x[1, -1] = 50.0  # the last entry (the tail when v is not a multiple of the vector width)
+    x[2, :] = 3.0  # all tied: the first
+    if v > 3:
+        x[3, [1, v - 2]] = 9.0  # a tie across lanes / blocks: the first
+        x[6, [v // 2, v - 1]] = float("nan")  # the first NaN
+        x[7, 2] = float("inf")
+    x[4, :] = float("-inf")
+    x[5, v // 3] = float("nan")
+    x[8, 0] = 7.0  # the first entry
+    assert ops.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(x[5:6]).tolist() == [v // 3]

@@ -71,6 +71,7 @@ SIGNATURES = {  # name -> argument types (all return void except bst_has_avx512)
     "bst_rms_norm": [P, P, P, P, INT, P, INT, I64, I64, F32, INT],
     "bst_rotary": [P, INT, I64, I64, I64, I64, P, P, I64, INT, I64, INT],
     "bst_act_and_mul": [P, P, INT, I64, I64, INT, INT],
+    "bst_argmax_rows": [P, I64, I64, P, INT],
     "bst_lora_rows": [P, INT, I64, I64, P, P, INT, P, P, I64, P, P, INT, I64, INT],
     "bst_run_plan": [P, I64, INT],
     "bst_run_plan_timed": [P, I64, INT, P],

@@ -475,7 +475,8 @@ class Executor:
         out: list[tuple[Request, int]] = []
         if plain:
             reqs = [work[i][0] for i in plain]
-            tokens = sample(logits[plain], [r.sampling for r in reqs], [r.generator for r in reqs])
+            rows = logits if plain == list(range(logits.shape[0])) else logits[plain]  # (no copy: every row)
+            tokens = sample(rows, [r.sampling for r in reqs], [r.generator for r in reqs])
             out += zip(reqs, tokens)
         for i in ready:
             req = work[i][0]

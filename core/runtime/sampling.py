@@ -17,6 +17,7 @@ import math
 from typing import Literal
 
 import torch
+from bestiary.core.kernels import dispatch
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -170,7 +171,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample(logits: torch.Tensor, params: list[SamplingConfig], generators: list[torch.Generator]) -> list[int]:
     """One token per row of logits [B, V] (the fast path: plain requests only)."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = dispatch.argmax_rows(logits)
     out = []
     for row, p, gen, g in zip(logits, params, generators, greedy):
         if p.is_greedy:
@@ -217,7 +218,7 @@ class TokenChooser:
         if self.pipeline is not None:
             x = self.pipeline(x[None], [self.state])[0]
         if cfg.is_greedy:
-            token = int(x.argmax())
+            token = dispatch.argmax_rows(x[None])[0]
             dist = x
         else:
             dist = filter_logits(x / cfg.temperature, cfg.top_k, self.top_p)
