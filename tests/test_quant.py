@@ -72,14 +72,16 @@ def test_quantizers_reconstruct_within_half_a_step():
 
 
 # --- one Linear ------------------------------------------------------------------------------
-def _quant_linear(lq: LinearQuant, n: int = 96, k: int = 128, seed: int = 0) -> tuple[Linear, torch.Tensor]:
-    """A quantized Linear [n, k] with bias from a random float weight (returned too)."""
+def _quant_linear(lq: LinearQuant, n: int = 96, k: int = 128, seed: int = 0,
+                  scale_dtype: torch.dtype = torch.float32) -> tuple[Linear, torch.Tensor]:
+    """A quantized Linear [n, k] with bias from a random float weight (returned too); scales (the
+    layer's dtype in a checkpoint) in scale_dtype."""
     gen = torch.Generator().manual_seed(seed)
     lin = Linear(k, n, bias=True, parallel=Parallel.COLUMN)
     lin.name = "layer"
     w = torch.randn(n, k, generator=gen) / k**0.5
     slot = WeightOnlySlot.install(lin, lq)
-    for name, t in slot.quantize(w, torch.float32).items():
+    for name, t in slot.quantize(w, scale_dtype).items():
         getattr(lin, name).data = t
     lin.bias.data = torch.randn(n, generator=gen)
     return lin, w
@@ -133,17 +135,20 @@ def test_int4_rows_not_multiple_of_16_fall_back_to_dequantized():
 
 
 def test_int4_layout_follows_the_kernel_build(monkeypatch):
-    """On a build with the vdpbf16ps int4 GEMV the weight is repacked in place into the dot layout
-    (codes unchanged); prepared again under a build without it (BESTIARY_CPU_ISA switched in-process,
+    """On a build with the vdpbf16ps int4 GEMV the weight of a bfloat16 layer is repacked in place into
+    the dot layout (codes unchanged; a float32 layer keeps the checkpoint layout); prepared again under a build without it (BESTIARY_CPU_ISA switched in-process,
     benchmarks/cpu_isa.py) it goes back to the checkpoint layout, and both give the same outputs."""
     from bestiary.core.cpu import ops
     from bestiary.core.quant import packing
 
-    lin, _ = _quant_linear(LinearQuant("W4A16", 4, 64, True), n=40, k=128)
+    lin, _ = _quant_linear(LinearQuant("W4A16", 4, 64, True), n=40, k=128, scale_dtype=torch.bfloat16)
     checkpoint_bytes, codes = lin.weight.detach().clone(), lin.quant.codes(lin)
     lin.fuse()
     if lin.quant.layout != "dot":
         pytest.skip("this CPU has no avx512bf16 kernel build")
+    fp32_layer, _ = _quant_linear(LinearQuant("W4A16", 4, 64, True), n=40, k=128)
+    fp32_layer.fuse()  # float32 activations: the checkpoint layout's GEMV is the faster one for them
+    assert fp32_layer.quant.layout == "checkpoint" and fp32_layer.quant._packed.kind == ops.KIND_I4
     assert torch.equal(lin.weight, packing.pack_int4_dot(checkpoint_bytes)) and torch.equal(lin.quant.codes(lin), codes)
     x = torch.randn(2, 128).bfloat16()
     y_dot = lin(x)

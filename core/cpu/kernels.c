@@ -646,37 +646,42 @@ INLINE float hsum8(__m256 a) {
 }
 
 
-/* 4 rows (a whole tile) x 1 bfloat16 input (column i of res): one 64-byte load holds two rows' 32 bytes of a block;
- * its 16-bit word w = code(2w) | code(32 + 2w) << 4 | code(2w + 1) << 8 | code(33 + 2w) << 12 of
- * the row, so the four nibble planes, each made the bfloat16 16 + q as in int4d_tile_bf16, pair
- * with the four vectors of int4d_pairs, the low 8 lanes for one row and the high 8 for the other,
- * without widening. A chunk's sums are kept until its group ends (one scale multiply per group). */
-INLINE void int4d_tile4_bf16(const uint32_t *xq, int64_t k, int64_t n, const uint8_t *w, const float *s,
-                             int64_t groups, const int32_t *cg, int64_t row0, float res[4][MT], int i) {
+/* 4 rows (a whole tile) x NI (1 or 2) bfloat16 inputs (columns i0.. of res): one 64-byte load
+ * holds two rows' 32 bytes of a block; its 16-bit word w = code(2w) | code(32 + 2w) << 4 |
+ * code(2w + 1) << 8 | code(33 + 2w) << 12 of the row, so the four nibble planes, each made the
+ * bfloat16 16 + q as in int4d_tile_bf16, pair with the four vectors of int4d_pairs, the low 8
+ * lanes for one row and the high 8 for the other, without widening; the planes are made once for
+ * the NI inputs. Per row pair and input, each plane has its own vdpbf16ps chain (the same sums
+ * for any NI: batch-invariant); a chunk's sums are kept until its group ends (one scale multiply
+ * per group). */
+INLINE void int4d_tile4_bf16(uint32_t *const *xq, int NI, int64_t k, int64_t n, const uint8_t *w, const float *s,
+                             int64_t groups, const int32_t *cg, int64_t row0, float res[4][MT], int i0) {
     const __m512i one6 = _mm512_set1_epi16(0x4180), code = _mm512_set1_epi16(0x0078);
     const int64_t chunks = k / 32;
     const __m512i pair_idx[2] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                                  _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)};
-    /* per row pair, per nibble plane (4 independent vdpbf16ps chains per pair): planes 0 and 2 hold
-     * the low 32 features of the blocks, 1 and 3 the high ones */
-    __m512 tot[2], acc[2][4];
-    for (int p = 0; p < 2; p++) tot[p] = acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = _mm512_setzero_ps();
+    /* per row pair, input and nibble plane: planes 0 and 2 hold the low 32 features of the blocks,
+     * 1 and 3 the high ones */
+    __m512 tot[2][2], acc[2][2][4];
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < NI; i++)
+            tot[p][i] = acc[p][i][0] = acc[p][i][1] = acc[p][i][2] = acc[p][i][3] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk += 64) {
         const uint8_t *blk = w + i4d_off(row0, kk, k, n); /* the 4 rows' 32 bytes */
         const char *ahead = (const char *)blk + 512;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        const __m512i *xv = (const __m512i *)(xq + kk / 64 * 64);
         for (int p = 0; p < 2; p++) {
             __m512i b = _mm512_loadu_si512(blk + 64 * p);
-            __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
-            __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
-            __m512i q2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 5), code, one6, 0xEA);
-            __m512i q3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 9), code, one6, 0xEA);
-            acc[p][0] = _mm512_dpbf16_ps(acc[p][0], (__m512bh)q0, (__m512bh)xv[0]);
-            acc[p][1] = _mm512_dpbf16_ps(acc[p][1], (__m512bh)q1, (__m512bh)xv[1]);
-            acc[p][2] = _mm512_dpbf16_ps(acc[p][2], (__m512bh)q2, (__m512bh)xv[2]);
-            acc[p][3] = _mm512_dpbf16_ps(acc[p][3], (__m512bh)q3, (__m512bh)xv[3]);
+            __m512i q[4];
+            q[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
+            q[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
+            q[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 5), code, one6, 0xEA);
+            q[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 9), code, one6, 0xEA);
+            for (int i = 0; i < NI; i++) {
+                const __m512i *xv = (const __m512i *)(xq[i] + kk / 64 * 64);
+                for (int j = 0; j < 4; j++) acc[p][i][j] = _mm512_dpbf16_ps(acc[p][i][j], (__m512bh)q[j], (__m512bh)xv[j]);
+            }
         }
         /* a chunk whose group ends here: its sums times the scales (low and high chunk of the block) */
         int64_t c = kk / 32;
@@ -684,33 +689,36 @@ INLINE void int4d_tile4_bf16(const uint32_t *xq, int64_t k, int64_t n, const uin
         if (end_lo && end_hi && cg[c] == cg[c + 1]) { /* one group: one multiply */
             __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(s + i4d_soff(row0, cg[c], groups, n))); /* 4 rows */
             for (int p = 0; p < 2; p++) {
-                __m512 a = _mm512_add_ps(_mm512_add_ps(acc[p][0], acc[p][2]), _mm512_add_ps(acc[p][1], acc[p][3]));
-                tot[p] = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(pair_idx[p], s4), tot[p]);
-                acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = _mm512_setzero_ps();
-            }
-        } else {
-            if (end_lo) {
-                __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(s + i4d_soff(row0, cg[c], groups, n)));
-                for (int p = 0; p < 2; p++) {
-                    tot[p] = _mm512_fmadd_ps(_mm512_add_ps(acc[p][0], acc[p][2]), _mm512_permutexvar_ps(pair_idx[p], s4), tot[p]);
-                    acc[p][0] = acc[p][2] = _mm512_setzero_ps();
+                __m512 sp = _mm512_permutexvar_ps(pair_idx[p], s4);
+                for (int i = 0; i < NI; i++) {
+                    __m512 *a = acc[p][i];
+                    tot[p][i] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])), sp, tot[p][i]);
+                    a[0] = a[1] = a[2] = a[3] = _mm512_setzero_ps();
                 }
             }
-            if (end_hi) {
-                __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(s + i4d_soff(row0, cg[c + 1], groups, n)));
+        } else
+            for (int h = 0; h < 2; h++) { /* the low chunk (planes 0, 2), then the high one (1, 3) */
+                if (!(h ? end_hi : end_lo)) continue;
+                __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(s + i4d_soff(row0, cg[c + h], groups, n)));
                 for (int p = 0; p < 2; p++) {
-                    tot[p] = _mm512_fmadd_ps(_mm512_add_ps(acc[p][1], acc[p][3]), _mm512_permutexvar_ps(pair_idx[p], s4), tot[p]);
-                    acc[p][1] = acc[p][3] = _mm512_setzero_ps();
+                    __m512 sp = _mm512_permutexvar_ps(pair_idx[p], s4);
+                    for (int i = 0; i < NI; i++) {
+                        __m512 *a = acc[p][i];
+                        __m512 sum = h ? _mm512_add_ps(a[1], a[3]) : _mm512_add_ps(a[0], a[2]);
+                        tot[p][i] = _mm512_fmadd_ps(sum, sp, tot[p][i]);
+                        if (h) a[1] = a[3] = _mm512_setzero_ps();
+                        else a[0] = a[2] = _mm512_setzero_ps();
+                    }
                 }
             }
+    }
+    for (int p = 0; p < 2; p++)
+        for (int i = 0; i < NI; i++) {
+            __m256 lo = _mm512_castps512_ps256(tot[p][i]);
+            __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot[p][i]), 1));
+            res[2 * p][i0 + i] = hsum8(lo);
+            res[2 * p + 1][i0 + i] = hsum8(hi);
         }
-    }
-    for (int p = 0; p < 2; p++) {
-        __m256 lo = _mm512_castps512_ps256(tot[p]);
-        __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot[p]), 1));
-        res[2 * p][i] = hsum8(lo);
-        res[2 * p + 1][i] = hsum8(hi);
-    }
 }
 
 INLINE void int4d_tile_f32(const float *x, int64_t k, int64_t n, const uint8_t *w, const float *s, int64_t groups,
@@ -791,11 +799,13 @@ static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, i
         for (int64_t row0 = r_begin; row0 < r_end;) {
             int R = r_end - row0 >= I4D_ROWS ? I4D_ROWS : 1; /* a whole tile, or a row of the short one */
             float res[4][MT], terms[MT][4];
-            if (xb && R == 4)
-                for (int i = 0; i < M; i++) {
+            if (xb && R == 4) {
+                for (int i = 0; i < M; i++)
                     if (!xq[i]) xq[i] = int4d_pairs(xb + (i0 + i) * k, k);
-                    int4d_tile4_bf16(xq[i], k, n, w, s, groups, cg, row0, res, i);
-                }
+                for (int i = 0; i < M; i += 2) /* two inputs a pass (the planes made once) */
+                    if (M - i >= 2) int4d_tile4_bf16(xq + i, 2, k, n, w, s, groups, cg, row0, res, i);
+                    else int4d_tile4_bf16(xq + i, 1, k, n, w, s, groups, cg, row0, res, i);
+            }
             else if (xb) {
                 const uint16_t *xi = xb + i0 * k;
                 if (M == 1) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 1, res);

@@ -94,17 +94,19 @@ class PackedWeight:
 
     @classmethod
     def int4(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int,
-             dot: bool = False) -> PackedWeight:
+             dot: bool | None = None) -> PackedWeight:
         """uint8 packed [n, k/2], scale [n, groups], zeros [n, groups] or None (symmetric: 8);
-        group a multiple of 32 (the kernel's block). dot: `packed` already is in the dot layout;
-        else a copy is repacked into it where `dot_layout_fits`."""
+        group a multiple of 32 (the kernel's block). dot: True, `packed` already is in the dot
+        layout; False, it is in the checkpoint layout and stays there; None, a copy is repacked
+        into the dot layout where `dot_layout_fits`."""
         if group % 32:
             raise ValueError(f"int4 group size {group}: the compiled kernel needs a multiple of 32")
         s = scale.float().contiguous()
         z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
         n, k = packed.shape[0], packed.shape[1] * 2
-        if not dot and dot_layout_fits(k):  # vdpbf16ps: ~1.5x the GEMV
-            packed, dot = packing.pack_int4_dot(packed), True
+        if dot is None:
+            dot = dot_layout_fits(k)  # vdpbf16ps: ~1.5x the GEMV
+            packed = packing.pack_int4_dot(packed) if dot else packed
         sz = s * z
         if dot:  # the scales of a tile's rows side by side
             s, sz = packing.dot_tiles(s, to_tiles=True, unit=1), packing.dot_tiles(sz, to_tiles=True, unit=1)

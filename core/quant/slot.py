@@ -10,7 +10,7 @@ After loading, `prepare(linear)` repacks for the device that will run it:
                 float32 (a core.cpu.ops.PackedWeight); an int8 weight with N % 8 == 0 and
                 K % 16 == 0 is repacked in place into row tiles (packing.pack_int8_tiled: one
                 sequential stream per tile); on the avx512bf16 build an int4 weight with
-                K % 64 == 0 into the dot layout its vdpbf16ps GEMV reads
+                K % 64 == 0 of a bfloat16 layer into the dot layout its vdpbf16ps GEMV reads
                 (packing.pack_int4_dot). Both go back to the checkpoint layout on a move to
                 another device, or (dot) when prepared again under a build without that GEMV
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
@@ -206,7 +206,9 @@ class WeightOnlySlot:
                     self.layout = "tiled"
                 self._packed = ops.PackedWeight.int8(linear.weight, s, tiled=self.layout == "tiled")
                 return
-            dot = ops.dot_layout_fits(linear.weight.shape[1] * 2)  # this build reads the dot layout
+            # the dot layout where this build reads it and the activations are bfloat16 (the layer's
+            # dtype, its scales'): float32 inputs run faster on the checkpoint layout
+            dot = ops.dot_layout_fits(linear.weight.shape[1] * 2) and s.dtype == torch.bfloat16
             if self.layout == "checkpoint" and dot:  # in place: one copy
                 linear.weight = _param(packing.pack_int4_dot(linear.weight.data))
                 self.layout = "dot"
