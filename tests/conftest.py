@@ -44,8 +44,10 @@ def cpu_build(request, monkeypatch) -> str:
     if isa not in build.supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
     lib = build.library_for(isa)
+    if lib is None and build.compiler() is not None and build.enabled():
+        pytest.fail(f"kernels.c did not build for {isa} with {build.compiler()} (see the warning)")
     if lib is None:
-        pytest.skip("no compiled CPU kernels")
+        pytest.skip("no compiled CPU kernels (no C compiler, or BESTIARY_CPU_KERNELS=off)")
     assert lib.bst_isa() == build.ISAS[isa].code
     monkeypatch.setattr(ops, "library", lambda: lib)
     return isa

@@ -1328,6 +1328,9 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
                           int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, const float *slopes,
                           void *out, int odt, const float *kv_scales, const int64_t *windows, int threads) {
     int64_t G = H / KVH;
+    int bs_shift = -1; /* log2(bs) when bs is a power of two: a key's block and row by shifts */
+    for (int e = 0; e < 31; e++)
+        if ((int64_t)1 << e == bs) bs_shift = e;
 #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < B * H; task++) {
         int64_t b = task / H, h = task % H, kvh = h / G, L = kv_lens[b];
@@ -1337,6 +1340,7 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         int64_t W = windows ? windows[b] : 0, S = W ? windows[B + b] : 0;
         int64_t lo = W ? (L - (W - S) > 0 ? L - (W - S) : 0) : 0, ns = S < lo ? S : lo, n = ns + L - lo;
 #define J_OF(t) ((t) < ns ? (t) : lo + (t) - ns)
+#define SLOT_OF(j) (bs_shift >= 0 ? (table[(j) >> bs_shift] << bs_shift) + ((j) & (bs - 1)) : table[(j) / bs] * bs + (j) % bs)
         float qf[512 + PAD], acc[512 + PAD], row[512 + PAD];
         float stack_scores[4096];
         float *scores = n <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)n);
@@ -1349,8 +1353,20 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         const int dot = qdt == DT_BF16 && kvdt == DT_BF16 && !kv_scales;
         const uint16_t *q16 = (const uint16_t *)q + b * q_stride + h * D;
 #endif
+        const int64_t row_bytes = D * (kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1);
+        (void)row_bytes;
         for (int64_t t = 0; t < n; t++) {
-            int64_t j = J_OF(t), off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
+            int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
+            /* the rows are scattered (blocks, other heads between): fetch the key 16 ahead, and this
+             * key's value for the weighted sum after the softmax */
+#if BST_SIMD
+            if (t + 16 < n) {
+                int64_t ja = J_OF(t + 16), offa = (SLOT_OF(ja) * KVH + kvh) * D;
+                for (int64_t c = 0; c < row_bytes; c += 64)
+                    _mm_prefetch((const char *)k_pool + offa * (row_bytes / D) + c, _MM_HINT_T0);
+            }
+            for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch((const char *)v_pool + off * (row_bytes / D) + c, _MM_HINT_T0);
+#endif
             const void *kp = k_pool;
             int kdt = kvdt;
             if (kv_scales) { /* codes -> a float row */
@@ -1394,8 +1410,25 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
             scores[t] = expf(scores[t] - mx);
             total += scores[t];
         }
-        for (t = 0; t < n; t++) {
-            int64_t j = J_OF(t), off = ((table[j / bs] * bs + j % bs) * KVH + kvh) * D;
+        int in_registers = 0;
+#if BST_SIMD
+        in_registers = !kv_scales && D % VW == 0 && D <= 8 * VW;
+        if (in_registers) { /* the loop below with acc in registers */
+            const int64_t nd = D / VW;
+            vf va[8];
+            for (int c = 0; c < 8; c++) va[c] = vzero();
+            for (t = 0; t < n; t++) {
+                int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
+                vf pv = vset1(scores[t] / total);
+                for (int c = 0; c < 8; c++)
+                    if (c < nd) va[c] = vfmadd(pv, vload_any(v_pool, kvdt, off + c * VW), va[c]);
+            }
+            for (int c = 0; c < 8; c++)
+                if (c < nd) vstoreu(acc + c * VW, va[c]);
+        }
+#endif
+        for (t = 0; t < n && !in_registers; t++) {
+            int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
             float p = scores[t] / total;
             const void *vp = v_pool;
             int vdt = kvdt;
@@ -1415,6 +1448,7 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         from_f32(acc, D, (char *)out + (b * H + h) * D * (odt == DT_F32 ? 4 : 2), odt);
         if (scores != stack_scores) free(scores);
 #undef J_OF
+#undef SLOT_OF
     }
 }
 
