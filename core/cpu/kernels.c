@@ -576,17 +576,18 @@ static void int4_rows(const float *xf, const float *xp, const float *xsum, int64
  * float32 inputs take the FMA path on the same layout: sum_g s_g sum_{k in g} x_k q_k - sz_g xsum_g.
  * cg[c]: the group of chunk c (features 32 c .. 32 c + 31). */
 #define I4D_ROWS 4
-/* the byte offset of row `row`'s 32 bytes of block kk / 64 in a DT_I4D weight [n, k / 2] */
-INLINE int64_t i4d_off(int64_t row, int64_t kk, int64_t k, int64_t n) {
+/* where block `block` (of `unit` elements) of row `row` is in an [n, width] array held in tiles of
+ * I4D_ROWS rows (the last one n % 4): per tile, block by block, the rows' blocks in turn */
+INLINE int64_t i4d_tiled(int64_t row, int64_t block, int64_t width, int64_t unit, int64_t n) {
     int64_t t0 = row / I4D_ROWS * I4D_ROWS, rows = n - t0 < I4D_ROWS ? n - t0 : I4D_ROWS;
-    return t0 * (k / 2) + kk / 64 * rows * 32 + (row - t0) * 32;
+    return t0 * width + block * rows * unit + (row - t0) * unit;
 }
 
-/* the index of row `row`'s group g in DT_I4D scales (s, sz): tiles as the codes, per tile [groups][rows] */
-INLINE int64_t i4d_soff(int64_t row, int64_t g, int64_t groups, int64_t n) {
-    int64_t t0 = row / I4D_ROWS * I4D_ROWS, rows = n - t0 < I4D_ROWS ? n - t0 : I4D_ROWS;
-    return t0 * groups + g * rows + (row - t0);
-}
+/* the byte offset of row `row`'s 32 bytes of block kk / 64 in a DT_I4D weight [n, k / 2] */
+INLINE int64_t i4d_off(int64_t row, int64_t kk, int64_t k, int64_t n) { return i4d_tiled(row, kk / 64, k / 2, 32, n); }
+
+/* the index of row `row`'s group g in DT_I4D scales (s, sz) [n, groups], tiled as the codes */
+INLINE int64_t i4d_soff(int64_t row, int64_t g, int64_t groups, int64_t n) { return i4d_tiled(row, g, groups, 1, n); }
 
 #if BST_BF16DOT
 INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, int64_t n, const uint8_t *w, const float *s,
@@ -644,7 +645,6 @@ INLINE float hsum8(__m256 a) {
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
-
 
 /* 4 rows (a whole tile) x NI (1 or 2) bfloat16 inputs (columns i0.. of res): one 64-byte load
  * holds two rows' 32 bytes of a block; its 16-bit word w = code(2w) | code(32 + 2w) << 4 |

@@ -84,12 +84,14 @@ class PackedWeight:
         return cls(DTYPES[wt.dtype], wt, wt.shape[1], wt.shape[0])
 
     @classmethod
-    def int8(cls, q: torch.Tensor, scale: torch.Tensor, tiled: bool = False) -> PackedWeight:
-        """int8 q [n, k] with per-row scale [n]. tiled: `q` already is in the tiled layout; else a
-        copy is repacked into it where `packing.int8_tiles_fit`."""
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor, tiled: bool | None = None) -> PackedWeight:
+        """int8 q [n, k] with per-row scale [n]. tiled: True, `q` already is in the tiled layout;
+        False, it is row-major and stays so; None, a copy is repacked into the tiled layout where
+        `packing.int8_tiles_fit`."""
         n, k = q.shape
-        if not tiled and packing.int8_tiles_fit(n, k):
-            q, tiled = packing.pack_int8_tiled(q), True
+        if tiled is None:
+            tiled = packing.int8_tiles_fit(n, k)
+            q = packing.pack_int8_tiled(q) if tiled else q
         return cls(KIND_I8T if tiled else KIND_I8, q.contiguous(), n, k, scale.float().contiguous())
 
     @classmethod
