@@ -26,8 +26,8 @@
  *   DT_I4 = 3    int4 weights, two per byte (low nibble = even k), float scale s and s * zero
  *                per row and group of G input features
  *   DT_F8 = 4    float8 e4m3fn KV cache codes (DT_I8 too: int8 KV codes), x ~ code * scale
- *   DT_I4D = 5   DT_I4 in the dot layout (int4d_tile_bf16): the AVX-512 + BF16 build only
- *   DT_I8T = 6   DT_I8 in row tiles (i8t_off): a tile's GEMV reads one sequential stream
+ *   DT_I4D = 5   DT_I4 in the dot layout (int4d_tile4_bf16): the AVX-512 + BF16 build only
+ *   DT_I8T = 6   DT_I8 in row tiles (w_off): a tile's GEMV reads one sequential stream
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -590,40 +590,31 @@ INLINE int64_t i4d_off(int64_t row, int64_t kk, int64_t k, int64_t n) { return i
 INLINE int64_t i4d_soff(int64_t row, int64_t g, int64_t groups, int64_t n) { return i4d_tiled(row, g, groups, 1, n); }
 
 #if BST_BF16DOT
-INLINE void int4d_tile_bf16(const uint16_t *x, int64_t k, int64_t n, const uint8_t *w, const float *s,
-                            int64_t groups, const int32_t *cg, int64_t row0, int R, int M, float res[4][MT]) {
+/* one row (of the short last tile) x M bfloat16 inputs: the row's 32 bytes of a block widened to
+ * 16-bit words, each nibble plane made the bfloat16 16 + q, one vdpbf16ps per 32-feature chunk,
+ * times the chunk's group scale */
+INLINE void int4d_row_bf16(const uint16_t *x, int64_t k, int64_t n, const uint8_t *w, const float *s,
+                           int64_t groups, const int32_t *cg, int64_t row, int M, float res[4][MT]) {
     const __m512i one6 = _mm512_set1_epi16(0x4180), code = _mm512_set1_epi16(0x0078);
-    __m512 tot[4][MT][2];
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < M; i++) tot[r][i][0] = tot[r][i][1] = _mm512_setzero_ps();
+    __m512 tot[MT][2];
+    for (int i = 0; i < M; i++) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk += 64) {
-        __m512i x0[MT], x1[MT];
-        for (int i = 0; i < M; i++) {
-            x0[i] = _mm512_loadu_si512(x + i * k + kk);
-            x1[i] = _mm512_loadu_si512(x + i * k + kk + 32);
-        }
         const int32_t *g = cg + kk / 32;
-        const char *ahead = (const char *)(w + i4d_off(row0, kk, k, n)) + 512; /* one stream: 4 blocks ahead */
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *wr = w + i4d_off(row0 + r, kk, k, n);
-            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)wr)); /* [32] u16 */
-            /* (b << 3 & 0x78) | 0x4180: the bfloat16 16 + q of each low nibble; >> 1: the high ones */
-            __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
-            __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
-            __m512 s0 = _mm512_set1_ps(s[i4d_soff(row0 + r, g[0], groups, n)]);
-            __m512 s1 = _mm512_set1_ps(s[i4d_soff(row0 + r, g[1], groups, n)]);
-            for (int i = 0; i < M; i++) {
-                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q0, (__m512bh)x0[i]);
-                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q1, (__m512bh)x1[i]);
-                tot[r][i][0] = _mm512_fmadd_ps(d0, s0, tot[r][i][0]);
-                tot[r][i][1] = _mm512_fmadd_ps(d1, s1, tot[r][i][1]);
-            }
+        const uint8_t *wr = w + i4d_off(row, kk, k, n);
+        __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)wr)); /* [32] u16 */
+        /* (b << 3 & 0x78) | 0x4180: the bfloat16 16 + q of each low nibble; >> 1: the high ones */
+        __m512i q0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), code, one6, 0xEA);
+        __m512i q1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), code, one6, 0xEA);
+        __m512 s0 = _mm512_set1_ps(s[i4d_soff(row, g[0], groups, n)]);
+        __m512 s1 = _mm512_set1_ps(s[i4d_soff(row, g[1], groups, n)]);
+        for (int i = 0; i < M; i++) {
+            __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q0, (__m512bh)_mm512_loadu_si512(x + i * k + kk));
+            __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q1, (__m512bh)_mm512_loadu_si512(x + i * k + kk + 32));
+            tot[i][0] = _mm512_fmadd_ps(d0, s0, tot[i][0]);
+            tot[i][1] = _mm512_fmadd_ps(d1, s1, tot[i][1]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < M; i++) res[r][i] = _mm512_reduce_add_ps(_mm512_add_ps(tot[r][i][0], tot[r][i][1]));
+    for (int i = 0; i < M; i++) res[0][i] = _mm512_reduce_add_ps(_mm512_add_ps(tot[i][0], tot[i][1]));
 }
 
 /* x (one bfloat16 input row) as int4d_tile4_bf16 reads it: per 64-feature block b, 4 vectors of
@@ -649,7 +640,7 @@ INLINE float hsum8(__m256 a) {
 /* 4 rows (a whole tile) x NI (1 or 2) bfloat16 inputs (columns i0.. of res): one 64-byte load
  * holds two rows' 32 bytes of a block; its 16-bit word w = code(2w) | code(32 + 2w) << 4 |
  * code(2w + 1) << 8 | code(33 + 2w) << 12 of the row, so the four nibble planes, each made the
- * bfloat16 16 + q as in int4d_tile_bf16, pair with the four vectors of int4d_pairs, the low 8
+ * bfloat16 16 + q as in int4d_row_bf16, pair with the four vectors of int4d_pairs, the low 8
  * lanes for one row and the high 8 for the other, without widening; the planes are made once for
  * the NI inputs. Per row pair and input, each plane has its own vdpbf16ps chain (the same sums
  * for any NI: batch-invariant); a chunk's sums are kept until its group ends (one scale multiply
@@ -805,13 +796,12 @@ static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, i
                 for (int i = 0; i < M; i += 2) /* two inputs a pass (the planes made once) */
                     if (M - i >= 2) int4d_tile4_bf16(xq + i, 2, k, n, w, s, groups, cg, row0, res, i);
                     else int4d_tile4_bf16(xq + i, 1, k, n, w, s, groups, cg, row0, res, i);
-            }
-            else if (xb) {
+            } else if (xb) {
                 const uint16_t *xi = xb + i0 * k;
-                if (M == 1) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 1, res);
-                else if (M == 2) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 2, res);
-                else if (M == 3) int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 3, res);
-                else int4d_tile_bf16(xi, k, n, w, s, groups, cg, row0, 1, 4, res);
+                if (M == 1) int4d_row_bf16(xi, k, n, w, s, groups, cg, row0, 1, res);
+                else if (M == 2) int4d_row_bf16(xi, k, n, w, s, groups, cg, row0, 2, res);
+                else if (M == 3) int4d_row_bf16(xi, k, n, w, s, groups, cg, row0, 3, res);
+                else int4d_row_bf16(xi, k, n, w, s, groups, cg, row0, 4, res);
             } else {
                 const float *xi = xf + i0 * k;
                 if (R == 4) {
@@ -1353,8 +1343,9 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         const int dot = qdt == DT_BF16 && kvdt == DT_BF16 && !kv_scales;
         const uint16_t *q16 = (const uint16_t *)q + b * q_stride + h * D;
 #endif
-        const int64_t row_bytes = D * (kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1);
-        (void)row_bytes;
+#if BST_SIMD
+        const int64_t esize = kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1; /* a pool element's bytes */
+#endif
         for (int64_t t = 0; t < n; t++) {
             int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
             /* the rows are scattered (blocks, other heads between): fetch the key 16 ahead, and this
@@ -1362,10 +1353,9 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
 #if BST_SIMD
             if (t + 16 < n) {
                 int64_t ja = J_OF(t + 16), offa = (SLOT_OF(ja) * KVH + kvh) * D;
-                for (int64_t c = 0; c < row_bytes; c += 64)
-                    _mm_prefetch((const char *)k_pool + offa * (row_bytes / D) + c, _MM_HINT_T0);
+                for (int64_t c = 0; c < D * esize; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0);
             }
-            for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch((const char *)v_pool + off * (row_bytes / D) + c, _MM_HINT_T0);
+            for (int64_t c = 0; c < D * esize; c += 64) _mm_prefetch((const char *)v_pool + off * esize + c, _MM_HINT_T0);
 #endif
             const void *kp = k_pool;
             int kdt = kvdt;
@@ -1478,13 +1468,13 @@ void bst_argmax_rows(const float *x, int64_t B, int64_t V, int64_t *out, int thr
             nan = vi_or(nan, vi_select_nan(v, vi_set1(1), vi_set1(0)));
             idx = vi_add(idx, vi_set1(VW));
         }
-        float lanes[VW], seen[VW];
-        int32_t pos[VW];
+        float lanes[VW];
+        int32_t pos[VW], seen[VW];
         vstoreu(lanes, m);
         vstoreu((float *)pos, vi_as_f(where));
-        vstoreu(seen, vi_as_f(nan));
+        vstoreu((float *)seen, vi_as_f(nan));
         int any_nan = 0;
-        for (int l = 0; l < VW; l++) any_nan |= memcmp(&seen[l], &(int32_t){0}, 4) != 0;
+        for (int l = 0; l < VW; l++) any_nan |= seen[l] != 0;
         if (any_nan) { /* the first NaN */
             for (at = 0; r[at] == r[at]; at++) {}
             out[b] = at;

@@ -65,7 +65,7 @@ class PackedWeight:
     kind KIND_I4D: the same codes in the dot layout the AVX-512 + BF16 build reads with vdpbf16ps
     (`int4` packs it there when k % 64 == 0): per row, blocks of 64 features in 32 bytes, byte j
     of block b = code(64 b + j) | code(64 b + 32 + j) << 4, rows in tiles of 4 (`packing.pack_int4_dot`);
-    scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.dot_tiles`).
+    scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.row_tiles`).
     """
 
     kind: int
@@ -111,7 +111,7 @@ class PackedWeight:
             packed = packing.pack_int4_dot(packed) if dot else packed
         sz = s * z
         if dot:  # the scales of a tile's rows side by side
-            s, sz = packing.dot_tiles(s, to_tiles=True, unit=1), packing.dot_tiles(sz, to_tiles=True, unit=1)
+            s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
         return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
 
     @property
@@ -167,7 +167,7 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         return q.float() * pw.scale[:, None]
     s, sz = pw.scale, pw.scale_zero  # [N, groups]
     if pw.kind == KIND_I4D:
-        s, sz = packing.dot_tiles(s, to_tiles=False, unit=1), packing.dot_tiles(sz, to_tiles=False, unit=1)
+        s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=False) for t in (s, sz))
     codes = (packing.unpack_int4_dot(w) if pw.kind == KIND_I4D else packing.unpack_int4(w)).float()  # [N, K]
     s = s.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     sz = sz.repeat_interleave(pw.group, dim=1)[:, : pw.k]

@@ -95,14 +95,27 @@ def pack_int8_tiled(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> the same codes in the tiled layout [N, K] the compiled GEMV reads (core.cpu):
     per tile of 8 rows, per block of 16 features, the 8 rows' 16 codes one after another, so a
     tile is one sequential stream (N % 8 == 0, K % 16 == 0)."""
-    n, k = q.shape
-    return q.reshape(n // TILE_ROWS, TILE_ROWS, k // TILE_K, TILE_K).transpose(1, 2).reshape(n, k).contiguous()
+    return row_tiles(q, TILE_ROWS, TILE_K, to_tiles=True)
 
 
 def unpack_int8_tiled(t: torch.Tensor) -> torch.Tensor:
     """The tiled layout [N, K] -> int8 [N, K] row-major (inverse of pack_int8_tiled)."""
-    n, k = t.shape
-    return t.reshape(n // TILE_ROWS, k // TILE_K, TILE_ROWS, TILE_K).transpose(1, 2).reshape(n, k).contiguous()
+    return row_tiles(t, TILE_ROWS, TILE_K, to_tiles=False)
+
+
+def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool) -> torch.Tensor:
+    """[N, C] with rows in order <-> rows in tiles of `rows` (the last one N % rows): per tile, per
+    block of `unit` columns, its rows' blocks one after another (C % unit == 0). The int8 tiles
+    (8 rows, 16 codes), the int4 dot layout's codes (4 rows, 32 bytes) and scales (4 rows, 1)."""
+    n, width = t.shape
+    whole = n - n % rows
+    out = torch.empty_like(t)
+    for start, stop, tile in ((0, whole, rows), (whole, n, n % rows)):  # the whole tiles, the short one
+        if stop == start:
+            continue
+        shape = (-1, tile, width // unit, unit) if to_tiles else (-1, width // unit, tile, unit)
+        out[start:stop] = t[start:stop].reshape(shape).transpose(1, 2).reshape(stop - start, width)
+    return out
 
 
 # --- int4 group-wise ---------------------------------------------------------------------
@@ -122,21 +135,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 DOT_BLOCK, DOT_ROWS = 64, 4  # the int4 dot layout: features per block of 32 bytes, rows per tile
 
 
-def dot_tiles(t: torch.Tensor, to_tiles: bool, unit: int = 32) -> torch.Tensor:
-    """[N, C] with rows in order <-> rows in tiles of DOT_ROWS (the last one N % 4 rows): per tile,
-    per block of `unit` columns, its rows' blocks one after another (the dot layout's codes: 32
-    bytes; its scales: 1, [groups][rows] per tile)."""
-    n, half = t.shape
-    whole = n - n % DOT_ROWS
-    out = torch.empty_like(t)
-    for start, stop, rows in ((0, whole, DOT_ROWS), (whole, n, n % DOT_ROWS)):  # the whole tiles, the short one
-        if stop == start:
-            continue
-        shape = (-1, rows, half // unit, unit) if to_tiles else (-1, half // unit, rows, unit)
-        out[start:stop] = t[start:stop].reshape(shape).transpose(1, 2).reshape(stop - start, half)
-    return out
-
-
 def pack_int4_dot(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] (pack_int4's layout) -> the same codes in the dot layout [N, K/2] that the
     compiled vdpbf16ps GEMV reads (core.cpu): per block of 64 features, byte j = code(j) |
@@ -144,13 +142,13 @@ def pack_int4_dot(packed: torch.Tensor) -> torch.Tensor:
     tiles of 4 (the last one N % 4), per tile the rows' 32 bytes of a block one after another."""
     n, k = packed.shape[0], packed.shape[1] * 2
     codes = unpack_int4(packed).view(n, k // DOT_BLOCK, 2, DOT_BLOCK // 2)  # [N, blocks, plane, 32]
-    return dot_tiles((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2), to_tiles=True)
+    return row_tiles((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2), DOT_ROWS, 32, to_tiles=True)
 
 
 def unpack_int4_dot(weight: torch.Tensor) -> torch.Tensor:
     """The dot layout [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4_dot before packing)."""
     n, k = weight.shape[0], weight.shape[1] * 2
-    blocks = dot_tiles(weight, to_tiles=False).reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
+    blocks = row_tiles(weight, DOT_ROWS, 32, to_tiles=False).reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
     return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, k)  # [N, blocks, plane, 32] -> [N, K]
 
 
