@@ -124,6 +124,43 @@ def test_int8_tiled_layout_matches_the_row_major_layout(m, xdtype):
     torch.testing.assert_close(ops.dequantize_ref(pw), ops.dequantize_ref(plain))
 
 
+def test_bf16_tiled_layout_round_trips():
+    """pack_bf16_tiled: per tile of 8 rows, per block of 32 features, the 8 rows' 32 values in turn."""
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
+    t = packing.pack_bf16_tiled(w).flatten()
+    assert t[32 * 3 + 5].item() == w[3, 5].item()  # tile 0, block 0, row 3
+    assert t[256 + 32 * 2 + 7].item() == w[2, 32 + 7].item()  # tile 0, block 1, row 2
+    assert t[8 * 96 + 256 * 2 + 32 * 6 + 31].item() == w[8 + 6, 64 + 31].item()  # tile 1, block 2, row 6
+    assert torch.equal(packing.unpack_bf16_tiled(packing.pack_bf16_tiled(w)), w)
+    assert packing.bf16_tiles_fit(16, 96) and not packing.bf16_tiles_fit(12, 96) and not packing.bf16_tiles_fit(16, 80)
+    with pytest.raises(ValueError, match=r"bf16_tiled: a contiguous bfloat16 \[N % 8 == 0, K % 32 == 0\], not "
+                                         r"torch.bfloat16 \[12, 96\]"):
+        ops.PackedWeight.bf16_tiled(w[:12])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("xdtype", FLOAT)
+def test_bf16_tiled_layout_equals_the_float32_reference(m, xdtype):
+    """bfloat16 weights in row tiles (KIND_BF16T; bfloat16 inputs: one vdpbf16ps per row and 32
+    features on the AVX-512 + BF16 build, FMAs elsewhere): equal to the float32 reference to
+    float32 summation error (float32 output: no bfloat16 rounding hides an error), bias added per
+    row; every row the same bit for bit whatever the batch (each input alone)."""
+    gen = torch.Generator().manual_seed(40 + m)
+    n, k = 40, 160  # 5 tiles; 5 blocks of 32 features
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    pw = ops.PackedWeight.bf16_tiled(packing.pack_bf16_tiled(w))
+    x = torch.randn(m, k, generator=gen).to(xdtype)
+    bias = torch.randn(n, generator=gen)
+    y = ops.linear(x, pw, bias, out_dtype=torch.float32)
+    ref = x.double() @ w.double().t() + bias.double()
+    assert (y.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    for i in range(m):
+        assert torch.equal(ops.linear(x[i : i + 1], pw, bias, out_dtype=torch.float32), y[i : i + 1])
+    torch.testing.assert_close(ops.dequantize_ref(pw), w.float(), rtol=0, atol=0)
+    yb = ops.linear(x, pw)  # the input's dtype out: one rounding of the float32 result
+    assert yb.dtype == xdtype and torch.equal(yb, ops.linear(x, pw, out_dtype=torch.float32).to(xdtype))
+
+
 @pytest.mark.parametrize("group,zp", [(32, True), (64, False), (128, True), (192, False)])
 @pytest.mark.parametrize("m", [1, 2, 5])
 @pytest.mark.parametrize("xdtype", FLOAT)
@@ -298,6 +335,20 @@ def test_rotary_matches_reference(dtype, style):
     assert not torch.equal(x, before[:, :heads])  # it did rotate
     # the v rows beside are untouched (against a copy taken before the call)
     torch.testing.assert_close(qkv[:, heads:], before[:, heads:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cos_shape,sin_shape,rot", [((4, 1, 6), (4, 1, 0), 12), ((3, 1, 6), (3, 1, 6), 12),
+                                                      ((4, 1, 5), (4, 1, 5), 12), ((4, 1, 9), (4, 1, 9), 18),
+                                                      ((4, 1, 6), (4, 1, 6), 11)])
+def test_rotary_refuses_cos_sin_it_would_read_past(cos_shape, sin_shape, rot):
+    """cos / sin other than [T, 1, rot_dim / 2] (or rot_dim odd or past the head) raise with the shapes
+    named: the kernel would read past their end (a segfault, seen with a mis-built rotary table)."""
+    x = torch.randn(4, 2, 16)
+    cos, sin = torch.randn(cos_shape), torch.randn(sin_shape)
+    with pytest.raises(ValueError) as err:
+        ops.rotary(x, cos, sin, rot, "neox")
+    assert str(err.value) == (f"rotary: cos and sin must be [4, 1, {rot // 2}] for x [4, 2, 16] and rot_dim {rot}, "
+                              f"got {list(cos_shape)} and {list(sin_shape)}")
 
 
 @pytest.mark.parametrize("dtype", FLOAT)

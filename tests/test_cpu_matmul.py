@@ -1,12 +1,14 @@
-"""CPU float matmuls over transposed weights (core.layers.cpu_matmul) equal F.linear."""
+"""CPU float matmuls over transposed weights and row tiles (core.layers.cpu_matmul) equal F.linear."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.linear import Linear
+from bestiary.core.quant import packing
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -53,3 +55,73 @@ def test_cpu_flags_decide_native_half(monkeypatch):
     assert not cpu_matmul.native_half_gemm(torch.bfloat16)
     monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
     assert cpu_matmul.native_half_gemm(torch.bfloat16) and not cpu_matmul.native_half_gemm(torch.float16)
+
+
+needs_kernels = pytest.mark.skipif(not dispatch.use_cpu_kernels(torch.zeros(1)), reason="no compiled CPU kernels")
+
+
+@needs_kernels
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("tokens", [1, 5, 32, 33, 40])
+def test_bf16_linear_in_row_tiles_equals_linear(tokens, native, monkeypatch):
+    """A bfloat16 Linear with N % 8 == 0, K % 32 == 0 is held in row tiles: the compiled GEMV up to
+    KERNEL_MAX_TOKENS rows, above it torch's GEMM over blocks of rows put back in order (several
+    blocks here; float32 where the CPU has no native bf16 GEMM). The parameter keeps its shape,
+    its state_dict the values in order, and the output equals F.linear to a bfloat16 rounding."""
+    monkeypatch.setattr(cpu_matmul, "native_half_gemm", lambda _dtype: native)
+    monkeypatch.setattr(cpu_matmul, "UPCAST_CHUNK", 96 * 50)  # blocks of 48 rows: 3 blocks for 136
+    lin = Linear(96, 136, bias=True, dtype=torch.bfloat16)
+    torch.nn.init.normal_(lin.weight)
+    torch.nn.init.normal_(lin.bias)
+    before = lin.weight.detach().clone()
+    x = torch.randn(tokens, 96).bfloat16()
+    ref = F.linear(x.float(), before.float(), lin.bias.float())
+    lin.fuse()
+    assert lin._wt is None and lin._tiles is not None and lin._tiles.data_ptr() == lin.weight.data_ptr()
+    assert lin.weight.shape == (136, 96) and torch.equal(lin._tiles, packing.pack_bf16_tiled(before))
+    assert torch.equal(lin.state_dict()["weight"], before)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (tokens, 136)
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_weights_that_do_not_fit_the_tiles_stay_transposed():
+    """Row tiles only for bfloat16 [N % 8 == 0, K % 32 == 0]: other shapes and float32 keep W^T."""
+    for n, k, dtype in ((130, 96, torch.bfloat16), (136, 80, torch.bfloat16), (136, 96, torch.float32)):
+        lin = Linear(k, n, dtype=dtype)
+        lin.fuse()
+        assert lin._tiles is None and lin._wt is not None and lin._wt.shape == (k, n)
+
+
+@needs_kernels
+def test_gated_mlp_fuses_into_row_tiles_and_embedding_reads_them():
+    """GatedMLP: fc | gate fused in row tiles, each a block of whole tiles that is its own weight
+    (state_dict in order, its own forward); an embedding sharing a tiled weight looks its rows up."""
+    from bestiary.core.layers.embedding import Embedding
+    from bestiary.core.layers.mlp import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 96, "silu", bias=False, tp_rank=0, tp_size=1, dtype=torch.bfloat16)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    fc, gate, proj = (m.weight.detach().clone() for m in (mlp.fc, mlp.gate, mlp.proj))
+    x = torch.randn(3, 64).bfloat16()
+    xf = x.float()
+    ref = F.linear(F.silu(F.linear(xf, fc.float())) * F.linear(xf, gate.float()), proj.float())
+    mlp.fuse()
+    for m in (mlp.fc, mlp.gate, mlp.proj):
+        m.fuse()
+    assert mlp._fused_tiles is not None and mlp._fused_tiles.shape == (192, 64)
+    assert mlp.fc.weight.data_ptr() == mlp._fused_tiles.data_ptr()
+    sd = mlp.state_dict()
+    assert torch.equal(sd["fc.weight"], fc) and torch.equal(sd["gate.weight"], gate) and torch.equal(sd["proj.weight"], proj)
+    torch.testing.assert_close(mlp(x).float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+    torch.testing.assert_close(mlp.gate(x).float(), F.linear(xf, gate.float()), rtol=1e-2, atol=1e-2)
+
+    emb = Embedding(48, 64, dtype=torch.bfloat16)
+    torch.nn.init.normal_(emb.weight)
+    table = emb.weight.detach().clone()
+    emb._tiles = cpu_matmul.hold_tiled(emb)
+    ids = torch.tensor([0, 47, 9, 9, 16, 31])
+    assert torch.equal(emb(ids), table[ids]) and torch.equal(emb.state_dict()["weight"], table)
+    assert torch.equal(cpu_matmul.tiled_rows(emb._tiles, ids.view(2, 3)), table[ids].view(2, 3, 64))

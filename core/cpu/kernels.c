@@ -28,6 +28,7 @@
  *   DT_F8 = 4    float8 e4m3fn KV cache codes (DT_I8 too: int8 KV codes), x ~ code * scale
  *   DT_I4D = 5   DT_I4 in the dot layout (int4d_tile4_bf16): the AVX-512 + BF16 build only
  *   DT_I8T = 6   DT_I8 in row tiles (w_off): a tile's GEMV reads one sequential stream
+ *   DT_BF16T = 7 DT_BF16 W [n, k] in the same row tiles (decode; the prefill GEMM untiles it)
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -54,7 +55,7 @@
 #define BST_BF16DOT (BST_ISA == 3) /* vdpbf16ps: bf16 pairs multiplied exactly, summed in float32 */
 #define BST_SIMD (BST_ISA > 0)
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4, DT_I4D = 5, DT_I8T = 6 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4, DT_I4D = 5, DT_I8T = 6, DT_BF16T = 7 };
 #define INLINE static inline __attribute__((always_inline))
 
 /* the ISA this library was built for: 3 AVX-512 + BF16, 2 AVX-512, 1 AVX2 + FMA + F16C, 0 scalar */
@@ -298,14 +299,23 @@ static void from_f32(const float *src, int64_t n, void *p, int dt) {
 #define ROWS 8  /* most weight rows per tile (a single input row: 8 independent FMA chains) */
 #define MT 4    /* most input rows per tile (each weight vector loaded once, used MT times) */
 
-/* DT_I8T, int8 W [n, k] in tiles of I8T_ROWS rows (n % 8 == 0, k % 16 == 0): per tile, per block
- * of 16 features, the 8 rows' 16 bytes one after another. A tile's GEMV then reads one sequential
- * stream (the row-major layout interleaves 8 streams 1 row apart: half the bandwidth). */
-#define I8T_ROWS 8
+/* DT_I8T / DT_BF16T: int8 / bfloat16 W [n, k] in tiles of TILE_ROWS rows (n % 8 == 0; k % 16 == 0
+ * for int8, k % 32 == 0 for bfloat16): per tile, per block of tile_k(dt) features (16 bytes of int8,
+ * 64 of bfloat16), the 8 rows' blocks one after another. A tile's GEMV then reads one sequential
+ * stream: the row-major layout interleaves 8 streams a row apart (half the bandwidth cache-cold),
+ * the transposed one a stream per feature (~0.65x). */
+#define TILE_ROWS 8
 #define I8T_K 16
+#define BF16T_K 32
+INLINE int tiled_dt(int dt) { return dt == DT_I8T || dt == DT_BF16T; }
+INLINE int64_t tile_k(int dt) { return dt == DT_BF16T ? BF16T_K : I8T_K; }
+/* the element type of a weight dtype (a tiled one's elements are int8 / bfloat16) */
+INLINE int elem_dt(int dt) { return dt == DT_I8T ? DT_I8 : dt == DT_BF16T ? DT_BF16 : dt; }
+/* the element offset of W[row, kk] */
 INLINE int64_t w_off(int dt, int64_t row, int64_t kk, int64_t k) {
-    if (dt != DT_I8T) return row * k + kk;
-    return row / I8T_ROWS * I8T_ROWS * k + kk / I8T_K * (I8T_ROWS * I8T_K) + row % I8T_ROWS * I8T_K + kk % I8T_K;
+    if (!tiled_dt(dt)) return row * k + kk;
+    const int64_t tk = tile_k(dt);
+    return row / TILE_ROWS * TILE_ROWS * k + kk / tk * (TILE_ROWS * tk) + row % TILE_ROWS * tk + kk % tk;
 }
 
 #if BST_SIMD
@@ -317,16 +327,16 @@ INLINE void dense_block(const float *x, int64_t k, const void *w, int dt, int64_
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = vzero();
     int64_t kk = 0;
-    const int ldt = dt == DT_I8T ? DT_I8 : dt; /* the element type */
-    const int64_t esize = dt == DT_F32 ? 4 : dt == DT_BF16 ? 2 : 1, line = 64 / esize;
+    const int ldt = elem_dt(dt);
+    const int64_t esize = ldt == DT_F32 ? 4 : ldt == DT_BF16 ? 2 : 1, line = 64 / esize;
     for (; kk + VW <= k; kk += VW) {
         vf xv[MT];
         for (int i = 0; i < M; i++) xv[i] = vloadu(x + i * k + kk);
-        if (dt == DT_I8T) { /* one stream: 512 bytes ahead of this block's two lines */
-            if (kk % I8T_K == 0) {
-                const char *p = (const char *)w + w_off(dt, row0, kk, k) + 512;
-                _mm_prefetch(p, _MM_HINT_T0);
-                _mm_prefetch(p + 64, _MM_HINT_T0);
+        if (tiled_dt(dt)) { /* one stream: 4 blocks ahead of this block's 8 rows */
+            const int64_t tk = tile_k(dt), bytes = TILE_ROWS * tk * esize;
+            if (kk % tk == 0) {
+                const char *p = (const char *)w + w_off(dt, row0 / TILE_ROWS * TILE_ROWS, kk, k) * esize + 4 * bytes;
+                for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
             }
         } else if (kk % line == 0) /* rows are short (a few cache lines): fetch the next tile's rows early */
             for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + ((row0 + R + r) * k + kk) * esize, _MM_HINT_T0);
@@ -355,7 +365,7 @@ INLINE void dense_block_scalar(const float *x, int64_t k, const void *w, int dt,
             float s = 0.f;
             for (int64_t kk = 0; kk < k; kk++) {
                 int64_t off = w_off(dt, row0 + r, kk, k);
-                float wv = dt == DT_I8 || dt == DT_I8T ? (float)((const int8_t *)w)[off] : load_f(w, dt, off);
+                float wv = elem_dt(dt) == DT_I8 ? (float)((const int8_t *)w)[off] : load_f(w, elem_dt(dt), off);
                 s += wv * x[i * k + kk];
             }
             out[r][i] = s;
@@ -398,6 +408,8 @@ static void tile_any(const float *xi, int64_t k, const void *w, int wdt, int64_t
         TILE_SHAPES(DT_BF16)
     } else if (wdt == DT_I8) {
         TILE_SHAPES(DT_I8)
+    } else if (wdt == DT_BF16T) {
+        TILE_SHAPES(DT_BF16T)
     } else {
         TILE_SHAPES(DT_I8T)
     }
@@ -424,6 +436,57 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
         }
     }
 }
+
+#if BST_BF16DOT
+/* DT_BF16T rows row0 .. row0 + R of one tile (R <= 8) x M bfloat16 inputs as pairs (x2 [M, kh],
+ * bst_linear): per block of 32 features a row's 64 bytes and an input's 16 pairs make one
+ * vdpbf16ps; out[r][i] = the sum of row r's lanes. A row's sum has the same order for any M. */
+INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uint16_t *w, int64_t row0, int R, int M,
+                            float out[ROWS][MT]) {
+    __m512 acc[ROWS][MT];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
+    const uint16_t *tile = w + row0 / TILE_ROWS * TILE_ROWS * k + row0 % TILE_ROWS * BF16T_K;
+    for (int64_t kk = 0; kk < k; kk += BF16T_K) {
+        const uint16_t *blk = tile + kk * TILE_ROWS; /* this block's first row (w_off) */
+        _mm_prefetch((const char *)(blk + 4 * TILE_ROWS * BF16T_K), _MM_HINT_T0); /* 4 blocks ahead */
+        for (int r = 1; r < R; r++) _mm_prefetch((const char *)(blk + (4 * TILE_ROWS + r) * BF16T_K), _MM_HINT_T0);
+        __m512bh xv[MT];
+        for (int i = 0; i < M; i++) xv[i] = (__m512bh)_mm512_loadu_si512(x2 + i * kh + kk / 2);
+        for (int r = 0; r < R; r++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(blk + r * BF16T_K);
+            for (int i = 0; i < M; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv, xv[i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* DT_BF16T rows [r_begin, r_end) (whole tiles) of y for m bfloat16 inputs (x2 [m, kh]): tile by
+ * tile, every input against a tile while it is in L1 (the weight streams once for any m). */
+static void bf16t_rows(const uint32_t *x2, int64_t m, int64_t k, const uint16_t *w, const float *bias, void *y,
+                       int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
+    const int64_t kh = k / 2;
+    float out[ROWS][MT];
+    for (int64_t row0 = r_begin; row0 < r_end; row0 += TILE_ROWS) {
+        for (int64_t i0 = 0; i0 < m; i0 += MT) {
+            int M = m - i0 >= MT ? MT : (int)(m - i0);
+            const uint32_t *xi = x2 + i0 * kh;
+            for (int half = 0; half < (M == MT ? 2 : 1); half++) { /* 4 inputs: 4 rows at a time (16 sums) */
+                int R = M == MT ? 4 : 8;
+                int64_t r0 = row0 + half * 4;
+                if (M == 1) bf16t_block_dot(xi, kh, k, w, r0, 8, 1, out);
+                else if (M == 2) bf16t_block_dot(xi, kh, k, w, r0, 8, 2, out);
+                else if (M == 3) bf16t_block_dot(xi, kh, k, w, r0, 8, 3, out);
+                else bf16t_block_dot(xi, kh, k, w, r0, 4, 4, out);
+                for (int r = 0; r < R; r++)
+                    for (int i = 0; i < M; i++)
+                        store_f(y, ydt, (i0 + i) * n + r0 + r, out[r][i] + (bias ? bias[r0 + r] : 0.f));
+            }
+        }
+    }
+}
+#endif
 
 /* int4: W[row, k] = q * s - s * z for the nibble q of feature k (byte k / 2, low nibble = even
  * k) and the scales of its group (group % 32 == 0). Per block of I4B = 2 VW features, VW bytes:
@@ -1106,7 +1169,7 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
     uint32_t *x2 = NULL;
     to_f32(x, xdt, m * k, xf);
 #if BST_BF16DOT
-    if (wdt == DT_BF16 && xdt == DT_BF16) { /* bf16 x as the pairs vdpbf16ps reads (cols_dpbf16): no rounding */
+    if ((wdt == DT_BF16 || wdt == DT_BF16T) && xdt == DT_BF16) { /* bf16 x as the pairs vdpbf16ps reads: no rounding */
         int64_t kh = (k + 1) / 2;
         const uint16_t *xs = (const uint16_t *)x;
         x2 = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(m * kh));
@@ -1151,6 +1214,10 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
                 for (int64_t r = b; r < e; r++) store_f(y, ydt, i * n + r, NAN);
 #endif
         }
+#if BST_BF16DOT
+        else if (wdt == DT_BF16T && x2)
+            bf16t_rows(x2, m, k, (const uint16_t *)w, bias, y, ydt, n, b, e);
+#endif
         else
             dense_rows(xf, m, k, w, wdt, wdt == DT_I8 || wdt == DT_I8T ? scale : NULL, bias, y, ydt, n, b, e);
     }
@@ -1170,6 +1237,8 @@ void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *s
             float v;
             if (wdt == DT_I8 || wdt == DT_I8T) {
                 v = (float)((const int8_t *)w)[w_off(wdt, row, kk, k)] * scale[row];
+            } else if (wdt == DT_BF16T) {
+                v = bf16_to_f32(((const uint16_t *)w)[w_off(wdt, row, kk, k)]);
             } else if (wdt == DT_I4) {
                 v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
             } else if (wdt == DT_I4D) {
@@ -1799,11 +1868,14 @@ enum { OP_EMBED = 0, OP_RMS_NORM = 1, OP_LINEAR = 2, OP_ROTARY = 3, OP_KV_WRITE 
        OP_ACT_MUL = 6, OP_LORA = 7 };
 
 /* out[t, :] = table[ids[t], :] with table element (v, h) at v * s0 + h * s1 (a tied embedding
- * may be held transposed). */
+ * may be held transposed), or where w_off puts it in a DT_BF16T table (a tied one in row tiles). */
 static void embed(const void *table, int tdt, int64_t s0, int64_t s1, const int64_t *ids, void *out, int odt,
                   int64_t T, int64_t H) {
     for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) store_f(out, odt, t * H + h, load_f(table, tdt, ids[t] * s0 + h * s1));
+        for (int64_t h = 0; h < H; h++) {
+            int64_t off = tdt == DT_BF16T ? w_off(tdt, ids[t], h, H) : ids[t] * s0 + h * s1;
+            store_f(out, odt, t * H + h, load_f(table, elem_dt(tdt), off));
+        }
 }
 
 void bst_run_plan(const bst_op *ops, int64_t n, int threads) {

@@ -33,7 +33,7 @@ from bestiary.core.quant import packing
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale
 MAX_HEAD_DIM = 512  # decode_attention keeps a head's q, output and one K/V row in stack buffers
-KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D, KIND_I8T = 0, 1, 2, 3, 5, 6
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D, KIND_I8T, KIND_BF16T = 0, 1, 2, 3, 5, 6, 7
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -57,6 +57,8 @@ class PackedWeight:
     """A Linear's weight W [n, k] as the kernels read it (contiguous).
 
     kind KIND_F32 / KIND_BF16: weight = W^T [k, n] float (as the CPU Linear holds it).
+    kind KIND_BF16T: weight = W [n, k] bfloat16 in row tiles (`packing.pack_bf16_tiled`, n % 8 == 0,
+    k % 32 == 0): as KIND_I8T, one sequential stream per tile (~1.5x the transposed layout cache-cold).
     kind KIND_I8: weight int8 [n, k], W = q * scale[:, None], scale float32 [n].
     kind KIND_I8T: the same codes in the tiled layout (`packing.pack_int8_tiled`, n % 8 == 0,
     k % 16 == 0): each 8-row tile's GEMV reads one sequential stream (~1.9x the row-major one).
@@ -82,6 +84,15 @@ class PackedWeight:
         if not wt.is_contiguous():
             raise ValueError("PackedWeight.transposed: W^T must be contiguous")
         return cls(DTYPES[wt.dtype], wt, wt.shape[1], wt.shape[0])
+
+    @classmethod
+    def bf16_tiled(cls, tiles: torch.Tensor) -> PackedWeight:
+        """A bfloat16 weight W [n, k] already in row tiles (`packing.pack_bf16_tiled`)."""
+        n, k = tiles.shape
+        if tiles.dtype != torch.bfloat16 or not tiles.is_contiguous() or not packing.bf16_tiles_fit(n, k):
+            raise ValueError(f"PackedWeight.bf16_tiled: a contiguous bfloat16 [N % 8 == 0, K % 32 == 0], "
+                             f"not {tiles.dtype} {list(tiles.shape)}")
+        return cls(KIND_BF16T, tiles, n, k)
 
     @classmethod
     def int8(cls, q: torch.Tensor, scale: torch.Tensor, tiled: bool | None = None) -> PackedWeight:
@@ -162,6 +173,8 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
     w = pw.weight
     if pw.kind in (KIND_F32, KIND_BF16):
         return w.float().t()
+    if pw.kind == KIND_BF16T:
+        return packing.unpack_bf16_tiled(w).float()
     if pw.kind in (KIND_I8, KIND_I8T):
         q = packing.unpack_int8_tiled(w) if pw.kind == KIND_I8T else w
         return q.float() * pw.scale[:, None]
@@ -305,6 +318,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, 
     of a qkv tensor; heads and dims contiguous) with cos / sin [T, 1, rot_dim/2] (rows may be
     strided: halves of one cos|sin tensor)."""
     t, n, d = x.shape
+    shape = [t, 1, rot_dim // 2]  # the kernel reads exactly these: a smaller cos / sin would be read past its end
+    if rot_dim % 2 or not 0 < rot_dim <= d or list(cos.shape) != shape or list(sin.shape) != shape:
+        raise ValueError(f"rotary: cos and sin must be {shape} for x {list(x.shape)} and rot_dim {rot_dim}, "
+                         f"got {list(cos.shape)} and {list(sin.shape)}")
     if not rotary_layout_ok(x, cos, sin):
         raise ValueError("rotary: heads and dims of x, and the last dim of cos / sin, must be contiguous")
     library().bst_rotary(x.data_ptr(), DTYPES[x.dtype], t, n, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),

@@ -1,8 +1,20 @@
-"""How float matmuls run on the CPU: weights held transposed, half precision by hardware.
+"""How float matmuls run on the CPU: weights held in row tiles or transposed, half precision by hardware.
 
-A Linear's weight W is [N, K] (out, in). On the CPU, `hold_transposed` keeps the same
-parameter (shape, values, state_dict) as a view of a contiguous W^T [K, N], and
-`matmul_t(x, W^T)` computes y = x W^T [T, N]. Measured here (torch 2.13, one core):
+A Linear's weight W is [N, K] (out, in). On the CPU:
+
+- bfloat16 weights with N % 8 == 0 and K % 32 == 0, where the compiled kernels are built:
+  `hold_tiled` repacks the parameter in place into row tiles (core.quant.packing.pack_bf16_tiled:
+  per 8 rows, per 32 features, the rows' 64 bytes in turn), which the compiled GEMV reads as one
+  sequential stream per tile: cache-cold, 2 threads, 33-37 GB/s against 22-24 for W^T (SmolLM2
+  shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it up to
+  KERNEL_MAX_TOKENS rows; above, a block of rows at a time is put back in order into a scratch
+  tensor for torch's GEMM (~2% of a 512-token GEMM). The parameter keeps its shape, the
+  module's state_dict its values (`untile_state_dict`), and an embedding that shares it looks
+  its rows up in the tiles (`tiled_rows`).
+- other float weights: `hold_transposed` keeps the same parameter (shape, values, state_dict)
+  as a view of a contiguous W^T [K, N], and `matmul_t(x, W^T)` computes y = x W^T [T, N].
+
+Measured here (torch 2.13, one core):
 
     batch-1 GEMV, SmolLM2 shapes     x @ W^T reads ~23 GB/s in bf16 where F.linear(x, W)
                                      reads ~14; fp32 equal at T = 1, 1.6x faster at T = 16
@@ -19,6 +31,7 @@ from __future__ import annotations
 import torch
 from bestiary.core.cpu.build import cpu_flags
 from bestiary.core.kernels import dispatch
+from bestiary.core.quant import packing
 from torch import nn
 
 HALF_GEMV_MAX_TOKENS = 8
@@ -42,6 +55,64 @@ def hold_transposed(param: nn.Parameter) -> torch.Tensor:
     transposed = param.data.t().contiguous()  # [K, N]
     param.data = transposed.t()
     return transposed
+
+
+def tiles_fit(weight: torch.Tensor) -> bool:
+    """True when this CPU float weight [N, K] is to be held in row tiles: bfloat16, N % 8 == 0,
+    K % 32 == 0, and the compiled kernels run here (they read the tiles; torch would not)."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and packing.bf16_tiles_fit(*weight.shape)
+            and dispatch.use_cpu_kernels(weight))
+
+
+def hold_tiled(module: nn.Module, name: str = "weight", tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """Repack `module`'s parameter `name` ([N, K] bfloat16, tiles_fit) into row tiles in place, or
+    make it `tiles` (its values already in row tiles); returns the tiles [N, K]. The module's
+    state_dict keeps giving the values in order."""
+    param = getattr(module, name)
+    param.data = packing.pack_bf16_tiled(param.data) if tiles is None else tiles
+    tiled = getattr(module, "_tiled_params", None)
+    if tiled is None:
+        tiled = module._tiled_params = set()
+        module._register_state_dict_hook(untile_state_dict)
+    tiled.add(name)
+    return param.data
+
+
+def untile_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook of a module holding parameters in row tiles: their values in order."""
+    for name in module._tiled_params:
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = packing.unpack_bf16_tiled(state_dict[key])
+
+
+def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of a weight held in row tiles [N, K] -> [T, K] (an embedding lookup)."""
+    n, k = tiles.shape
+    blocks = tiles.view(n // packing.TILE_ROWS, k // packing.BF16_TILE_K, packing.TILE_ROWS, packing.BF16_TILE_K)
+    return blocks[ids // packing.TILE_ROWS, :, ids % packing.TILE_ROWS].reshape(*ids.shape, k)
+
+
+def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b for W held in row tiles [N, K]: x [..., K] -> [..., N] in x's dtype.
+
+    Up to KERNEL_MAX_TOKENS rows: the compiled GEMV on the tiles. Above: a block of UPCAST_CHUNK
+    weights at a time back in order ([rows, K], a scratch tensor) for torch's GEMM, in float32
+    where the CPU has no native bf16 GEMM (as matmul_t)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n, k = tiles.shape
+    if x2.shape[0] <= KERNEL_MAX_TOKENS and dispatch.use_cpu_kernels(x2, tiles):
+        ops = dispatch.cpu_ops()
+        y = ops.linear(x2, ops.PackedWeight.bf16_tiled(tiles))
+    else:
+        upcast = x2.dtype != torch.float32 and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype)
+        xc = x2.float() if upcast or x2.dtype == torch.float32 else x2
+        step = max(packing.TILE_ROWS, UPCAST_CHUNK // k // packing.TILE_ROWS * packing.TILE_ROWS)
+        y = torch.cat([torch.nn.functional.linear(xc, packing.unpack_bf16_tiled(tiles[r : r + step]).to(xc.dtype))
+                       for r in range(0, n, step)], dim=1)  # [T, N]
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).view(*x.shape[:-1], n)
 
 
 def upcast_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bestiary.core.layers import cpu_matmul
 from torch import nn
 
 
@@ -18,6 +19,7 @@ class Embedding(nn.Module):
     Collectives run on `tp_group` (None: the default world; see Linear)."""
 
     tp_group = None
+    _tiles: torch.Tensor | None = None  # a tied bf16 lm_head's row tiles (DecoderLM): the weight's data
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype = torch.float32, device=None,
                  tp_rank: int = 0, tp_size: int = 1, sharding_dim: int | None = None) -> None:
@@ -40,14 +42,20 @@ class Embedding(nn.Module):
         """The dim the loader slices the weight along (-1: replicated)."""
         return -1 if self.sharding_dim is None else self.sharding_dim
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` [T] -> [T, H or H/tp]."""
+        if self._tiles is not None and ids.device.type == "cpu":
+            return cpu_matmul.tiled_rows(self._tiles, ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.sharding_dim == 0:
             local = ids - self.vocab_start  # [T]
             inside = (local >= 0) & (local < self.weight.shape[0])
-            y = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside.unsqueeze(-1)
+            y = self._rows(local.clamp(0, self.weight.shape[0] - 1)) * inside.unsqueeze(-1)
             torch.distributed.all_reduce(y, group=self.tp_group)  # each id's row comes from the one rank holding it
             return y
-        y = F.embedding(ids, self.weight)  # [T, H or H/tp]
+        y = self._rows(ids)  # [T, H or H/tp]
         if self.sharding_dim == 1:
             parts = [torch.empty_like(y) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, y.contiguous(), group=self.tp_group)

@@ -93,6 +93,7 @@ class Linear(nn.Module):
         self.name = ""
         self.quant: WeightOnlySlot | None = None  # packed weights + scales when quantized
         self._wt: torch.Tensor | None = None  # CPU float weights: W^T [in_local, out_local], weight is its view
+        self._tiles: torch.Tensor | None = None  # CPU bf16 weights in row tiles [out_local, in_local]: weight's data
 
     def tp_dim(self, param_name: str) -> int:
         """Slicing dim of this layer's tensor `param_name` ("weight" / "bias" / scales)."""
@@ -103,17 +104,27 @@ class Linear(nn.Module):
 
     def fuse(self) -> None:
         """After loading (DecoderLM.prepare_for_inference): repack quantized weights for the device;
-        CPU float weights are held transposed (core.layers.cpu_matmul)."""
+        CPU float weights are held in row tiles or transposed (core.layers.cpu_matmul)."""
         if self.quant is not None:
             self.quant.prepare(self)
-        elif self.weight.device.type == "cpu" and self.weight.is_floating_point() and self._wt is None:
+        elif self.weight.device.type != "cpu" or not self.weight.is_floating_point() or self.held():
+            return
+        elif cpu_matmul.tiles_fit(self.weight):
+            self._tiles = cpu_matmul.hold_tiled(self)
+        else:
             self._wt = cpu_matmul.hold_transposed(self.weight)
+
+    def held(self) -> bool:
+        """True when the weight is already held for the CPU kernels (row tiles or W^T)."""
+        return self._wt is not None or self._tiles is not None
 
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
         """x [T, in_local] -> y [T, out_local] (row-parallel: all-reduced [T, out])."""
         bias = None if self.parallel == Parallel.ROW else self.bias
         if self.quant is not None:
             y = self.quant.matmul(self, x, bias)
+        elif self._tiles is not None and x.device.type == "cpu":
+            y = cpu_matmul.matmul_tiled(x, self._tiles, bias)
         elif self._wt is not None and x.device.type == "cpu":
             y = cpu_matmul.matmul_t(x, self._wt, bias)
         else:

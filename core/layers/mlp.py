@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
+from bestiary.core.quant import packing
 from torch import nn
 
 ACTIVATIONS = {
@@ -49,6 +50,7 @@ class GatedMLP(nn.Module):
         self.act_name = act
         self._fused: torch.Tensor | None = None  # [2 I_local, H]
         self._fused_t: torch.Tensor | None = None  # CPU: [H, 2 I_local] contiguous, _fused its view
+        self._fused_tiles: torch.Tensor | None = None  # CPU bf16: [2 I_local, H] in row tiles (cpu_matmul)
         self._fused_bias: torch.Tensor | None = None
 
     def fuse(self) -> None:
@@ -62,10 +64,16 @@ class GatedMLP(nn.Module):
         inter = self.fc.weight.shape[0]
         self._fused = torch.cat([self.fc.weight, self.gate.weight])
         # fc/gate become views of the fused tensor: no second copy of the weights.
-        if self._fused.device.type == "cpu":
+        if inter % 8 == 0 and cpu_matmul.tiles_fit(self._fused):  # fc's tiles, then gate's
+            self._fused_tiles = tiles = packing.pack_bf16_tiled(self._fused)
+            self._fused = None
+            self.fc._tiles = cpu_matmul.hold_tiled(self.fc, tiles=tiles[:inter])
+            self.gate._tiles = cpu_matmul.hold_tiled(self.gate, tiles=tiles[inter:])
+        elif self._fused.device.type == "cpu":
             self._fused_t = self._fused.t().contiguous()  # [H, 2I]: core.layers.cpu_matmul
             self._fused = self._fused_t.t()
-        self.fc.weight.data, self.gate.weight.data = self._fused[:inter], self._fused[inter:]
+        if self._fused is not None:
+            self.fc.weight.data, self.gate.weight.data = self._fused[:inter], self._fused[inter:]
         if self.fc.bias is not None:
             self._fused_bias = torch.cat([self.fc.bias, self.gate.bias])
             self.fc.bias.data, self.gate.bias.data = self._fused_bias[:inter], self._fused_bias[inter:]
@@ -73,11 +81,14 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraDelta | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. A LoRA delta on fc / gate is added to their fused output [T, 2I]."""
         fused_q = self.__dict__.get("_fused_q")
-        if fused_q is None and self._fused is None:
+        tiles = self._fused_tiles if x.device.type == "cpu" else None
+        if fused_q is None and self._fused is None and tiles is None:
             h = dispatch.act_and_mul(self.fc(x, lora), self.gate(x, lora), self.act_name)
             return self.proj(h, lora)
         if fused_q is not None:
             fg = fused_q(x)  # [T, 2I]
+        elif tiles is not None:
+            fg = cpu_matmul.matmul_tiled(x, tiles, self._fused_bias)  # [T, 2I]
         elif self._fused_t is not None and x.device.type == "cpu":
             fg = cpu_matmul.matmul_t(x, self._fused_t, self._fused_bias)  # [T, 2I]
         else:

@@ -84,6 +84,7 @@ def dequantize_int8(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = N
 
 
 TILE_ROWS, TILE_K = 8, 16  # the int8 tiled layout: rows per tile, features per block
+BF16_TILE_K = 32  # the bfloat16 one's features per block (64 bytes: a row's cache line)
 
 
 def int8_tiles_fit(n: int, k: int) -> bool:
@@ -101,6 +102,22 @@ def pack_int8_tiled(q: torch.Tensor) -> torch.Tensor:
 def unpack_int8_tiled(t: torch.Tensor) -> torch.Tensor:
     """The tiled layout [N, K] -> int8 [N, K] row-major (inverse of pack_int8_tiled)."""
     return row_tiles(t, TILE_ROWS, TILE_K, to_tiles=False)
+
+
+def bf16_tiles_fit(n: int, k: int) -> bool:
+    """True when a bfloat16 weight [n, k] can be held in row tiles (pack_bf16_tiled)."""
+    return n % TILE_ROWS == 0 and k % BF16_TILE_K == 0
+
+
+def pack_bf16_tiled(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 W [N, K] -> the same values in row tiles [N, K] (core.cpu's DT_BF16T): per tile of
+    8 rows, per block of 32 features, the 8 rows' 32 values one after another."""
+    return row_tiles(w, TILE_ROWS, BF16_TILE_K, to_tiles=True)
+
+
+def unpack_bf16_tiled(t: torch.Tensor) -> torch.Tensor:
+    """Row tiles [N, K] -> bfloat16 W [N, K] row-major (inverse of pack_bf16_tiled)."""
+    return row_tiles(t, TILE_ROWS, BF16_TILE_K, to_tiles=False)
 
 
 def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool) -> torch.Tensor:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.kernels import dispatch
+from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.attention import AttentionMetadata
-from bestiary.core.layers.cpu_matmul import hold_transposed, matmul_t
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.moe import ExpertLinear
@@ -232,17 +232,19 @@ class DecoderLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "fuse"):
                 module.fuse()
-        self._transpose_lm_head()
+        self._hold_lm_head()
 
     _lm_head_t: torch.Tensor | None = None  # [H, V_local] contiguous, CPU float weights only
+    _lm_head_tiles: torch.Tensor | None = None  # [V_local, H] in row tiles, CPU bf16 weights (cpu_matmul)
 
-    def _transpose_lm_head(self) -> None:
-        """On the CPU, hold a float lm_head weight [V, H] as the view of a contiguous [H, V] tensor.
+    def _hold_lm_head(self) -> None:
+        """On the CPU, hold a float lm_head weight [V, H] in row tiles (bfloat16, cpu_matmul.tiles_fit)
+        or as the view of a contiguous [H, V] tensor.
 
-        logits = x @ W^T then streams W^T row by row: with V = 49152, batch 1, that reads ~23 GB/s
-        in fp32 and bf16 where F.linear(x, W) reaches ~17 and ~11 (measured here). The parameter
-        keeps its shape and values (a tied embedding looks its rows up in the view), so nothing
-        is held twice.
+        logits = x W^T then streams W one tile at a time (cpu_matmul.matmul_tiled), or W^T row by
+        row: with V = 49152, batch 1, W^T reads ~23 GB/s in fp32 and bf16 where F.linear(x, W)
+        reaches ~17 and ~11 (measured here). The parameter keeps its shape (a tied embedding looks
+        its rows up in the tiles or the view), so nothing is held twice.
         """
         if not self.is_last_stage:
             return
@@ -250,15 +252,22 @@ class DecoderLM(nn.Module):
         weight = owner.weight
         if getattr(owner, "quant", None) is not None or weight.device.type != "cpu" or not weight.is_floating_point():
             return
-        self._lm_head_t = hold_transposed(owner.weight)  # a float lm_head Linear's is already: no copy
+        if getattr(owner, "_tiles", None) is not None:  # an lm_head Linear already in tiles (Linear.fuse)
+            self._lm_head_tiles = owner._tiles
+        elif cpu_matmul.tiles_fit(weight):
+            self._lm_head_tiles = owner._tiles = cpu_matmul.hold_tiled(owner)
+        else:
+            self._lm_head_t = cpu_matmul.hold_transposed(owner.weight)  # a float lm_head Linear's is already: no copy
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> (project_out, if any: [N, E]) -> logits [N, V] in logits_dtype (gathered over tp ranks)."""
         project_out = getattr(self.transformer, "project_out", None)
         if project_out is not None:
             hidden = project_out(hidden)  # [N, E]
-        if self._lm_head_t is not None:
-            out = matmul_t(hidden, self._lm_head_t)  # [N, H] @ [H, V]
+        if self._lm_head_tiles is not None:
+            out = cpu_matmul.matmul_tiled(hidden, self._lm_head_tiles)  # [N, H] x [V, H]^T
+        elif self._lm_head_t is not None:
+            out = cpu_matmul.matmul_t(hidden, self._lm_head_t)  # [N, H] @ [H, V]
         elif self.shares_embedding:
             out = torch.nn.functional.linear(hidden, self.transformer.vocab_embedding.weight)
         else:
