@@ -31,7 +31,8 @@ LAYER_TESTS = [
     "tests/test_mixtral.py",
     "tests/test_attention_window.py", "tests/test_quant_fuse.py", "tests/test_fused_qkv_hooks.py",
     "tests/test_checkpoint.py", "tests/test_executor.py::test_mixed_workload_equals_each_alone",
-    "tests/test_mutation_kills_layers.py",
+    "tests/test_mutation_kills_layers.py", "tests/test_mutation_kills_mlp_matmul.py",
+    "tests/test_mutation_kills_rotary_window.py",
     "-m", "not slow", "-k", "not avx2 and not avx512",
 ]
 # the position, norm, MLP and window files of core/layers (820 of its ~2,900 mutants): what a
