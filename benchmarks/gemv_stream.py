@@ -1,7 +1,8 @@
 """GB/s of the compiled decode GEMV per weight kind, cache-cold and in cache (issue 27).
 
 For each SmolLM2 decode shape (K x N: the fused gate|up 576x3072, down 1536x576, fused qkv 576x960)
-and weight kind (bf16 and fp32 held transposed, int8 per channel, int4 group 64), one input row
+and weight kind (bf16 and fp32 in row tiles as the engine holds them, and held transposed as
+before them: "bf16 T", "fp32 T"; int8 per channel, int4 group 64), one input row
 runs through --layers different weights in turn, so each call finds its weight out of cache (the
 set is larger than the L3) as in a decode step; --layers 1 keeps one weight in cache, which
 separates a kernel bound by memory from one bound by its instructions. Also times the decode
@@ -36,9 +37,13 @@ def weights(kind: str, k: int, n: int, count: int) -> list:
     """`count` random weights [n, k] of `kind` as the kernels hold them."""
     from bestiary.core.cpu import ops
 
-    if kind in ("bf16", "fp32"):
-        dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-        return [ops.PackedWeight.transposed(torch.randn(k, n).to(dtype)) for _ in range(count)]
+    from bestiary.core.quant import packing
+
+    if kind.startswith(("bf16", "fp32")):
+        dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
+        if kind.endswith(" T"):
+            return [ops.PackedWeight.transposed(torch.randn(k, n).to(dtype)) for _ in range(count)]
+        return [ops.PackedWeight.tiled(packing.pack_float_tiled(torch.randn(n, k).to(dtype))) for _ in range(count)]
     if kind == "int8":
         return [ops.PackedWeight.int8(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n))
                 for _ in range(count)]
@@ -52,11 +57,11 @@ def gemv_rows(layers: int, repeats: int) -> None:
     print(f"{'kind':6s} {'K x N':>10s} {'cold GB/s':>10s} {'in cache GB/s':>14s}")
     for k, n in SHAPES:
         x = torch.randn(1, k).bfloat16()
-        for kind in ("bf16", "fp32", "int8", "int4"):
+        for kind in ("bf16", "bf16 T", "fp32", "fp32 T", "int8", "int4"):
             rates = []
             for count in (layers, 1):
                 ws = weights(kind, k, n, count)
-                seconds = best_seconds(lambda: [ops.linear(x.float() if kind == "fp32" else x, w) for w in ws], repeats)
+                seconds = best_seconds(lambda: [ops.linear(x.float() if kind.startswith("fp32") else x, w) for w in ws], repeats)
                 rates.append(sum(w.nbytes for w in ws) / seconds / 1e9)
             print(f"{kind:6s} {f'{k}x{n}':>10s} {rates[0]:10.1f} {rates[1]:14.1f}")
 

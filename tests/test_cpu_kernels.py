@@ -124,31 +124,37 @@ def test_int8_tiled_layout_matches_the_row_major_layout(m, xdtype):
     torch.testing.assert_close(ops.dequantize_ref(pw), ops.dequantize_ref(plain))
 
 
-def test_bf16_tiled_layout_round_trips():
-    """pack_bf16_tiled: per tile of 8 rows, per block of 32 features, the 8 rows' 32 values in turn."""
-    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
-    t = packing.pack_bf16_tiled(w).flatten()
-    assert t[32 * 3 + 5].item() == w[3, 5].item()  # tile 0, block 0, row 3
-    assert t[256 + 32 * 2 + 7].item() == w[2, 32 + 7].item()  # tile 0, block 1, row 2
-    assert t[8 * 96 + 256 * 2 + 32 * 6 + 31].item() == w[8 + 6, 64 + 31].item()  # tile 1, block 2, row 6
-    assert torch.equal(packing.unpack_bf16_tiled(packing.pack_bf16_tiled(w)), w)
-    assert packing.bf16_tiles_fit(16, 96) and not packing.bf16_tiles_fit(12, 96) and not packing.bf16_tiles_fit(16, 80)
-    with pytest.raises(ValueError, match=r"bf16_tiled: a contiguous bfloat16 \[N % 8 == 0, K % 32 == 0\], not "
-                                         r"torch.bfloat16 \[12, 96\]"):
-        ops.PackedWeight.bf16_tiled(w[:12])
+@pytest.mark.parametrize("dtype,unit", [(torch.bfloat16, 32), (torch.float32, 16)])
+def test_float_tiled_layout_round_trips(dtype, unit):
+    """pack_float_tiled: per tile of 8 rows, per block of 64 bytes of features (32 bfloat16, 16
+    float32), the 8 rows' blocks in turn."""
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(6)).to(dtype)
+    t = packing.pack_float_tiled(w).flatten()
+    assert t[unit * 3 + 5].item() == w[3, 5].item()  # tile 0, block 0, row 3
+    assert t[8 * unit + unit * 2 + 7].item() == w[2, unit + 7].item()  # tile 0, block 1, row 2
+    assert t[8 * 96 + 8 * unit * 2 + unit * 6 + unit - 1].item() == w[8 + 6, 3 * unit - 1].item()  # tile 1, block 2, row 6
+    assert torch.equal(packing.unpack_float_tiled(packing.pack_float_tiled(w)), w)
+    assert packing.float_tiles_fit(16, 96, dtype) and not packing.float_tiles_fit(12, 96, dtype)
+    assert packing.float_tiles_fit(16, 80, dtype) == (dtype == torch.float32)  # 80 = 5 x 16, not a multiple of 32
+    assert not packing.float_tiles_fit(16, 96, torch.float16)
+    with pytest.raises(ValueError, match=r"^PackedWeight.tiled: a contiguous bfloat16 \[N % 8 == 0, K % 32 == 0\] or "
+                                         rf"float32 \[N % 8 == 0, K % 16 == 0\], not {dtype} \[12, 96\]$"):
+        ops.PackedWeight.tiled(w[:12])
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9])
 @pytest.mark.parametrize("xdtype", FLOAT)
-def test_bf16_tiled_layout_equals_the_float32_reference(m, xdtype):
-    """bfloat16 weights in row tiles (KIND_BF16T; bfloat16 inputs: one vdpbf16ps per row and 32
-    features on the AVX-512 + BF16 build, FMAs elsewhere): equal to the float32 reference to
-    float32 summation error (float32 output: no bfloat16 rounding hides an error), bias added per
-    row; every row the same bit for bit whatever the batch (each input alone)."""
+@pytest.mark.parametrize("wdtype", FLOAT)
+def test_float_tiled_layout_equals_the_float32_reference(m, xdtype, wdtype):
+    """bfloat16 / float32 weights in row tiles (KIND_BF16T / KIND_F32T; bfloat16 x bfloat16: one
+    vdpbf16ps per row and 32 features on the AVX-512 + BF16 build, FMAs elsewhere): equal to the
+    float32 reference to float32 summation error (float32 output: no bfloat16 rounding hides an
+    error), bias added per row; every row the same bit for bit whatever the batch (each input alone)."""
     gen = torch.Generator().manual_seed(40 + m)
-    n, k = 40, 160  # 5 tiles; 5 blocks of 32 features
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    pw = ops.PackedWeight.bf16_tiled(packing.pack_bf16_tiled(w))
+    n, k = 40, 160  # 5 tiles; 5 / 10 blocks of 32 / 16 features
+    w = torch.randn(n, k, generator=gen).to(wdtype)
+    pw = ops.PackedWeight.tiled(packing.pack_float_tiled(w))
+    assert pw.kind == {torch.bfloat16: ops.KIND_BF16T, torch.float32: ops.KIND_F32T}[wdtype]
     x = torch.randn(m, k, generator=gen).to(xdtype)
     bias = torch.randn(n, generator=gen)
     y = ops.linear(x, pw, bias, out_dtype=torch.float32)

@@ -29,7 +29,7 @@ def test_matmul_t_equals_linear(dtype, tokens, native, monkeypatch):
 
 
 def test_linear_holds_its_weight_transposed_without_a_copy():
-    lin = Linear(96, 130, bias=True)
+    lin = Linear(96, 130, bias=True)  # 130 rows: no row tiles
     torch.nn.init.normal_(lin.weight)
     torch.nn.init.normal_(lin.bias)
     before = lin.weight.detach().clone()
@@ -63,31 +63,36 @@ needs_kernels = pytest.mark.skipif(not dispatch.use_cpu_kernels(torch.zeros(1)),
 @needs_kernels
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("tokens", [1, 5, 32, 33, 40])
-def test_bf16_linear_in_row_tiles_equals_linear(tokens, native, monkeypatch):
-    """A bfloat16 Linear with N % 8 == 0, K % 32 == 0 is held in row tiles: the compiled GEMV up to
-    KERNEL_MAX_TOKENS rows, above it torch's GEMM over blocks of rows put back in order (several
-    blocks here; float32 where the CPU has no native bf16 GEMM). The parameter keeps its shape,
-    its state_dict the values in order, and the output equals F.linear to a bfloat16 rounding."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_in_row_tiles_equals_linear(dtype, tokens, native, monkeypatch):
+    """A bfloat16 / float32 Linear with N % 8 == 0, K % 32 / 16 == 0 is held in row tiles: the
+    compiled GEMV up to KERNEL_MAX_TOKENS rows, above it torch's GEMM over blocks of rows put back
+    in order (several blocks here; bf16 in float32 where the CPU has no native bf16 GEMM). The
+    parameter keeps its shape, its state_dict the values in order, and the output equals F.linear
+    to a rounding of the output dtype."""
     monkeypatch.setattr(cpu_matmul, "native_half_gemm", lambda _dtype: native)
     monkeypatch.setattr(cpu_matmul, "UPCAST_CHUNK", 96 * 50)  # blocks of 48 rows: 3 blocks for 136
-    lin = Linear(96, 136, bias=True, dtype=torch.bfloat16)
+    lin = Linear(96, 136, bias=True, dtype=dtype)
     torch.nn.init.normal_(lin.weight)
     torch.nn.init.normal_(lin.bias)
     before = lin.weight.detach().clone()
-    x = torch.randn(tokens, 96).bfloat16()
+    x = torch.randn(tokens, 96).to(dtype)
     ref = F.linear(x.float(), before.float(), lin.bias.float())
     lin.fuse()
     assert lin._wt is None and lin._tiles is not None and lin._tiles.data_ptr() == lin.weight.data_ptr()
-    assert lin.weight.shape == (136, 96) and torch.equal(lin._tiles, packing.pack_bf16_tiled(before))
+    assert lin.weight.shape == (136, 96) and torch.equal(lin._tiles, packing.pack_float_tiled(before))
     assert torch.equal(lin.state_dict()["weight"], before)
     y = lin(x)
-    assert y.dtype == torch.bfloat16 and y.shape == (tokens, 136)
-    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    assert y.dtype == dtype and y.shape == (tokens, 136)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def test_weights_that_do_not_fit_the_tiles_stay_transposed():
-    """Row tiles only for bfloat16 [N % 8 == 0, K % 32 == 0]: other shapes and float32 keep W^T."""
-    for n, k, dtype in ((130, 96, torch.bfloat16), (136, 80, torch.bfloat16), (136, 96, torch.float32)):
+    """Row tiles only for bfloat16 [N % 8 == 0, K % 32 == 0] and float32 [N % 8 == 0, K % 16 == 0]:
+    other shapes keep W^T."""
+    for n, k, dtype in ((130, 96, torch.bfloat16), (136, 80, torch.bfloat16), (130, 96, torch.float32),
+                        (136, 72, torch.float32)):
         lin = Linear(k, n, dtype=dtype)
         lin.fuse()
         assert lin._tiles is None and lin._wt is not None and lin._wt.shape == (k, n)

@@ -147,6 +147,7 @@ def test_profiled_plan_times_every_record_and_gives_the_same_logits(hf_dir, tmp_
     """start_profile: each record runs as its own timed call; the logits stay the plan's bit for bit,
     every record gets a time, and the labels name the ops (linears by K x N and weight kind)."""
     llm = _llm(hf_dir, tmp_path, "float32", None)
+    _generate(llm)  # the prompts' blocks now cached: both runs below prefill the same uncached tails
     plain = _generate(llm)
     plan = llm.executor.model.__dict__["_decode_plans"][len(PROMPTS)]
     plan.start_profile()

@@ -91,10 +91,10 @@ def reference_engine(ckpt: Path, out: Path, rounded: bool = True) -> Engine:
     (out / "config.json").write_text(json.dumps(config))
     save_file(plain, str(out / "rank0.safetensors"))
     engine = Engine.load(out)
-    engine.model._lm_head_t = None  # logits through the lm_head Linear (and its hook)
+    engine.model._lm_head_t = engine.model._lm_head_tiles = None  # logits through the lm_head Linear (and its hook)
     for path, module in engine.model.named_modules():
         if hasattr(module, "_fused"):
-            module._fused = None  # fc and gate run as their own Linears (each has its own scales)
+            module._fused = module._fused_tiles = None  # fc and gate run as their own Linears (each has its own scales)
         if path in prefixes:
             def hook(m, args, y, path=path):
                 x = args[0].reshape(-1, args[0].shape[-1])

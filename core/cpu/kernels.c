@@ -29,6 +29,7 @@
  *   DT_I4D = 5   DT_I4 in the dot layout (int4d_tile4_bf16): the AVX-512 + BF16 build only
  *   DT_I8T = 6   DT_I8 in row tiles (w_off): a tile's GEMV reads one sequential stream
  *   DT_BF16T = 7 DT_BF16 W [n, k] in the same row tiles (decode; the prefill GEMM untiles it)
+ *   DT_F32T = 8  DT_F32 W [n, k] in the same row tiles
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -55,7 +56,7 @@
 #define BST_BF16DOT (BST_ISA == 3) /* vdpbf16ps: bf16 pairs multiplied exactly, summed in float32 */
 #define BST_SIMD (BST_ISA > 0)
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4, DT_I4D = 5, DT_I8T = 6, DT_BF16T = 7 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_I8 = 2, DT_I4 = 3, DT_F8 = 4, DT_I4D = 5, DT_I8T = 6, DT_BF16T = 7, DT_F32T = 8 };
 #define INLINE static inline __attribute__((always_inline))
 
 /* the ISA this library was built for: 3 AVX-512 + BF16, 2 AVX-512, 1 AVX2 + FMA + F16C, 0 scalar */
@@ -299,18 +300,19 @@ static void from_f32(const float *src, int64_t n, void *p, int dt) {
 #define ROWS 8  /* most weight rows per tile (a single input row: 8 independent FMA chains) */
 #define MT 4    /* most input rows per tile (each weight vector loaded once, used MT times) */
 
-/* DT_I8T / DT_BF16T: int8 / bfloat16 W [n, k] in tiles of TILE_ROWS rows (n % 8 == 0; k % 16 == 0
- * for int8, k % 32 == 0 for bfloat16): per tile, per block of tile_k(dt) features (16 bytes of int8,
- * 64 of bfloat16), the 8 rows' blocks one after another. A tile's GEMV then reads one sequential
+/* DT_I8T / DT_BF16T / DT_F32T: int8 / bfloat16 / float W [n, k] in tiles of TILE_ROWS rows
+ * (n % 8 == 0, k % tile_k(dt) == 0): per tile, per block of tile_k(dt) features (16 bytes of int8,
+ * 64 of bfloat16 or float), the 8 rows' blocks one after another. A tile's GEMV then reads one sequential
  * stream: the row-major layout interleaves 8 streams a row apart (half the bandwidth cache-cold),
  * the transposed one a stream per feature (~0.65x). */
 #define TILE_ROWS 8
 #define I8T_K 16
 #define BF16T_K 32
-INLINE int tiled_dt(int dt) { return dt == DT_I8T || dt == DT_BF16T; }
-INLINE int64_t tile_k(int dt) { return dt == DT_BF16T ? BF16T_K : I8T_K; }
-/* the element type of a weight dtype (a tiled one's elements are int8 / bfloat16) */
-INLINE int elem_dt(int dt) { return dt == DT_I8T ? DT_I8 : dt == DT_BF16T ? DT_BF16 : dt; }
+#define F32T_K 16
+INLINE int tiled_dt(int dt) { return dt == DT_I8T || dt == DT_BF16T || dt == DT_F32T; }
+INLINE int64_t tile_k(int dt) { return dt == DT_BF16T ? BF16T_K : dt == DT_F32T ? F32T_K : I8T_K; }
+/* the element type of a weight dtype (a tiled one's elements are int8 / bfloat16 / float) */
+INLINE int elem_dt(int dt) { return dt == DT_I8T ? DT_I8 : dt == DT_BF16T ? DT_BF16 : dt == DT_F32T ? DT_F32 : dt; }
 /* the element offset of W[row, kk] */
 INLINE int64_t w_off(int dt, int64_t row, int64_t kk, int64_t k) {
     if (!tiled_dt(dt)) return row * k + kk;
@@ -410,29 +412,36 @@ static void tile_any(const float *xi, int64_t k, const void *w, int wdt, int64_t
         TILE_SHAPES(DT_I8)
     } else if (wdt == DT_BF16T) {
         TILE_SHAPES(DT_BF16T)
+    } else if (wdt == DT_F32T) {
+        TILE_SHAPES(DT_F32T)
     } else {
         TILE_SHAPES(DT_I8T)
     }
 }
 
+/* Rows [r_begin, r_end) of y for all m inputs, ROWS rows at a time: every input against those rows
+ * while they are in L1 (the weight streams once for any m), in tiles of R rows x M inputs. */
 static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int wdt, const float *scale,
                        const float *bias, void *y, int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
     float out[ROWS][MT];
-    for (int64_t i0 = 0; i0 < m; i0 += MT) {
-        int M = m - i0 >= MT ? MT : (int)(m - i0);
-        int full = M == 1 ? 8 : (BST_ISA == 1 && M > 2) ? 2 : 4;
-        const float *xi = xf + i0 * k;
-        for (int64_t row0 = r_begin; row0 < r_end;) {
-            int R = r_end - row0 >= full ? full : 1;
-            tile_any(xi, k, w, wdt, row0, R, M, out);
-            for (int r = 0; r < R; r++)
-                for (int i = 0; i < M; i++) {
-                    float v = out[r][i];
-                    if (scale) v *= scale[row0 + r];
-                    if (bias) v += bias[row0 + r];
-                    store_f(y, ydt, (i0 + i) * n + row0 + r, v);
-                }
-            row0 += R;
+    for (int64_t rows0 = r_begin; rows0 < r_end; rows0 += ROWS) {
+        int64_t rows1 = rows0 + ROWS < r_end ? rows0 + ROWS : r_end;
+        for (int64_t i0 = 0; i0 < m; i0 += MT) {
+            int M = m - i0 >= MT ? MT : (int)(m - i0);
+            int full = M == 1 ? 8 : (BST_ISA == 1 && M > 2) ? 2 : 4;
+            const float *xi = xf + i0 * k;
+            for (int64_t row0 = rows0; row0 < rows1;) {
+                int R = rows1 - row0 >= full ? full : 1;
+                tile_any(xi, k, w, wdt, row0, R, M, out);
+                for (int r = 0; r < R; r++)
+                    for (int i = 0; i < M; i++) {
+                        float v = out[r][i];
+                        if (scale) v *= scale[row0 + r];
+                        if (bias) v += bias[row0 + r];
+                        store_f(y, ydt, (i0 + i) * n + row0 + r, v);
+                    }
+                row0 += R;
+            }
         }
     }
 }
@@ -1237,8 +1246,8 @@ void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *s
             float v;
             if (wdt == DT_I8 || wdt == DT_I8T) {
                 v = (float)((const int8_t *)w)[w_off(wdt, row, kk, k)] * scale[row];
-            } else if (wdt == DT_BF16T) {
-                v = bf16_to_f32(((const uint16_t *)w)[w_off(wdt, row, kk, k)]);
+            } else if (wdt == DT_BF16T || wdt == DT_F32T) {
+                v = load_f(w, elem_dt(wdt), w_off(wdt, row, kk, k));
             } else if (wdt == DT_I4) {
                 v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
             } else if (wdt == DT_I4D) {
@@ -1868,12 +1877,12 @@ enum { OP_EMBED = 0, OP_RMS_NORM = 1, OP_LINEAR = 2, OP_ROTARY = 3, OP_KV_WRITE 
        OP_ACT_MUL = 6, OP_LORA = 7 };
 
 /* out[t, :] = table[ids[t], :] with table element (v, h) at v * s0 + h * s1 (a tied embedding
- * may be held transposed), or where w_off puts it in a DT_BF16T table (a tied one in row tiles). */
+ * may be held transposed), or where w_off puts it in a tiled table (a tied one in row tiles). */
 static void embed(const void *table, int tdt, int64_t s0, int64_t s1, const int64_t *ids, void *out, int odt,
                   int64_t T, int64_t H) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++) {
-            int64_t off = tdt == DT_BF16T ? w_off(tdt, ids[t], h, H) : ids[t] * s0 + h * s1;
+            int64_t off = tiled_dt(tdt) ? w_off(tdt, ids[t], h, H) : ids[t] * s0 + h * s1;
             store_f(out, odt, t * H + h, load_f(table, elem_dt(tdt), off));
         }
 }

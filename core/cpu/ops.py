@@ -33,7 +33,8 @@ from bestiary.core.quant import packing
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale
 MAX_HEAD_DIM = 512  # decode_attention keeps a head's q, output and one K/V row in stack buffers
-KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D, KIND_I8T, KIND_BF16T = 0, 1, 2, 3, 5, 6, 7
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D, KIND_I8T, KIND_BF16T, KIND_F32T = 0, 1, 2, 3, 5, 6, 7, 8
+TILED_KINDS = {torch.bfloat16: KIND_BF16T, torch.float32: KIND_F32T}  # float weights in row tiles
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -57,8 +58,9 @@ class PackedWeight:
     """A Linear's weight W [n, k] as the kernels read it (contiguous).
 
     kind KIND_F32 / KIND_BF16: weight = W^T [k, n] float (as the CPU Linear holds it).
-    kind KIND_BF16T: weight = W [n, k] bfloat16 in row tiles (`packing.pack_bf16_tiled`, n % 8 == 0,
-    k % 32 == 0): as KIND_I8T, one sequential stream per tile (~1.5x the transposed layout cache-cold).
+    kind KIND_BF16T / KIND_F32T: weight = W [n, k] bfloat16 / float32 in row tiles
+    (`packing.pack_float_tiled`, n % 8 == 0, k % 32 / 16 == 0): as KIND_I8T, one sequential
+    stream per tile (~1.5x the transposed layout cache-cold).
     kind KIND_I8: weight int8 [n, k], W = q * scale[:, None], scale float32 [n].
     kind KIND_I8T: the same codes in the tiled layout (`packing.pack_int8_tiled`, n % 8 == 0,
     k % 16 == 0): each 8-row tile's GEMV reads one sequential stream (~1.9x the row-major one).
@@ -86,13 +88,13 @@ class PackedWeight:
         return cls(DTYPES[wt.dtype], wt, wt.shape[1], wt.shape[0])
 
     @classmethod
-    def bf16_tiled(cls, tiles: torch.Tensor) -> PackedWeight:
-        """A bfloat16 weight W [n, k] already in row tiles (`packing.pack_bf16_tiled`)."""
+    def tiled(cls, tiles: torch.Tensor) -> PackedWeight:
+        """A bfloat16 / float32 weight W [n, k] already in row tiles (`packing.pack_float_tiled`)."""
         n, k = tiles.shape
-        if tiles.dtype != torch.bfloat16 or not tiles.is_contiguous() or not packing.bf16_tiles_fit(n, k):
-            raise ValueError(f"PackedWeight.bf16_tiled: a contiguous bfloat16 [N % 8 == 0, K % 32 == 0], "
-                             f"not {tiles.dtype} {list(tiles.shape)}")
-        return cls(KIND_BF16T, tiles, n, k)
+        if not tiles.is_contiguous() or not packing.float_tiles_fit(n, k, tiles.dtype):
+            raise ValueError(f"PackedWeight.tiled: a contiguous bfloat16 [N % 8 == 0, K % 32 == 0] or float32 "
+                             f"[N % 8 == 0, K % 16 == 0], not {tiles.dtype} {list(tiles.shape)}")
+        return cls(TILED_KINDS[tiles.dtype], tiles, n, k)
 
     @classmethod
     def int8(cls, q: torch.Tensor, scale: torch.Tensor, tiled: bool | None = None) -> PackedWeight:
@@ -173,8 +175,8 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
     w = pw.weight
     if pw.kind in (KIND_F32, KIND_BF16):
         return w.float().t()
-    if pw.kind == KIND_BF16T:
-        return packing.unpack_bf16_tiled(w).float()
+    if pw.kind in (KIND_BF16T, KIND_F32T):
+        return packing.unpack_float_tiled(w).float()
     if pw.kind in (KIND_I8, KIND_I8T):
         q = packing.unpack_int8_tiled(w) if pw.kind == KIND_I8T else w
         return q.float() * pw.scale[:, None]

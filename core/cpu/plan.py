@@ -127,7 +127,7 @@ class DecodePlan:
         if self.first:
             embedding = model.transformer.vocab_embedding
             emb = embedding.weight  # a tied bf16 one in row tiles: the C embed finds its rows there
-            table_dt = ops.KIND_BF16T if getattr(embedding, "_tiles", None) is not None else _dt(emb)
+            table_dt = ops.TILED_KINDS[emb.dtype] if getattr(embedding, "_tiles", None) is not None else _dt(emb)
             records.append(_op(OP_EMBED, (table_dt, _dt(self.x)), (emb.data_ptr(), self.ids.data_ptr(),
                                self.x.data_ptr()), (batch, hidden, emb.stride(0), emb.stride(1))))
         pending = False  # a later stage starts from the hidden state it is given, in x
@@ -186,7 +186,7 @@ class DecodePlan:
                 raise Unsupported(f"quantized linear {linear.name} without the compiled layout")
             return packed, _record_bias(linear)
         if linear._tiles is not None:
-            return ops.PackedWeight.bf16_tiled(linear._tiles), _record_bias(linear)
+            return ops.PackedWeight.tiled(linear._tiles), _record_bias(linear)
         if linear._wt is None or not linear._wt.is_contiguous():
             raise Unsupported(f"linear {linear.name} not held transposed")
         return ops.PackedWeight.transposed(linear._wt), _record_bias(linear)
@@ -265,7 +265,7 @@ class DecodePlan:
         if fused_q is not None:
             w, bias = self._module_weight(fused_q)
         elif mlp._fused_tiles is not None:
-            w, bias = ops.PackedWeight.bf16_tiled(mlp._fused_tiles), mlp._fused_bias
+            w, bias = ops.PackedWeight.tiled(mlp._fused_tiles), mlp._fused_bias
         elif mlp._fused_t is not None:
             w, bias = ops.PackedWeight.transposed(mlp._fused_t), mlp._fused_bias
         else:
@@ -309,7 +309,7 @@ class DecodePlan:
     def _lm_head(self) -> Op:
         model = self.model
         if model._lm_head_tiles is not None:
-            return self._linear(self.y, self.logits, ops.PackedWeight.bf16_tiled(model._lm_head_tiles), None)
+            return self._linear(self.y, self.logits, ops.PackedWeight.tiled(model._lm_head_tiles), None)
         if model._lm_head_t is not None:
             return self._linear(self.y, self.logits, ops.PackedWeight.transposed(model._lm_head_t), None)
         if model.shares_embedding:
@@ -355,8 +355,8 @@ class DecodePlan:
         """(label, seconds) of every record since start_profile, in order: the op, and for a linear its
         K x N and weight kind (e.g. "linear 576x1728 bf16")."""
         names = ["embed", "rms_norm", "linear", "rotary", "kv_write", "attention", "act_mul", "lora"]
-        kinds = {ops.KIND_F32: "fp32", ops.KIND_BF16: "bf16", ops.KIND_BF16T: "bf16", ops.KIND_I8: "int8",
-                 ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4"}
+        kinds = {ops.KIND_F32: "fp32", ops.KIND_F32T: "fp32", ops.KIND_BF16: "bf16", ops.KIND_BF16T: "bf16",
+                 ops.KIND_I8: "int8", ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4"}
         rows = []
         for record, seconds in zip(self.records, self.profile.tolist()):
             label = names[record.op]

@@ -2,9 +2,9 @@
 
 A Linear's weight W is [N, K] (out, in). On the CPU:
 
-- bfloat16 weights with N % 8 == 0 and K % 32 == 0, where the compiled kernels are built:
-  `hold_tiled` repacks the parameter in place into row tiles (core.quant.packing.pack_bf16_tiled:
-  per 8 rows, per 32 features, the rows' 64 bytes in turn), which the compiled GEMV reads as one
+- bfloat16 / float32 weights with N % 8 == 0 and K % 32 / 16 == 0, where the compiled kernels are
+  built: `hold_tiled` repacks the parameter in place into row tiles (core.quant.packing.pack_float_tiled:
+  per 8 rows, per 64 bytes of features, the rows' blocks in turn), which the compiled GEMV reads as one
   sequential stream per tile: cache-cold, 2 threads, 33-37 GB/s against 22-24 for W^T (SmolLM2
   shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it up to
   KERNEL_MAX_TOKENS rows; above, a block of rows at a time is put back in order into a scratch
@@ -35,7 +35,7 @@ from bestiary.core.quant import packing
 from torch import nn
 
 HALF_GEMV_MAX_TOKENS = 8
-KERNEL_MAX_TOKENS = 32  # rows up to which bf16 matmuls run the compiled GEMV (no per-step fp32 upcast)
+KERNEL_MAX_TOKENS = 32  # rows up to which tiled and bf16 transposed matmuls run the compiled GEMV
 UPCAST_CHUNK = 1 << 22  # weight elements converted at a time (16 MiB of fp32)
 NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
@@ -58,18 +58,19 @@ def hold_transposed(param: nn.Parameter) -> torch.Tensor:
 
 
 def tiles_fit(weight: torch.Tensor) -> bool:
-    """True when this CPU float weight [N, K] is to be held in row tiles: bfloat16, N % 8 == 0,
-    K % 32 == 0, and the compiled kernels run here (they read the tiles; torch would not)."""
-    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and packing.bf16_tiles_fit(*weight.shape)
+    """True when this CPU float weight [N, K] is to be held in row tiles: bfloat16 with N % 8 == 0
+    and K % 32 == 0, or float32 with K % 16 == 0, and the compiled kernels run here (they read
+    the tiles; torch would not)."""
+    return (weight.dim() == 2 and packing.float_tiles_fit(*weight.shape, weight.dtype)
             and dispatch.use_cpu_kernels(weight))
 
 
 def hold_tiled(module: nn.Module, name: str = "weight", tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """Repack `module`'s parameter `name` ([N, K] bfloat16, tiles_fit) into row tiles in place, or
+    """Repack `module`'s parameter `name` ([N, K], tiles_fit) into row tiles in place, or
     make it `tiles` (its values already in row tiles); returns the tiles [N, K]. The module's
     state_dict keeps giving the values in order."""
     param = getattr(module, name)
-    param.data = packing.pack_bf16_tiled(param.data) if tiles is None else tiles
+    param.data = packing.pack_float_tiled(param.data) if tiles is None else tiles
     tiled = getattr(module, "_tiled_params", None)
     if tiled is None:
         tiled = module._tiled_params = set()
@@ -83,13 +84,14 @@ def untile_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_me
     for name in module._tiled_params:
         key = prefix + name
         if key in state_dict:
-            state_dict[key] = packing.unpack_bf16_tiled(state_dict[key])
+            state_dict[key] = packing.unpack_float_tiled(state_dict[key])
 
 
 def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [T] of a weight held in row tiles [N, K] -> [T, K] (an embedding lookup)."""
     n, k = tiles.shape
-    blocks = tiles.view(n // packing.TILE_ROWS, k // packing.BF16_TILE_K, packing.TILE_ROWS, packing.BF16_TILE_K)
+    unit = packing.float_tile_k(tiles.dtype)
+    blocks = tiles.view(n // packing.TILE_ROWS, k // unit, packing.TILE_ROWS, unit)
     return blocks[ids // packing.TILE_ROWS, :, ids % packing.TILE_ROWS].reshape(*ids.shape, k)
 
 
@@ -103,12 +105,12 @@ def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     n, k = tiles.shape
     if x2.shape[0] <= KERNEL_MAX_TOKENS and dispatch.use_cpu_kernels(x2, tiles):
         ops = dispatch.cpu_ops()
-        y = ops.linear(x2, ops.PackedWeight.bf16_tiled(tiles))
+        y = ops.linear(x2, ops.PackedWeight.tiled(tiles))
     else:
         upcast = x2.dtype != torch.float32 and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype)
         xc = x2.float() if upcast or x2.dtype == torch.float32 else x2
         step = max(packing.TILE_ROWS, UPCAST_CHUNK // k // packing.TILE_ROWS * packing.TILE_ROWS)
-        y = torch.cat([torch.nn.functional.linear(xc, packing.unpack_bf16_tiled(tiles[r : r + step]).to(xc.dtype))
+        y = torch.cat([torch.nn.functional.linear(xc, packing.unpack_float_tiled(tiles[r : r + step]).to(xc.dtype))
                        for r in range(0, n, step)], dim=1)  # [T, N]
     if bias is not None:
         y += bias

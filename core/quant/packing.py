@@ -84,7 +84,7 @@ def dequantize_int8(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = N
 
 
 TILE_ROWS, TILE_K = 8, 16  # the int8 tiled layout: rows per tile, features per block
-BF16_TILE_K = 32  # the bfloat16 one's features per block (64 bytes: a row's cache line)
+FLOAT_TILE_BYTES = 64  # the float (bfloat16 / float32) row tiles: a row's bytes per block, a cache line
 
 
 def int8_tiles_fit(n: int, k: int) -> bool:
@@ -104,20 +104,26 @@ def unpack_int8_tiled(t: torch.Tensor) -> torch.Tensor:
     return row_tiles(t, TILE_ROWS, TILE_K, to_tiles=False)
 
 
-def bf16_tiles_fit(n: int, k: int) -> bool:
-    """True when a bfloat16 weight [n, k] can be held in row tiles (pack_bf16_tiled)."""
-    return n % TILE_ROWS == 0 and k % BF16_TILE_K == 0
+def float_tile_k(dtype: torch.dtype) -> int:
+    """Features per block of the float row tiles: 32 bfloat16, 16 float32 (64 bytes)."""
+    return FLOAT_TILE_BYTES // torch.empty(0, dtype=dtype).element_size()
 
 
-def pack_bf16_tiled(w: torch.Tensor) -> torch.Tensor:
-    """bfloat16 W [N, K] -> the same values in row tiles [N, K] (core.cpu's DT_BF16T): per tile of
-    8 rows, per block of 32 features, the 8 rows' 32 values one after another."""
-    return row_tiles(w, TILE_ROWS, BF16_TILE_K, to_tiles=True)
+def float_tiles_fit(n: int, k: int, dtype: torch.dtype) -> bool:
+    """True when a bfloat16 / float32 weight [n, k] can be held in row tiles (pack_float_tiled)."""
+    return dtype in (torch.bfloat16, torch.float32) and n % TILE_ROWS == 0 and k % float_tile_k(dtype) == 0
 
 
-def unpack_bf16_tiled(t: torch.Tensor) -> torch.Tensor:
-    """Row tiles [N, K] -> bfloat16 W [N, K] row-major (inverse of pack_bf16_tiled)."""
-    return row_tiles(t, TILE_ROWS, BF16_TILE_K, to_tiles=False)
+def pack_float_tiled(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 / float32 W [N, K] -> the same values in row tiles [N, K] (core.cpu's DT_BF16T /
+    DT_F32T): per tile of 8 rows, per block of 64 bytes of features (32 bfloat16, 16 float32),
+    the 8 rows' blocks one after another."""
+    return row_tiles(w, TILE_ROWS, float_tile_k(w.dtype), to_tiles=True)
+
+
+def unpack_float_tiled(t: torch.Tensor) -> torch.Tensor:
+    """Row tiles [N, K] -> W [N, K] row-major (inverse of pack_float_tiled)."""
+    return row_tiles(t, TILE_ROWS, float_tile_k(t.dtype), to_tiles=False)
 
 
 def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool) -> torch.Tensor:
