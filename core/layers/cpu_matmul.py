@@ -8,7 +8,8 @@ A Linear's weight W is [N, K] (out, in). On the CPU:
   sequential stream per tile: cache-cold, 2 threads, 33-37 GB/s against 22-24 for W^T (SmolLM2
   shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it up to
   KERNEL_MAX_TOKENS rows; above, a block of rows at a time is put back in order into a scratch
-  tensor for torch's GEMM (~2% of a 512-token GEMM). The parameter keeps its shape, the
+  tensor for torch's GEMM (the copy ~2% of a 512-token GEMM; torch's bf16 GEMM itself runs ~15%
+  slower on a weight whose contents changed since its last call). The parameter keeps its shape, the
   module's state_dict its values (`untile_state_dict`), and an embedding that shares it looks
   its rows up in the tiles (`tiled_rows`).
 - other float weights: `hold_transposed` keeps the same parameter (shape, values, state_dict)
@@ -27,6 +28,8 @@ half-precision GEMM (oneDNN, AMX) is the fast one.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from bestiary.core.cpu.build import cpu_flags
@@ -95,12 +98,30 @@ def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return blocks[ids // packing.TILE_ROWS, :, ids % packing.TILE_ROWS].reshape(*ids.shape, k)
 
 
+_scratch = threading.local()  # .buffers: dtype -> matmul_tiled's rows put back in order (<= UPCAST_CHUNK), reused
+
+
+def untiled_rows(tiles: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [start, stop) (multiples of 8) of a weight held in row tiles, in order and in `dtype`:
+    [stop - start, K], a view of a scratch buffer reused by the next call (no fresh pages to fault
+    in per call: a fresh 8 MiB tensor cost more than the copy)."""
+    k, unit, rows = tiles.shape[1], packing.float_tile_k(tiles.dtype), stop - start
+    buffers = _scratch.__dict__.setdefault("buffers", {})  # this thread's
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < rows * k:
+        buf = buffers[dtype] = torch.empty(rows * k, dtype=dtype)
+    out = buf[: rows * k].view(rows, k)
+    tiled = tiles[start:stop].view(rows // packing.TILE_ROWS, k // unit, packing.TILE_ROWS, unit)
+    out.view(rows // packing.TILE_ROWS, packing.TILE_ROWS, k // unit, unit).copy_(tiled.transpose(1, 2))
+    return out
+
+
 def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b for W held in row tiles [N, K]: x [..., K] -> [..., N] in x's dtype.
 
     Up to KERNEL_MAX_TOKENS rows: the compiled GEMV on the tiles. Above: a block of UPCAST_CHUNK
-    weights at a time back in order ([rows, K], a scratch tensor) for torch's GEMM, in float32
-    where the CPU has no native bf16 GEMM (as matmul_t)."""
+    weights at a time back in order (`untiled_rows`) for torch's GEMM, in float32 where the CPU
+    has no native bf16 GEMM (as matmul_t)."""
     x2 = x.reshape(-1, x.shape[-1])
     n, k = tiles.shape
     if x2.shape[0] <= KERNEL_MAX_TOKENS and dispatch.use_cpu_kernels(x2, tiles):
@@ -110,7 +131,7 @@ def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
         upcast = x2.dtype != torch.float32 and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype)
         xc = x2.float() if upcast or x2.dtype == torch.float32 else x2
         step = max(packing.TILE_ROWS, UPCAST_CHUNK // k // packing.TILE_ROWS * packing.TILE_ROWS)
-        y = torch.cat([torch.nn.functional.linear(xc, packing.unpack_float_tiled(tiles[r : r + step]).to(xc.dtype))
+        y = torch.cat([torch.nn.functional.linear(xc, untiled_rows(tiles, r, min(r + step, n), xc.dtype))
                        for r in range(0, n, step)], dim=1)  # [T, N]
     if bias is not None:
         y += bias
