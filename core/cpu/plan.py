@@ -46,7 +46,10 @@ from bestiary.core.cpu.build import library
 from bestiary.core.layers.mlp import ACT_CODES
 
 OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL, OP_LORA = range(8)
-MAX_BATCH = 32  # decode steps of up to this many sequences run as a plan (measured: 1.7x eager at 32)
+# decode steps of up to this many sequences run as a plan: 1.7x eager at 32; with float weights in
+# row tiles (whose eager GEMMs put rows back in order each step) bf16 SmolLM2 steps of 48 / 64 / 96 /
+# 128 sequences took 76 / 96 / 118 / 163 ms as plans against 96 / 106 / 127 / 176 eager on W^T
+MAX_BATCH = 128
 
 
 class Op(ctypes.Structure):
