@@ -88,6 +88,26 @@ def test_linear_in_row_tiles_equals_linear(dtype, tokens, native, monkeypatch):
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@needs_kernels
+def test_tiled_prefill_scratch_works_in_and_out_of_inference_mode(monkeypatch):
+    """The reused scratch of matmul_tiled's long steps, first made under torch.inference_mode (the
+    executor's), is written again outside it (a script, a test) and the other way round."""
+    monkeypatch.setattr(cpu_matmul, "_scratch", type(cpu_matmul._scratch)())  # a fresh, empty scratch
+    lin = Linear(96, 136, dtype=torch.bfloat16)
+    torch.nn.init.normal_(lin.weight)
+    before = lin.weight.detach().clone()
+    lin.fuse()
+    x = torch.randn(40, 96).bfloat16()
+    ref = F.linear(x.float(), before.float())
+    with torch.inference_mode():
+        inside = lin(x)
+    outside = lin(x)
+    with torch.inference_mode():
+        again = lin(x)
+    assert torch.equal(inside, outside) and torch.equal(outside, again)
+    torch.testing.assert_close(outside.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
 def test_weights_that_do_not_fit_the_tiles_stay_transposed():
     """Row tiles only for bfloat16 [N % 8 == 0, K % 32 == 0] and float32 [N % 8 == 0, K % 16 == 0]:
     other shapes keep W^T."""

@@ -109,7 +109,8 @@ def untiled_rows(tiles: torch.Tensor, start: int, stop: int, dtype: torch.dtype)
     buffers = _scratch.__dict__.setdefault("buffers", {})  # this thread's
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < rows * k:
-        buf = buffers[dtype] = torch.empty(rows * k, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: an inference one refuses writes outside inference mode
+            buf = buffers[dtype] = torch.empty(rows * k, dtype=dtype)
     out = buf[: rows * k].view(rows, k)
     tiled = tiles[start:stop].view(rows // packing.TILE_ROWS, k // unit, packing.TILE_ROWS, unit)
     out.view(rows // packing.TILE_ROWS, packing.TILE_ROWS, k // unit, unit).copy_(tiled.transpose(1, 2))
