@@ -322,6 +322,19 @@ def test_matmul_t_bf16_on_a_strided_weight_equals_float32(tokens) -> None:
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+def _record_x_shapes(monkeypatch, owner, name: str) -> list[tuple[int, ...]]:
+    """Wrap owner.name(x, wt) so that each call's x shape is appended to the returned list."""
+    calls: list[tuple[int, ...]] = []
+    real = getattr(owner, name)
+
+    def spy(x, wt):
+        calls.append(tuple(x.shape))
+        return real(x, wt)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("dtype,tokens,k,contiguous,compiled", [
     (torch.bfloat16, 1, 64, True, True),  # decode, K past KERNEL_MAX_TOKENS: compiled GEMV
     (torch.bfloat16, 32, 16, True, True),  # exactly KERNEL_MAX_TOKENS rows: still the GEMV
@@ -337,15 +350,7 @@ def test_matmul_t_runs_the_compiled_gemv_for_short_bf16_steps(dtype, tokens, k, 
     rounded once (cpu_matmul matmul_t 14-17: bf16 / same dtype / rows-not-K / <= bound of the split)."""
     if not _compiled_kernels():
         pytest.skip("the compiled CPU kernels are not built here (or BESTIARY_KERNELS is not auto)")
-    ops = dispatch.cpu_ops()
-    calls = []
-    real = ops.linear_t
-
-    def spy(x, wt):
-        calls.append(tuple(x.shape))
-        return real(x, wt)
-
-    monkeypatch.setattr(ops, "linear_t", spy)
+    calls = _record_x_shapes(monkeypatch, dispatch.cpu_ops(), "linear_t")
     g = torch.Generator().manual_seed(23)
     n = 24
     buf = torch.randn(k, 2 * n, generator=g).to(dtype)
@@ -377,14 +382,7 @@ def test_matmul_t_upcasts_half_gemms_without_native_dot_products(dtype, tokens, 
     Either way y = x W^T + b rounded once to x's dtype (cpu_matmul matmul_t 27-33; K = 16 > 8 tells rows
     from K)."""
     monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: _HALF_FLAGS if native else _NO_HALF_FLAGS)
-    calls = []
-    real = cpu_matmul.upcast_matmul
-
-    def spy(x, wt):
-        calls.append(tuple(x.shape))
-        return real(x, wt)
-
-    monkeypatch.setattr(cpu_matmul, "upcast_matmul", spy)
+    calls = _record_x_shapes(monkeypatch, cpu_matmul, "upcast_matmul")
     g = torch.Generator().manual_seed(24)
     k, n = 16, 10
     w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
