@@ -45,7 +45,8 @@ KERNEL_FAMILIES = [f"core/kernels/{f}.py" for f in (
     "activations", "attention", "lora", "moe", "norms", "rotary", "sampling", "woq_gemm")]
 KERNEL_TESTS = [f"tests/kernels/test_kernels_{f}.py" for f in (
     "norms", "rotary", "activations", "attention", "moe", "woq_gemm", "lora", "sampling", "dispatch",
-    "attention_window")] + ["tests/kernels/test_mutation_kills_kernels.py"]
+    "attention_window")] + ["tests/kernels/test_mutation_kills_kernels.py",
+                            "tests/kernels/test_mutation_kills_kernels_args.py"]
 # reassembly, strict keys, q/k/v fan-out, Falcon's self-slicing MQA hook, Qwen2-MoE's layer key
 # maps, GPT-2's buffers, non-finite weights, the streamed (row-block) convert
 LOADER_TESTS = [
