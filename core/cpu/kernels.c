@@ -457,9 +457,9 @@ INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uin
         for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
     const uint16_t *tile = w + row0 / TILE_ROWS * TILE_ROWS * k + row0 % TILE_ROWS * BF16T_K;
     for (int64_t kk = 0; kk < k; kk += BF16T_K) {
-        const uint16_t *blk = tile + kk * TILE_ROWS; /* this block's first row (w_off) */
-        _mm_prefetch((const char *)(blk + 4 * TILE_ROWS * BF16T_K), _MM_HINT_T0); /* 4 blocks ahead */
-        for (int r = 1; r < R; r++) _mm_prefetch((const char *)(blk + (4 * TILE_ROWS + r) * BF16T_K), _MM_HINT_T0);
+        /* this block's first row (w_off); no software prefetch: 4 or 8 blocks ahead measured 20-30%
+         * slower cache-cold than the hardware prefetcher alone on this one stream */
+        const uint16_t *blk = tile + kk * TILE_ROWS;
         __m512bh xv[MT];
         for (int i = 0; i < M; i++) xv[i] = (__m512bh)_mm512_loadu_si512(x2 + i * kh + kk / 2);
         for (int r = 0; r < R; r++) {
