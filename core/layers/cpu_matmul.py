@@ -5,7 +5,7 @@ A Linear's weight W is [N, K] (out, in). On the CPU:
 - bfloat16 / float32 weights with N % 8 == 0 and K % 32 / 16 == 0, where the compiled kernels are
   built: `hold_tiled` repacks the parameter in place into row tiles (core.quant.packing.pack_float_tiled:
   per 8 rows, per 64 bytes of features, the rows' blocks in turn), which the compiled GEMV reads as one
-  sequential stream per tile: cache-cold, 2 threads, 33-37 GB/s against 22-24 for W^T (SmolLM2
+  sequential stream per tile: cache-cold, 2 threads, 29-37 GB/s against 22-24 for W^T (SmolLM2
   shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it up to
   KERNEL_MAX_TOKENS rows; above, a block of rows at a time is put back in order into a scratch
   tensor for torch's GEMM (the copy ~2% of a 512-token GEMM; torch's bf16 GEMM itself runs ~15%
