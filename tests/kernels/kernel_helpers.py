@@ -70,3 +70,15 @@ def paged_inputs(seq_lens, ctx_lens, h, kvh, d, dtype, device, block_size: int =
     q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
     write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
     return q, k, v, meta, k_pool, v_pool
+
+
+def sequence_kv(meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor, b: int, length: int,
+                heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequence b's keys and values at positions 0..length-1, gathered from the pools' slots through
+    its block table and repeated over the query heads (GQA): (pos [L], k [L, H, D], v [L, H, D]),
+    float32 on the CPU (the written-out references of the attention tests)."""
+    tables, bs = meta.block_tables.cpu(), k_pool.shape[1]
+    pos = torch.arange(length)
+    slots = tables[b, pos // bs] * bs + pos % bs
+    kk, vv = k_pool.flatten(0, 1).cpu().float()[slots], v_pool.flatten(0, 1).cpu().float()[slots]  # [L, KVH, D]
+    return pos, kk.repeat_interleave(heads // kk.shape[1], 1), vv.repeat_interleave(heads // vv.shape[1], 1)

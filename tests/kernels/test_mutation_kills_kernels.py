@@ -108,14 +108,11 @@ def _dense_biased(q, meta, seq_lens, ctx_lens, k_pool, v_pool, scale, slopes, ke
     """softmax_j(scale * q_i . k_j + slope_h * (j - i) + key_bias[h, j]) v_j over the keys that
     j <= i and (no window or j < sink or i - j < window - sink) admit, written out per sequence
     from the pools' slots: q [T, H, D] -> [T, H * D] float32."""
-    tables, bs = meta.block_tables.cpu(), k_pool.shape[1]
-    flat_k, flat_v = k_pool.flatten(0, 1).cpu().float(), v_pool.flatten(0, 1).cpu().float()
+    from kernel_helpers import sequence_kv
+
     h, outs, start = q.shape[1], [], 0
     for b, (n, ctx) in enumerate(zip(seq_lens, ctx_lens)):
-        pos = torch.arange(ctx + n)
-        slots = tables[b, pos // bs] * bs + pos % bs
-        kk, vv = flat_k[slots], flat_v[slots]  # [L, KVH, D]
-        kk, vv = kk.repeat_interleave(h // kk.shape[1], 1), vv.repeat_interleave(h // vv.shape[1], 1)
+        pos, kk, vv = sequence_kv(meta, k_pool, v_pool, b, ctx + n, h)  # [L], [L, H, D] x 2
         qpos = (ctx + torch.arange(n))[:, None]  # [n, 1]
         w, s = windows[b], sinks[b]
         seen = (pos[None] <= qpos) & ((w == 0) | (pos[None] < s) | (qpos - pos[None] < w - s))  # [n, L]

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import torch
 from bestiary.core.kernels import dispatch
-from kernel_helpers import assert_close, assert_far, paged_inputs
+from kernel_helpers import assert_close, assert_far, paged_inputs, sequence_kv
 
 
 def _dense(q, meta, k_pool, v_pool, scale, windows=None, sinks=None, prefix=None):
     """softmax_j(scale * q_i . k_j) v_j over the keys with (j <= i or j < prefix) and (no window or
     j < sink or i - j < window - sink), written out per sequence from the pools' slots:
     q [T, H, D] -> [T, H * D] float32 (windows / sinks / prefix: per sequence, None = none)."""
-    tables, bs = meta.block_tables.cpu(), k_pool.shape[1]
-    flat_k, flat_v = k_pool.flatten(0, 1).cpu().float(), v_pool.flatten(0, 1).cpu().float()
     h, outs, start = q.shape[1], [], 0
     nseq = len(meta.seq_lens)
     windows, sinks, prefix = windows or [0] * nseq, sinks or [0] * nseq, prefix or [0] * nseq
     for b, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens)):
-        pos = torch.arange(ctx + n)
-        slots = tables[b, pos // bs] * bs + pos % bs
-        kk, vv = flat_k[slots], flat_v[slots]  # [L, KVH, D]
-        kk, vv = kk.repeat_interleave(h // kk.shape[1], 1), vv.repeat_interleave(h // vv.shape[1], 1)
+        pos, kk, vv = sequence_kv(meta, k_pool, v_pool, b, ctx + n, h)  # [L], [L, H, D] x 2
         qpos = (ctx + torch.arange(n))[:, None]  # [n, 1]
         w, s = windows[b], sinks[b]
         seen = ((pos[None] <= qpos) | (pos[None] < prefix[b])) & ((w == 0) | (pos[None] < s) | (qpos - pos[None] < w - s))
