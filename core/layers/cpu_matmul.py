@@ -105,16 +105,14 @@ def untiled_rows(tiles: torch.Tensor, start: int, stop: int, dtype: torch.dtype)
     """Rows [start, stop) (multiples of 8) of a weight held in row tiles, in order and in `dtype`:
     [stop - start, K], a view of a scratch buffer reused by the next call (no fresh pages to fault
     in per call: a fresh 8 MiB tensor cost more than the copy)."""
-    k, unit, rows = tiles.shape[1], packing.float_tile_k(tiles.dtype), stop - start
+    k, rows = tiles.shape[1], stop - start
     buffers = _scratch.__dict__.setdefault("buffers", {})  # this thread's
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < rows * k:
         with torch.inference_mode(False):  # a normal tensor: an inference one refuses writes outside inference mode
             buf = buffers[dtype] = torch.empty(rows * k, dtype=dtype)
     out = buf[: rows * k].view(rows, k)
-    tiled = tiles[start:stop].view(rows // packing.TILE_ROWS, k // unit, packing.TILE_ROWS, unit)
-    out.view(rows // packing.TILE_ROWS, packing.TILE_ROWS, k // unit, unit).copy_(tiled.transpose(1, 2))
-    return out
+    return packing.row_tiles(tiles[start:stop], packing.TILE_ROWS, packing.float_tile_k(tiles.dtype), False, out=out)
 
 
 def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -126,18 +126,21 @@ def unpack_float_tiled(t: torch.Tensor) -> torch.Tensor:
     return row_tiles(t, TILE_ROWS, float_tile_k(t.dtype), to_tiles=False)
 
 
-def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool) -> torch.Tensor:
+def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, C] with rows in order <-> rows in tiles of `rows` (the last one N % rows): per tile, per
     block of `unit` columns, its rows' blocks one after another (C % unit == 0). The int8 tiles
-    (8 rows, 16 codes), the int4 dot layout's codes (4 rows, 32 bytes) and scales (4 rows, 1)."""
+    (8 rows, 16 codes), the float tiles (8 rows, 64 bytes), the int4 dot layout's codes (4 rows,
+    32 bytes) and scales (4 rows, 1). Written into `out` ([N, C] contiguous, any float dtype for
+    float `t`) if given, else a new tensor; one strided copy per tile size."""
     n, width = t.shape
     whole = n - n % rows
-    out = torch.empty_like(t)
+    out = torch.empty_like(t) if out is None else out
     for start, stop, tile in ((0, whole, rows), (whole, n, n % rows)):  # the whole tiles, the short one
         if stop == start:
             continue
-        shape = (-1, tile, width // unit, unit) if to_tiles else (-1, width // unit, tile, unit)
-        out[start:stop] = t[start:stop].reshape(shape).transpose(1, 2).reshape(stop - start, width)
+        in_order, tiled = (-1, tile, width // unit, unit), (-1, width // unit, tile, unit)
+        src, dst = (in_order, tiled) if to_tiles else (tiled, in_order)
+        out[start:stop].view(dst).copy_(t[start:stop].reshape(src).transpose(1, 2))
     return out
 
 
