@@ -130,8 +130,9 @@ def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
         upcast = x2.dtype != torch.float32 and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype)
         xc = x2.float() if upcast or x2.dtype == torch.float32 else x2
         step = max(packing.TILE_ROWS, UPCAST_CHUNK // k // packing.TILE_ROWS * packing.TILE_ROWS)
-        y = torch.cat([torch.nn.functional.linear(xc, untiled_rows(tiles, r, min(r + step, n), xc.dtype))
-                       for r in range(0, n, step)], dim=1)  # [T, N]
+        parts = [torch.nn.functional.linear(xc, untiled_rows(tiles, r, min(r + step, n), xc.dtype))
+                 for r in range(0, n, step)]  # [T, step] each
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [T, N] (a cat of one copies it)
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], n)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bestiary.core.cpu.malloc import keep_freed_memory
 from bestiary.core.format.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import PretrainedConfig, read_json, validate_config
@@ -61,6 +62,8 @@ class Engine:
         directory = Path(directory)
         if not directory.is_dir():
             raise BestiaryError(f"{directory}: no such engine directory")
+        if device == "cpu":
+            keep_freed_memory()  # prefill's large activations reuse freed heap (core.cpu.malloc)
         data = read_json(directory / "config.json")
         if "pretrained_config" in data:
             version = data.get("format_version")
