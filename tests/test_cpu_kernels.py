@@ -254,6 +254,34 @@ def test_decode_attention_matches_reference(dtype, alibi):
     assert _rel_err(out, ref) < _tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", FLOAT)
+@pytest.mark.parametrize("h,kvh,d", [(4, 4, 64), (8, 2, 64), (10, 2, 128), (8, 1, 80), (6, 2, 72)])
+def test_decode_attention_head_groups_equal_single_heads(h, kvh, d, dtype):
+    """The kernel takes up to 4 query heads of a key head per task (G = 1, 4, 5 -> 4 + 1, 8 -> 4 + 4,
+    3), with the sums of D in registers (64, 80: one walk over the keys; 128: two) or in memory (72).
+    Each head's output is the reference's, and bit for bit what that head alone (G = 1) gives: the
+    grouping changes no sum's order, nor does a task per sequence (9 of them) against a task per key
+    head (3). One sequence of 1,100 keys (scores past the stack buffer)."""
+    gen = torch.Generator().manual_seed(h * d + kvh)
+    bs, blocks = 16, 80
+    k_pool = torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)
+    v_pool = torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)
+    b = 9  # >= 4 per thread (2 here): a task per sequence; its first 3 alone: a task per key head
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:70] for _ in range(b)])  # scattered blocks
+    kv_lens = torch.tensor([1100, 17, 1, 40, 3, 300, 64, 65, 16])
+    q = torch.randn(b, h, d, generator=gen).to(dtype)
+    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5)
+    ref = ops.decode_attention_ref(q, k_pool, v_pool, tables, kv_lens, d**-0.5)
+    assert _rel_err(out, ref) < _tol(dtype)
+    assert torch.equal(ops.decode_attention(q[:3], k_pool, v_pool, tables[:3], kv_lens[:3], d**-0.5), out[:3])
+    g = h // kvh
+    for head in range(h):
+        kv = head // g
+        alone = ops.decode_attention(q[:, head : head + 1].contiguous(), k_pool[:, :, kv : kv + 1].contiguous(),
+                                     v_pool[:, :, kv : kv + 1].contiguous(), tables, kv_lens, d**-0.5)
+        assert torch.equal(alone, out.view(b, h, d)[:, head].reshape(b, d)), head
+
+
 KV_CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
 
 

@@ -447,6 +447,25 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
 }
 
 #if BST_BF16DOT
+/* The lane sums of 16 vectors v[0..15] in one shuffle tree (45 instructions against ~8 for each
+ * _mm512_reduce_add_ps): out[SUM16_LANE(j)] = sum of v[j]'s lanes. Each sum pairs its lanes as
+ * _mm512_reduce_add_ps does (i + 8, then + 4, + 2, + 1), so it is the same float. */
+#define SUM16_LANE(j) (4 * ((j) % 4) + (j) / 4)
+INLINE void sum16(const __m512 *v, float out[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int p = 0; p < 8; p++) /* quarters [v2p: Q0+Q2, Q1+Q3 | v2p+1: Q0+Q2, Q1+Q3] */
+        w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++) /* quarter q: 4 lanes of v[4p + q] (lanes i + 8 + 4 folded) */
+        x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++) /* quarter q: [a0 + a2, b0 + b2, a1 + a3, b1 + b3], a = v[8p + q], b = v[8p + 4 + q] */
+        y[p] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * p], x[2 * p + 1]), _mm512_unpackhi_ps(x[2 * p], x[2 * p + 1]));
+    /* quarter q: the sums of v[q], v[4 + q], v[8 + q], v[12 + q] */
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                        _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2))));
+}
+
 /* DT_BF16T rows row0 .. row0 + R of one tile (R <= 8) x M bfloat16 inputs as pairs (x2 [M, kh],
  * bst_linear): per block of 32 features a row's 64 bytes and an input's 16 pairs make one
  * vdpbf16ps; out[r][i] = the sum of row r's lanes. A row's sum has the same order for any M. */
@@ -466,6 +485,16 @@ INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uin
             __m512bh wv = (__m512bh)_mm512_loadu_si512(blk + r * BF16T_K);
             for (int i = 0; i < M; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv, xv[i]);
         }
+    }
+    if (R * M == 16) { /* the 16 sums in one shuffle tree; acc[r][i] is vector r * M + i */
+        __m512 v[16];
+        float sums[16];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < M; i++) v[r * M + i] = acc[r][i];
+        sum16(v, sums);
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < M; i++) out[r][i] = sums[SUM16_LANE(r * M + i)];
+        return;
     }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
@@ -1390,18 +1419,21 @@ void bst_kv_write(const void *k, const void *v, int sdt, int64_t src_stride, voi
  * slopes [H] float or NULL, out [B, H, D] (odt). Quantized pools (kvdt DT_I8 / DT_F8) hold codes with
  * K = code * kv_scales[0], V = code * kv_scales[1]; float pools pass kv_scales NULL. windows [2, B] int64
  * (or NULL): each sequence's attention window W (0 = none) and sinks S (core.layers.attention_window): the
- * query then sees only keys j < S and j >= L_b - (W - S), and no other key is read. */
-void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *k_pool, const void *v_pool, int kvdt,
-                          const int64_t *tables, int64_t max_blocks, const int64_t *kv_lens, int64_t B,
-                          int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, const float *slopes,
-                          void *out, int odt, const float *kv_scales, const int64_t *windows, int threads) {
-    int64_t G = H / KVH;
-    int bs_shift = -1; /* log2(bs) when bs is a power of two: a key's block and row by shifts */
-    for (int e = 0; e < 31; e++)
-        if ((int64_t)1 << e == bs) bs_shift = e;
-#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * H; task++) {
-        int64_t b = task / H, h = task % H, kvh = h / G, L = kv_lens[b];
+ * query then sees only keys j < S and j >= L_b - (W - S), and no other key is read.
+ *
+ * A task is one sequence and up to GQ of the G query heads sharing a key head: each key and value row
+ * is found, fetched and read once for them all (per head the sums run in the same order as for one). */
+#define GQ 4
+/* Sequence b's query heads h0 .. h0 + gc of key head kvh (see bst_decode_attention). whole_rows: this
+ * walk fetches every key head's part of each key and value row ahead (the walks of the sequence's
+ * other key heads then find them in cache), else only its own. */
+static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k_pool, const void *v_pool, int kvdt,
+                         const int64_t *tables, int64_t max_blocks, const int64_t *kv_lens, int64_t B, int64_t H,
+                         int64_t KVH, int64_t D, int64_t bs, int bs_shift, float scale, const float *slopes, void *out,
+                         int odt, const float *kv_scales, const int64_t *windows, int64_t b, int64_t kvh, int64_t h0,
+                         int gc, int whole_rows) {
+    {
+        int64_t L = kv_lens[b];
         const int64_t *table = tables + b * max_blocks;
         /* windows [2, B] (or NULL): window W (0 = none) and sinks S of each sequence. The query at L - 1
          * sees keys j < S and j >= lo = max(0, L - (W - S)): n of them, key t of the walk at j_of(t). */
@@ -1409,31 +1441,74 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         int64_t lo = W ? (L - (W - S) > 0 ? L - (W - S) : 0) : 0, ns = S < lo ? S : lo, n = ns + L - lo;
 #define J_OF(t) ((t) < ns ? (t) : lo + (t) - ns)
 #define SLOT_OF(j) (bs_shift >= 0 ? (table[(j) >> bs_shift] << bs_shift) + ((j) & (bs - 1)) : table[(j) / bs] * bs + (j) % bs)
-        float qf[512 + PAD], acc[512 + PAD], row[512 + PAD];
+        float qf[GQ][512 + PAD], acc[GQ][512 + PAD], row[512 + PAD], mx[GQ];
         float stack_scores[4096];
-        float *scores = n <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)n);
-        to_f32((const char *)q + (b * q_stride + h * D) * (qdt == DT_F32 ? 4 : 2), qdt, D, qf);
-        memset(qf + D, 0, sizeof(float) * PAD);
-        memset(acc, 0, sizeof(float) * (size_t)(D + PAD));
-        float mx = -INFINITY;
+        float *scores = n * gc <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)(n * gc)); /* [gc, n] */
+        for (int g = 0; g < gc; g++) {
+            to_f32((const char *)q + (b * q_stride + (h0 + g) * D) * (qdt == DT_F32 ? 4 : 2), qdt, D, qf[g]);
+            memset(qf[g] + D, 0, sizeof(float) * PAD);
+            memset(acc[g], 0, sizeof(float) * (size_t)(D + PAD));
+            mx[g] = -INFINITY;
+        }
 #if BST_BF16DOT
         /* bf16 q . bf16 keys: vdpbf16ps (exact products, float32 sums) */
         const int dot = qdt == DT_BF16 && kvdt == DT_BF16 && !kv_scales;
-        const uint16_t *q16 = (const uint16_t *)q + b * q_stride + h * D;
+        const uint16_t *q16 = (const uint16_t *)q + b * q_stride + h0 * D;
 #endif
 #if BST_SIMD
         const int64_t esize = kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1; /* a pool element's bytes */
+        const int64_t fetch = (whole_rows ? KVH : 1) * D * esize; /* bytes fetched ahead per row */
+        for (int64_t t = 0; t < n && t < 16; t++) { /* the first 16 keys (the walk fetches 16 ahead) */
+            int64_t offa = (SLOT_OF(J_OF(t)) * KVH + (whole_rows ? 0 : kvh)) * D;
+            for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0);
+        }
 #endif
-        for (int64_t t = 0; t < n; t++) {
+        int64_t scored = 0; /* keys [0, scored) have their scores */
+#if BST_BF16DOT
+        if (dot && D % 32 == 0) /* 16 keys at a time: their 16 dot products summed in one shuffle tree */
+            for (; scored < n; scored += 16) {
+                int nk = n - scored < 16 ? (int)(n - scored) : 16;
+                int64_t offs[16];
+                for (int i = 0; i < nk; i++) {
+                    int64_t t = scored + i, j = J_OF(t);
+                    offs[i] = (SLOT_OF(j) * KVH + kvh) * D;
+                    if (t + 16 < n) {
+                        int64_t offa = (SLOT_OF(J_OF(t + 16)) * KVH + (whole_rows ? 0 : kvh)) * D;
+                        for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * 2 + c, _MM_HINT_T0);
+                    }
+                    int64_t offv = whole_rows ? SLOT_OF(j) * KVH * D : offs[i];
+                    for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)v_pool + offv * 2 + c, _MM_HINT_T0);
+                }
+                for (int g = 0; g < gc; g++) {
+                    __m512 a[16];
+                    float sums[16];
+                    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 32) {
+                        __m512bh qv = (__m512bh)_mm512_loadu_si512(q16 + g * D + d);
+                        for (int i = 0; i < nk; i++)
+                            a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512((const uint16_t *)k_pool + offs[i] + d));
+                    }
+                    sum16(a, sums);
+                    for (int i = 0; i < nk; i++) {
+                        float sc = sums[SUM16_LANE(i)] * scale;
+                        if (slopes) sc += slopes[h0 + g] * (float)(J_OF(scored + i) - (L - 1));
+                        scores[g * n + scored + i] = sc;
+                        if (sc > mx[g]) mx[g] = sc;
+                    }
+                }
+            }
+#endif
+        for (int64_t t = scored; t < n; t++) {
             int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
             /* the rows are scattered (blocks, other heads between): fetch the key 16 ahead, and this
              * key's value for the weighted sum after the softmax */
 #if BST_SIMD
             if (t + 16 < n) {
-                int64_t ja = J_OF(t + 16), offa = (SLOT_OF(ja) * KVH + kvh) * D;
-                for (int64_t c = 0; c < D * esize; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0);
+                int64_t ja = J_OF(t + 16), offa = (SLOT_OF(ja) * KVH + (whole_rows ? 0 : kvh)) * D;
+                for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0);
             }
-            for (int64_t c = 0; c < D * esize; c += 64) _mm_prefetch((const char *)v_pool + off * esize + c, _MM_HINT_T0);
+            int64_t offv = whole_rows ? SLOT_OF(j) * KVH * D : off;
+            for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)v_pool + offv * esize + c, _MM_HINT_T0);
 #endif
             const void *kp = k_pool;
             int kdt = kvdt;
@@ -1441,84 +1516,128 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
                 load_kv_row(k_pool, kvdt, off, D, kv_scales[0], row);
                 kp = row, kdt = DT_F32, off = 0;
             }
-            float s = 0.f;
+            for (int g = 0; g < gc; g++) {
+                float s = 0.f;
 #if BST_BF16DOT
-            if (dot) {
-                s = dot_bf16(q16, (const uint16_t *)k_pool + off, D);
-            } else
+                if (dot) {
+                    s = dot_bf16(q16 + g * D, (const uint16_t *)k_pool + off, D);
+                } else
 #endif
 #if BST_SIMD
-            {
-                vf a = vzero();
-                int64_t d = 0;
-                for (; d + VW <= D; d += VW) a = vfmadd(vloadu(qf + d), vload_any(kp, kdt, off + d), a);
-                if (d < D) a = vfmadd(vloadu(qf + d), vload_any_part(kp, kdt, off + d, D - d), a);
-                s = vsum(a);
-            }
+                {
+                    vf a = vzero();
+                    int64_t d = 0;
+                    for (; d + VW <= D; d += VW) a = vfmadd(vloadu(qf[g] + d), vload_any(kp, kdt, off + d), a);
+                    if (d < D) a = vfmadd(vloadu(qf[g] + d), vload_any_part(kp, kdt, off + d, D - d), a);
+                    s = vsum(a);
+                }
 #else
-            for (int64_t d = 0; d < D; d++) s += qf[d] * load_f(kp, kdt, off + d);
+                for (int64_t d = 0; d < D; d++) s += qf[g][d] * load_f(kp, kdt, off + d);
 #endif
-            s *= scale;
-            if (slopes) s += slopes[h] * (float)(j - (L - 1));
-            scores[t] = s;
-            if (s > mx) mx = s;
+                s *= scale;
+                if (slopes) s += slopes[h0 + g] * (float)(j - (L - 1));
+                scores[g * n + t] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
         }
-        float total = 0.f;
-        int64_t t = 0;
+        for (int g = 0; g < gc; g++) {
+            float *sc = scores + g * n, sum = 0.f;
+            int64_t t = 0;
 #if BST_SIMD
-        vf tv = vzero();
-        for (; t + VW <= n; t += VW) {
-            vf e = vexp(vsub(vloadu(scores + t), vset1(mx)));
-            vstoreu(scores + t, e);
-            tv = vadd(tv, e);
-        }
-        total = vsum(tv);
+            vf tv = vzero();
+            for (; t + VW <= n; t += VW) {
+                vf e = vexp(vsub(vloadu(sc + t), vset1(mx[g])));
+                vstoreu(sc + t, e);
+                tv = vadd(tv, e);
+            }
+            sum = vsum(tv);
 #endif
-        for (; t < n; t++) {
-            scores[t] = expf(scores[t] - mx);
-            total += scores[t];
+            for (; t < n; t++) {
+                sc[t] = expf(sc[t] - mx[g]);
+                sum += sc[t];
+            }
+            t = 0; /* the weights p = e / total, a vector of divisions at a time (each as the scalar one) */
+#if BST_SIMD
+            for (; t + VW <= n; t += VW) vstoreu(sc + t, vdiv(vloadu(sc + t), vset1(sum)));
+#endif
+            for (; t < n; t++) sc[t] /= sum;
         }
         int in_registers = 0;
 #if BST_SIMD
         in_registers = !kv_scales && D % VW == 0 && D <= 8 * VW;
-        if (in_registers) { /* the loop below with acc in registers */
+        if (in_registers) { /* 4 vectors of every head's sum in registers (16 at most) per walk over the keys */
             const int64_t nd = D / VW;
-            vf va[8];
-            for (int c = 0; c < 8; c++) va[c] = vzero();
-            for (t = 0; t < n; t++) {
-                int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
-                vf pv = vset1(scores[t] / total);
-                for (int c = 0; c < 8; c++)
-                    if (c < nd) va[c] = vfmadd(pv, vload_any(v_pool, kvdt, off + c * VW), va[c]);
+            for (int64_t c0 = 0; c0 < nd; c0 += 4) {
+                vf va[GQ][4];
+                for (int g = 0; g < GQ; g++)
+                    for (int c = 0; c < 4; c++) va[g][c] = vzero();
+                for (int64_t t = 0; t < n; t++) {
+                    int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D + c0 * VW;
+                    vf pv[GQ];
+                    for (int g = 0; g < GQ; g++)
+                        if (g < gc) pv[g] = vset1(scores[g * n + t]);
+                    for (int c = 0; c < 4; c++)
+                        if (c0 + c < nd) {
+                            vf vr = vload_any(v_pool, kvdt, off + c * VW);
+                            for (int g = 0; g < GQ; g++)
+                                if (g < gc) va[g][c] = vfmadd(pv[g], vr, va[g][c]);
+                        }
+                }
+                for (int g = 0; g < gc; g++)
+                    for (int c = 0; c < 4; c++)
+                        if (c0 + c < nd) vstoreu(acc[g] + (c0 + c) * VW, va[g][c]);
             }
-            for (int c = 0; c < 8; c++)
-                if (c < nd) vstoreu(acc + c * VW, va[c]);
         }
 #endif
-        for (t = 0; t < n && !in_registers; t++) {
+        for (int64_t t = 0; t < n && !in_registers; t++) {
             int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
-            float p = scores[t] / total;
             const void *vp = v_pool;
             int vdt = kvdt;
             if (kv_scales) {
                 load_kv_row(v_pool, kvdt, off, D, kv_scales[1], row);
                 vp = row, vdt = DT_F32, off = 0;
             }
+            for (int g = 0; g < gc; g++) {
+                float p = scores[g * n + t];
 #if BST_SIMD
-            vf pv = vset1(p);
-            int64_t d = 0;
-            for (; d + VW <= D; d += VW) vstoreu(acc + d, vfmadd(pv, vload_any(vp, vdt, off + d), vloadu(acc + d)));
-            if (d < D) vstoreu(acc + d, vfmadd(pv, vload_any_part(vp, vdt, off + d, D - d), vloadu(acc + d)));
+                vf pv = vset1(p);
+                int64_t d = 0;
+                for (; d + VW <= D; d += VW) vstoreu(acc[g] + d, vfmadd(pv, vload_any(vp, vdt, off + d), vloadu(acc[g] + d)));
+                if (d < D) vstoreu(acc[g] + d, vfmadd(pv, vload_any_part(vp, vdt, off + d, D - d), vloadu(acc[g] + d)));
 #else
-            for (int64_t d = 0; d < D; d++) acc[d] += p * load_f(vp, vdt, off + d);
+                for (int64_t d = 0; d < D; d++) acc[g][d] += p * load_f(vp, vdt, off + d);
 #endif
+            }
         }
-        from_f32(acc, D, (char *)out + (b * H + h) * D * (odt == DT_F32 ? 4 : 2), odt);
+        for (int g = 0; g < gc; g++)
+            from_f32(acc[g], D, (char *)out + (b * H + h0 + g) * D * (odt == DT_F32 ? 4 : 2), odt);
         if (scores != stack_scores) free(scores);
 #undef J_OF
 #undef SLOT_OF
     }
 }
+
+void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *k_pool, const void *v_pool, int kvdt,
+                          const int64_t *tables, int64_t max_blocks, const int64_t *kv_lens, int64_t B,
+                          int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, const float *slopes,
+                          void *out, int odt, const float *kv_scales, const int64_t *windows, int threads) {
+    int64_t G = H / KVH, chunks = (G + GQ - 1) / GQ, parts = threads < 1 ? 1 : threads;
+    int bs_shift = -1; /* log2(bs) when bs is a power of two: a key's block and row by shifts */
+    for (int e = 0; e < 31; e++)
+        if ((int64_t)1 << e == bs) bs_shift = e;
+    /* enough sequences for the threads: a task per sequence, its key heads one after another over
+     * rows fetched whole (one stream per sequence); else a task per key head and group of heads */
+    int64_t per_seq = B >= 4 * parts ? KVH * chunks : 1;
+#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * KVH * chunks / per_seq; task++)
+        for (int64_t u = task * per_seq; u < (task + 1) * per_seq; u++) {
+            int64_t b = u / (KVH * chunks), kvh = u / chunks % KVH, h0 = kvh * G + u % chunks * GQ;
+            int gc = (int)(kvh * G + G - h0 < GQ ? kvh * G + G - h0 : GQ); /* heads h0 .. h0 + gc */
+            attend_heads(q, qdt, q_stride, k_pool, v_pool, kvdt, tables, max_blocks, kv_lens, B, H, KVH, D, bs, bs_shift,
+                         scale, slopes, out, odt, kv_scales, windows, b, kvh, h0, gc, per_seq > 1 && u == task * per_seq);
+        }
+}
+#undef GQ
 
 /* ---------------------------------------------------------------------------------------- */
 /* greedy sampling                                                                           */
