@@ -282,6 +282,48 @@ def test_decode_attention_head_groups_equal_single_heads(h, kvh, d, dtype):
         assert torch.equal(alone, out.view(b, h, d)[:, head].reshape(b, d)), head
 
 
+@pytest.mark.parametrize("n,length,h,kvh,d", [
+    (1, 1, 2, 1, 32), (5, 5, 9, 3, 64), (37, 37, 4, 2, 32), (20, 50, 9, 3, 64), (16, 16, 8, 8, 128),
+    (100, 133, 8, 1, 128), (33, 47, 2, 2, 256)])
+def test_prefill_attention_matches_reference(kernels, n, length, h, kvh, d):
+    """Causal prefill of n queries over `length` keys (the last n are the queries' own: a chunk after
+    length - n cached tokens), G = h / kvh; strided rows as SelfAttention hands them over (the q, k
+    and v heads of one qkv tensor). Blocks of 16 queries and keys with short tails. Only the
+    avx512bf16 build runs it (vdpbf16ps); elsewhere `prefill_attention_fits` says no and SDPA runs."""
+    gen = torch.Generator().manual_seed(n * length + d)
+    qkv = torch.randn(length, h + 2 * kvh, d, generator=gen).bfloat16()
+    q, k, v = qkv[length - n :, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    if kernels != "avx512bf16":
+        assert not ops.prefill_attention_fits(q, k, v)
+        return
+    assert ops.prefill_attention_fits(q, k, v)
+    out = ops.prefill_attention(q, k, v, d**-0.5)
+    ref = ops.prefill_attention_ref(q.float(), k.float(), v.float(), d**-0.5)  # float32 throughout
+    assert out.shape == (n, h * d) and out.dtype == torch.bfloat16
+    assert _rel_err(out, ref) < 4e-3  # one bf16 rounding of the output (measured ~2e-3)
+    # query i sees keys <= length - n + i only: changing a later key leaves earlier queries alone
+    k2 = k.clone()
+    k2[-1] += 1
+    v2 = v.clone()
+    v2[-1] -= 1
+    out2 = ops.prefill_attention(q, k2, v2, d**-0.5)
+    assert torch.equal(out2[:-1], out[:-1]) and not torch.equal(out2[-1], out[-1])
+
+
+def test_prefill_attention_fits_only_what_it_takes(kernels):
+    qkv = torch.randn(8, 6, 64).bfloat16()
+    q, k, v = qkv[:, :4], qkv[:, 4:5], qkv[:, 5:]
+    bf16 = kernels == "avx512bf16"
+    assert ops.prefill_attention_fits(q, k, v) == bf16
+    assert not ops.prefill_attention_fits(q.float(), k.float(), v.float())  # bf16 only
+    odd = torch.randn(8, 6, 48).bfloat16()
+    assert not ops.prefill_attention_fits(odd[:, :4], odd[:, 4:5], odd[:, 5:])  # D % 32
+    assert not ops.prefill_attention_fits(q.transpose(0, 1).contiguous().transpose(0, 1), k, v)  # strided heads
+    if bf16:
+        with pytest.raises(ValueError, match="prefill_attention"):
+            ops.prefill_attention(q, k[:4], v[:4], 0.1)  # fewer keys than queries
+
+
 KV_CODE_DTYPES = [torch.int8, torch.float8_e4m3fn]
 
 

@@ -67,6 +67,7 @@ SIGNATURES = {  # name -> argument types (all return void except bst_has_avx512)
     "bst_linear": [P, INT, I64, I64, P, INT, I64, P, P, I64, P, P, INT, INT],
     "bst_dequantize": [P, INT, I64, I64, P, P, I64, P, INT, INT],
     "bst_decode_attention": [P, INT, I64, P, P, INT, P, I64, P, I64, I64, I64, I64, I64, F32, P, P, INT, P, P, INT],
+    "bst_prefill_attention": [P, I64, P, I64, P, I64, P, I64, I64, I64, I64, I64, F32, INT],
     "bst_kv_write": [P, P, INT, I64, P, P, INT, P, I64, I64, P],
     "bst_rms_norm": [P, P, P, P, INT, P, INT, I64, I64, F32, INT],
     "bst_rotary": [P, INT, I64, I64, I64, I64, P, P, I64, INT, I64, INT],

@@ -1469,6 +1469,7 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
             for (; scored < n; scored += 16) {
                 int nk = n - scored < 16 ? (int)(n - scored) : 16;
                 int64_t offs[16];
+                for (int i = nk; i < 16; i++) offs[i] = (SLOT_OF(J_OF(scored)) * KVH + kvh) * D;
                 for (int i = 0; i < nk; i++) {
                     int64_t t = scored + i, j = J_OF(t);
                     offs[i] = (SLOT_OF(j) * KVH + kvh) * D;
@@ -1483,9 +1484,9 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
                     __m512 a[16];
                     float sums[16];
                     for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 32) {
+                    for (int64_t d = 0; d < D; d += 32) { /* all 16 (a short block repeats its first key): a[] in registers */
                         __m512bh qv = (__m512bh)_mm512_loadu_si512(q16 + g * D + d);
-                        for (int i = 0; i < nk; i++)
+                        for (int i = 0; i < 16; i++)
                             a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512((const uint16_t *)k_pool + offs[i] + d));
                     }
                     sum16(a, sums);
@@ -1638,6 +1639,90 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
         }
 }
 #undef GQ
+
+/* Causal attention of n new queries over L keys (prefill), bfloat16, on the avx512bf16 build:
+ * out[i, h] = sum_j softmax_j(q[i, h] . k[j, h / G] * scale) v[j, h / G] over the keys j <= L - n + i
+ * (query i sits at position L - n + i; G = H / KVH). q row i of head h at q + i * q_stride + h * D,
+ * key / value row j of key head c at k + j * k_stride + c * D (likewise v), out [n, H, D] contiguous.
+ * D % 32 == 0, D <= PF_MAX_D. Flash-style: per task a head and PF_QB queries, keys PF_QB at a time;
+ * the 16 q . k dot products of a query and a key block in vdpbf16ps (exact products, float32 sums)
+ * and one shuffle tree, an online softmax in float32, p v summed in float32 (p is not rounded). */
+#define PF_QB 16
+#define PF_MAX_D 256
+void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
+                           int64_t v_stride, uint16_t *out, int64_t n, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                           float scale, int threads) {
+    int64_t G = H / KVH, blocks = (n + PF_QB - 1) / PF_QB;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * blocks; task++) {
+        int64_t h = task % H, c = h / G, i0 = (blocks - 1 - task / H) * PF_QB; /* the longest blocks first */
+        int rows = (int)(n - i0 < PF_QB ? n - i0 : PF_QB);
+#if BST_BF16DOT
+        float m[PF_QB], l[PF_QB], vf_[PF_QB][PF_MAX_D];
+        float acc[PF_QB][PF_MAX_D];
+        const int nd = (int)(D / 16);
+        for (int r = 0; r < rows; r++) {
+            m[r] = -INFINITY, l[r] = 0.f;
+            memset(acc[r], 0, sizeof(float) * (size_t)D);
+        }
+        int64_t kend = L - n + i0 + rows; /* keys the last query sees */
+        for (int64_t j0 = 0; j0 < kend; j0 += PF_QB) {
+            int nk = (int)(kend - j0 < PF_QB ? kend - j0 : PF_QB);
+            const uint16_t *krow[PF_QB];
+            for (int t = 0; t < nk; t++) {
+                to_f32(v + (j0 + t) * v_stride + c * D, DT_BF16, D, vf_[t]);
+                krow[t] = k + (j0 + t) * k_stride + c * D;
+            }
+            for (int r = 0; r < rows; r++) {
+                int64_t lim = L - n + i0 + r + 1; /* keys < lim */
+                if (j0 >= lim) continue;
+                int nv = (int)(lim - j0 < nk ? lim - j0 : nk);
+                __m512 a[16];
+                float sums[16], p[16];
+                for (int t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
+                const uint16_t *qr = q + (i0 + r) * q_stride + h * D;
+                for (int64_t d = 0; d < D; d += 32) { /* all 16 keys (past nv: key j0 again, masked): a[] in registers */
+                    __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
+                    for (int t = 0; t < 16; t++)
+                        a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(krow[t < nv ? t : 0] + d));
+                }
+                sum16(a, sums);
+                float bmax = -INFINITY;
+                for (int t = 0; t < 16; t++) {
+                    p[t] = t < nv ? sums[SUM16_LANE(t)] * scale : -INFINITY;
+                    if (p[t] > bmax) bmax = p[t];
+                }
+                float mnew = m[r] > bmax ? m[r] : bmax, corr = expf(m[r] - mnew);
+                __mmask16 valid = (__mmask16)((1u << nv) - 1);
+                __m512 e = _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, p), _mm512_set1_ps(mnew))));
+                _mm512_storeu_ps(p, e);
+                l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+                m[r] = mnew;
+                __m512 av[PF_MAX_D / 16], cv = _mm512_set1_ps(corr); /* constant bounds: av[] in registers */
+                for (int u = 0; u < PF_MAX_D / 16; u++)
+                    if (u < nd) av[u] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * u), cv);
+                for (int t = 0; t < nv; t++) {
+                    __m512 pt = _mm512_set1_ps(p[t]);
+                    for (int u = 0; u < PF_MAX_D / 16; u++)
+                        if (u < nd) av[u] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf_[t] + 16 * u), av[u]);
+                }
+                for (int u = 0; u < PF_MAX_D / 16; u++)
+                    if (u < nd) _mm512_storeu_ps(acc[r] + 16 * u, av[u]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            float inv = 1.f / l[r];
+            for (int64_t d = 0; d < D; d++) acc[r][d] *= inv;
+            from_f32(acc[r], D, out + ((i0 + r) * H + h) * D, DT_BF16);
+        }
+#else /* called on the avx512bf16 build only: NaN rather than a plausible wrong answer */
+        for (int r = 0; r < rows; r++)
+            for (int64_t d = 0; d < D; d++) out[((i0 + r) * H + h) * D + d] = 0x7fc0;
+        (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)L, (void)c, (void)scale;
+#endif
+    }
+}
+#undef PF_QB
 
 /* ---------------------------------------------------------------------------------------- */
 /* greedy sampling                                                                           */

@@ -6,6 +6,8 @@
     decode_attention one query token per sequence over the paged KV pool (no gather); float
                     pools or INT8 / FP8 codes with their scales; per-sequence attention
                     windows and sinks (only the keys in the window are read)
+    prefill_attention causal attention of a sequence's new queries over its keys (bfloat16,
+                    the avx512bf16 build; elsewhere torch's SDPA runs)
     kv_write        new keys and values into the pool's slots (as codes for INT8 / FP8 pools)
     rms_norm        y = rms_norm(x [+ residual]) (and the sum)
     rotary          RoPE in place with the step's cos / sin
@@ -226,6 +228,47 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
         out.data_ptr(), DTYPES[out.dtype], _ptr(kv_scales), _ptr(windows), _threads())
     return out
+
+
+PREFILL_MAX_HEAD_DIM = 256  # bst_prefill_attention keeps a block of rows of each head in stack buffers
+
+
+def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when `prefill_attention` takes these: bfloat16 CPU tensors on the avx512bf16 build
+    (vdpbf16ps), head_dim % 32 == 0 and <= PREFILL_MAX_HEAD_DIM, heads and dims contiguous."""
+    from bestiary.core.cpu.build import ISAS
+
+    lib = library()
+    d = q.shape[-1]
+    return (lib is not None and lib.bst_isa() == ISAS["avx512bf16"].code and d % 32 == 0
+            and d <= PREFILL_MAX_HEAD_DIM and all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
+                                                 and t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v)))
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of n new queries over L >= n keys: q [n, H, D], k / v [L, KVH, D] (rows may be
+    strided) -> [n, H * D]; query i sits at position L - n + i and sees keys j <= L - n + i.
+
+    out[i, h] = softmax_j(q[i, h] . k[j, h / G] * scale) v[j, h / G], G = H / KVH: q . k products
+    exact, float32 sums and softmax, p v in float32, rounded to bfloat16 once (`prefill_attention_fits`)."""
+    n, h, d = q.shape
+    length, kvh, _ = k.shape
+    if length < n or h % kvh or v.shape != k.shape:
+        raise ValueError(f"prefill_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    out = torch.empty(n, h * d, dtype=q.dtype)
+    library().bst_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                    out.data_ptr(), n, length, h, kvh, d, scale, _threads())
+    return out
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference of `prefill_attention`, in float32."""
+    n, h, d = q.shape
+    length, kvh, _ = k.shape
+    visible = torch.ones(n, length, dtype=torch.bool).tril(length - n)  # [n, L]: key j <= L - n + i
+    qf, kf, vf = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, rows, D]
+    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=visible, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(n, h * d).to(q.dtype)
 
 
 def kv_dtype_code(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
