@@ -448,10 +448,10 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
 
 #if BST_BF16DOT
 /* The lane sums of 16 vectors v[0..15] in one shuffle tree (45 instructions against ~8 for each
- * _mm512_reduce_add_ps): out[SUM16_LANE(j)] = sum of v[j]'s lanes. Each sum pairs its lanes as
+ * _mm512_reduce_add_ps): lane SUM16_LANE(j) of sum16v (out[SUM16_LANE(j)] of sum16) = sum of v[j]'s lanes. Each sum pairs its lanes as
  * _mm512_reduce_add_ps does (i + 8, then + 4, + 2, + 1), so it is the same float. */
 #define SUM16_LANE(j) (4 * ((j) % 4) + (j) / 4)
-INLINE void sum16(const __m512 *v, float out[16]) {
+INLINE __m512 sum16v(const __m512 *v) {
     __m512 w[8], x[4], y[2];
     for (int p = 0; p < 8; p++) /* quarters [v2p: Q0+Q2, Q1+Q3 | v2p+1: Q0+Q2, Q1+Q3] */
         w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
@@ -462,9 +462,11 @@ INLINE void sum16(const __m512 *v, float out[16]) {
     for (int p = 0; p < 2; p++) /* quarter q: [a0 + a2, b0 + b2, a1 + a3, b1 + b3], a = v[8p + q], b = v[8p + 4 + q] */
         y[p] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * p], x[2 * p + 1]), _mm512_unpackhi_ps(x[2 * p], x[2 * p + 1]));
     /* quarter q: the sums of v[q], v[4 + q], v[8 + q], v[12 + q] */
-    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                        _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2))));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
+
+INLINE void sum16(const __m512 *v, float out[16]) { _mm512_storeu_ps(out, sum16v(v)); }
 
 /* DT_BF16T rows row0 .. row0 + R of one tile (R <= 8) x M bfloat16 inputs as pairs (x2 [M, kh],
  * bst_linear): per block of 32 features a row's 64 bytes and an input's 16 pairs make one
@@ -1649,6 +1651,19 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
  * and one shuffle tree, an online softmax in float32, p v summed in float32 (p is not rounded). */
 #define PF_QB 16
 #define PF_MAX_D 256
+#if BST_BF16DOT
+/* accr[:16 nd] = accr * cv + sum_{t < nv} p[SUM16_LANE(t)] vf_[t] (called with a constant nd where it can) */
+INLINE void pf_pv(float *accr, const float (*vf_)[PF_MAX_D], const float *p, int nv, __m512 cv, const int nd) {
+    __m512 av[PF_MAX_D / 16];
+    for (int u = 0; u < nd; u++) av[u] = _mm512_mul_ps(_mm512_loadu_ps(accr + 16 * u), cv);
+    for (int t = 0; t < nv; t++) {
+        __m512 pt = _mm512_set1_ps(p[SUM16_LANE(t)]);
+        for (int u = 0; u < nd; u++) av[u] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf_[t] + 16 * u), av[u]);
+    }
+    for (int u = 0; u < nd; u++) _mm512_storeu_ps(accr + 16 * u, av[u]);
+}
+#endif
+
 void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
                            int64_t v_stride, uint16_t *out, int64_t n, int64_t L, int64_t H, int64_t KVH, int64_t D,
                            float scale, int threads) {
@@ -1661,6 +1676,9 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         float m[PF_QB], l[PF_QB], vf_[PF_QB][PF_MAX_D];
         float acc[PF_QB][PF_MAX_D];
         const int nd = (int)(D / 16);
+        __mmask16 lanes[17]; /* lanes[v]: the lanes of keys 0 .. v - 1 in sum16's order */
+        lanes[0] = 0;
+        for (int t = 0; t < 16; t++) lanes[t + 1] = (__mmask16)(lanes[t] | 1u << SUM16_LANE(t));
         for (int r = 0; r < rows; r++) {
             m[r] = -INFINITY, l[r] = 0.f;
             memset(acc[r], 0, sizeof(float) * (size_t)D);
@@ -1673,41 +1691,37 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
                 to_f32(v + (j0 + t) * v_stride + c * D, DT_BF16, D, vf_[t]);
                 krow[t] = k + (j0 + t) * k_stride + c * D;
             }
+            for (int t = nk; t < PF_QB; t++) krow[t] = krow[0]; /* a short block: key j0 again (masked) */
             for (int r = 0; r < rows; r++) {
                 int64_t lim = L - n + i0 + r + 1; /* keys < lim */
                 if (j0 >= lim) continue;
                 int nv = (int)(lim - j0 < nk ? lim - j0 : nk);
                 __m512 a[16];
-                float sums[16], p[16];
+                float p[16];
                 for (int t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
                 const uint16_t *qr = q + (i0 + r) * q_stride + h * D;
                 for (int64_t d = 0; d < D; d += 32) { /* all 16 keys (past nv: key j0 again, masked): a[] in registers */
                     __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
                     for (int t = 0; t < 16; t++)
-                        a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(krow[t < nv ? t : 0] + d));
+                        a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(krow[t] + d));
                 }
-                sum16(a, sums);
-                float bmax = -INFINITY;
-                for (int t = 0; t < 16; t++) {
-                    p[t] = t < nv ? sums[SUM16_LANE(t)] * scale : -INFINITY;
-                    if (p[t] > bmax) bmax = p[t];
-                }
-                float mnew = m[r] > bmax ? m[r] : bmax, corr = expf(m[r] - mnew);
-                __mmask16 valid = (__mmask16)((1u << nv) - 1);
-                __m512 e = _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, p), _mm512_set1_ps(mnew))));
+                /* the scores in sum16's lane order (key t in lane SUM16_LANE(t)), keys past nv masked */
+                __mmask16 valid = lanes[nv];
+                __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, sum16v(a), _mm512_set1_ps(scale));
+                float bmax = _mm512_reduce_max_ps(sv);
+                float mnew = m[r] > bmax ? m[r] : bmax; /* the running max moves in few blocks: e^0 and e^-inf skipped */
+                float corr = mnew == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
+                __m512 e = _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
                 _mm512_storeu_ps(p, e);
                 l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
                 m[r] = mnew;
-                __m512 av[PF_MAX_D / 16], cv = _mm512_set1_ps(corr); /* constant bounds: av[] in registers */
-                for (int u = 0; u < PF_MAX_D / 16; u++)
-                    if (u < nd) av[u] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * u), cv);
-                for (int t = 0; t < nv; t++) {
-                    __m512 pt = _mm512_set1_ps(p[t]);
-                    for (int u = 0; u < PF_MAX_D / 16; u++)
-                        if (u < nd) av[u] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf_[t] + 16 * u), av[u]);
+                __m512 cv = _mm512_set1_ps(corr); /* acc[r] = acc[r] * corr + sum_t p_t v_t */
+                switch (nd) { /* the common head sizes with constant bounds: the sums in registers */
+                    case 2: pf_pv(acc[r], vf_, p, nv, cv, 2); break;
+                    case 4: pf_pv(acc[r], vf_, p, nv, cv, 4); break;
+                    case 8: pf_pv(acc[r], vf_, p, nv, cv, 8); break;
+                    default: pf_pv(acc[r], vf_, p, nv, cv, nd);
                 }
-                for (int u = 0; u < PF_MAX_D / 16; u++)
-                    if (u < nd) _mm512_storeu_ps(acc[r] + 16 * u, av[u]);
             }
         }
         for (int r = 0; r < rows; r++) {
