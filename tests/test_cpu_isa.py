@@ -140,3 +140,13 @@ def test_unknown_isa_is_a_user_error_at_run(tmp_path):
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
     assert "BESTIARY_CPU_ISA=avx10: expected one of" in result.stderr.strip().splitlines()[-1]
+
+
+def test_kernels_build_where_a_compiler_is():
+    """Bug: a kernels.c that did not compile made build.library() None, and the kernel test modules
+    skipped as if no compiler were there (the suite stayed green on the torch references). Every
+    ISA this CPU runs must build wherever a compiler is."""
+    if build.compiler() is None or not build.enabled():
+        pytest.skip("no C compiler (or BESTIARY_CPU_KERNELS=off)")
+    for isa in build.supported_isas():
+        assert build.library_for(isa) is not None, f"kernels.c did not build for {isa} (see the warning)"

@@ -471,9 +471,8 @@ INLINE void sum16(const __m512 *v, float out[16]) { _mm512_storeu_ps(out, sum16v
 /* DT_BF16T rows row0 .. row0 + R of one tile (R <= 8) x M bfloat16 inputs as pairs (x2 [M, kh],
  * bst_linear): per block of 32 features a row's 64 bytes and an input's 16 pairs make one
  * vdpbf16ps; out[r][i] = the sum of row r's lanes. A row's sum has the same order for any M. */
-INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uint16_t *w, int64_t row0, int R, int M,
-                            float out[ROWS][MT]) {
-    __m512 acc[ROWS][MT];
+INLINE void bf16t_block_acc(const uint32_t *x2, int64_t kh, int64_t k, const uint16_t *w, int64_t row0, int R, int M,
+                            __m512 acc[ROWS][MT]) {
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
     const uint16_t *tile = w + row0 / TILE_ROWS * TILE_ROWS * k + row0 % TILE_ROWS * BF16T_K;
@@ -488,6 +487,22 @@ INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uin
             for (int i = 0; i < M; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv, xv[i]);
         }
     }
+}
+
+/* 4 rows x 4 inputs: the 16 sums in sum16's lanes (lane 4 i + r) */
+INLINE __m512 bf16t_dot_4x4(const uint32_t *x2, int64_t kh, int64_t k, const uint16_t *w, int64_t row0) {
+    __m512 acc[ROWS][MT], v[16];
+    bf16t_block_acc(x2, kh, k, w, row0, 4, 4, acc);
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < 4; i++) v[r * 4 + i] = acc[r][i];
+    return sum16v(v);
+}
+
+/* out[r][i] = row r0 + r's sum for input i (R rows x M inputs) */
+INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uint16_t *w, int64_t row0, int R, int M,
+                            float out[ROWS][MT]) {
+    __m512 acc[ROWS][MT];
+    bf16t_block_acc(x2, kh, k, w, row0, R, M, acc);
     if (R * M == 16) { /* the 16 sums in one shuffle tree; acc[r][i] is vector r * M + i */
         __m512 v[16];
         float sums[16];
@@ -500,6 +515,50 @@ INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uin
     }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* y rows [r0, r0 + 4) of inputs [i0, i0 + 4) from 16 sums in sum16's lanes (lane 4 i + r: input i,
+ * row r), + bias: per input one store of 4 floats or 4 bfloat16 (rounded as store_f rounds). */
+INLINE void store_4x4(void *y, int ydt, int64_t n, int64_t i0, int64_t r0, __m512 sv, const float *bias) {
+    sv = _mm512_add_ps(sv, bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + r0)) : _mm512_setzero_ps());
+    if (ydt == DT_F32) {
+        float *yf = (float *)y + i0 * n + r0;
+        _mm_storeu_ps(yf, _mm512_extractf32x4_ps(sv, 0));
+        _mm_storeu_ps(yf + n, _mm512_extractf32x4_ps(sv, 1));
+        _mm_storeu_ps(yf + 2 * n, _mm512_extractf32x4_ps(sv, 2));
+        _mm_storeu_ps(yf + 3 * n, _mm512_extractf32x4_ps(sv, 3));
+    } else {
+        __m256i b = _mm512_cvtepi32_epi16(vbf16_bits(sv));
+        __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+        uint16_t *yb = (uint16_t *)y + i0 * n + r0;
+        _mm_storel_epi64((__m128i *)yb, lo);
+        _mm_storeh_pd((double *)(yb + n), _mm_castsi128_pd(lo));
+        _mm_storel_epi64((__m128i *)(yb + 2 * n), hi);
+        _mm_storeh_pd((double *)(yb + 3 * n), _mm_castsi128_pd(hi));
+    }
+}
+
+/* 8 rows x 2 inputs: the 16 sums in one shuffle tree (v[2 r + i]: row r, input i), permuted to
+ * [input][row] lanes, then each input's 8 rows stored at once with bias */
+INLINE void bf16t_dot_8x2_store(const uint32_t *x2, int64_t kh, int64_t k, const uint16_t *w, int64_t row0,
+                                void *y, int ydt, int64_t n, int64_t i0, const float *bias) {
+    __m512 acc[ROWS][MT], v[16];
+    bf16t_block_acc(x2, kh, k, w, row0, 8, 2, acc);
+    for (int r = 0; r < 8; r++)
+        for (int i = 0; i < 2; i++) v[r * 2 + i] = acc[r][i];
+    const __m512i perm = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15); /* SUM16_LANE(2 r + i) */
+    __m512 sv = _mm512_permutexvar_ps(perm, sum16v(v)); /* lane 8 i + r */
+    __m256 b8 = bias ? _mm256_loadu_ps(bias + row0) : _mm256_setzero_ps();
+    __m512 b = _mm512_castps256_ps512(b8);
+    sv = _mm512_add_ps(sv, _mm512_shuffle_f32x4(b, b, 0x44));
+    if (ydt == DT_F32) {
+        _mm256_storeu_ps((float *)y + i0 * n + row0, _mm512_castps512_ps256(sv));
+        _mm256_storeu_ps((float *)y + (i0 + 1) * n + row0, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sv), 1)));
+    } else {
+        __m256i h = _mm512_cvtepi32_epi16(vbf16_bits(sv));
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + i0 * n + row0), _mm256_castsi256_si128(h));
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + (i0 + 1) * n + row0), _mm256_extracti128_si256(h, 1));
+    }
 }
 
 /* DT_BF16T rows [r_begin, r_end) (whole tiles) of y for m bfloat16 inputs (x2 [m, kh]): tile by
@@ -515,10 +574,16 @@ static void bf16t_rows(const uint32_t *x2, int64_t m, int64_t k, const uint16_t 
             for (int half = 0; half < (M == MT ? 2 : 1); half++) { /* 4 inputs: 4 rows at a time (16 sums) */
                 int R = M == MT ? 4 : 8;
                 int64_t r0 = row0 + half * 4;
+                if (M == 4) { /* 16 sums in sum16's order, stored 4 at a time */
+                    store_4x4(y, ydt, n, i0, r0, bf16t_dot_4x4(xi, kh, k, w, r0), bias);
+                    continue;
+                }
+                if (M == 2) { /* 8 rows of each input stored at once (1 input: memory-bound, the loop below) */
+                    bf16t_dot_8x2_store(xi, kh, k, w, r0, y, ydt, n, i0, bias);
+                    continue;
+                }
                 if (M == 1) bf16t_block_dot(xi, kh, k, w, r0, 8, 1, out);
-                else if (M == 2) bf16t_block_dot(xi, kh, k, w, r0, 8, 2, out);
-                else if (M == 3) bf16t_block_dot(xi, kh, k, w, r0, 8, 3, out);
-                else bf16t_block_dot(xi, kh, k, w, r0, 4, 4, out);
+                else bf16t_block_dot(xi, kh, k, w, r0, 8, 3, out);
                 for (int r = 0; r < R; r++)
                     for (int i = 0; i < M; i++)
                         store_f(y, ydt, (i0 + i) * n + r0 + r, out[r][i] + (bias ? bias[r0 + r] : 0.f));
