@@ -303,7 +303,9 @@ def test_prefill_attention_matches_reference(kernels, n, length, h, kvh, d):
     out = ops.prefill_attention(q, k, v, d**-0.5)
     ref = ops.prefill_attention_ref(q.float(), k.float(), v.float(), d**-0.5)  # float32 throughout
     assert out.shape == (n, h * d) and out.dtype == torch.bfloat16
-    assert _rel_err(out, ref) < 4e-3  # one bf16 rounding of the output (measured ~2e-3)
+    # p rounded to bf16 for p.v, and the output once: measured <= 2.9e-3 over these cases, as torch's
+    # SDPA in bf16 on the same inputs (<= 2.9e-3)
+    assert _rel_err(out, ref) < 4e-3
     # query i sees keys <= length - n + i only: changing a later key leaves earlier queries alone
     k2 = k.clone()
     k2[-1] += 1

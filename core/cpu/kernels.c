@@ -1713,17 +1713,21 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
  * key / value row j of key head c at k + j * k_stride + c * D (likewise v), out [n, H, D] contiguous.
  * D % 32 == 0, D <= PF_MAX_D. Flash-style: per task a head and PF_QB queries, keys PF_QB at a time;
  * the 16 q . k dot products of a query and a key block in vdpbf16ps (exact products, float32 sums)
- * and one shuffle tree, an online softmax in float32, p v summed in float32 (p is not rounded). */
+ * and one shuffle tree, an online softmax in float32, p v in vdpbf16ps over key pairs (p rounded to
+ * bfloat16 as torch's bf16 SDPA does, float32 sums). */
 #define PF_QB 16
 #define PF_MAX_D 256
 #if BST_BF16DOT
-/* accr[:16 nd] = accr * cv + sum_{t < nv} p[SUM16_LANE(t)] vf_[t] (called with a constant nd where it can) */
-INLINE void pf_pv(float *accr, const float (*vf_)[PF_MAX_D], const float *p, int nv, __m512 cv, const int nd) {
+/* accr[:16 nd] = accr * cv + sum over key pairs kp < pairs of p[2 kp] v[2 kp] + p[2 kp + 1] v[2 kp + 1]:
+ * pp[kp] holds the pair's two bfloat16 weights, vp[kp][u] dims 16 u .. 16 u + 15 of the two value rows
+ * interleaved (vdpbf16ps; called with a constant nd where it can) */
+INLINE void pf_pv(float *accr, const __m512i (*vp)[PF_MAX_D / 16], const uint32_t *pp, int pairs, __m512 cv,
+                  const int nd) {
     __m512 av[PF_MAX_D / 16];
     for (int u = 0; u < nd; u++) av[u] = _mm512_mul_ps(_mm512_loadu_ps(accr + 16 * u), cv);
-    for (int t = 0; t < nv; t++) {
-        __m512 pt = _mm512_set1_ps(p[SUM16_LANE(t)]);
-        for (int u = 0; u < nd; u++) av[u] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf_[t] + 16 * u), av[u]);
+    for (int kp = 0; kp < pairs; kp++) {
+        __m512bh pk = (__m512bh)_mm512_set1_epi32((int)pp[kp]);
+        for (int u = 0; u < nd; u++) av[u] = _mm512_dpbf16_ps(av[u], (__m512bh)vp[kp][u], pk);
     }
     for (int u = 0; u < nd; u++) _mm512_storeu_ps(accr + 16 * u, av[u]);
 }
@@ -1738,8 +1742,10 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         int64_t h = task % H, c = h / G, i0 = (blocks - 1 - task / H) * PF_QB; /* the longest blocks first */
         int rows = (int)(n - i0 < PF_QB ? n - i0 : PF_QB);
 #if BST_BF16DOT
-        float m[PF_QB], l[PF_QB], vf_[PF_QB][PF_MAX_D];
+        float m[PF_QB], l[PF_QB];
         float acc[PF_QB][PF_MAX_D];
+        __m512i vp[PF_QB / 2][PF_MAX_D / 16]; /* the block's value rows in key pairs (pf_pv) */
+        const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); /* SUM16_LANE */
         const int nd = (int)(D / 16);
         __mmask16 lanes[17]; /* lanes[v]: the lanes of keys 0 .. v - 1 in sum16's order */
         lanes[0] = 0;
@@ -1752,9 +1758,15 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         for (int64_t j0 = 0; j0 < kend; j0 += PF_QB) {
             int nk = (int)(kend - j0 < PF_QB ? kend - j0 : PF_QB);
             const uint16_t *krow[PF_QB];
-            for (int t = 0; t < nk; t++) {
-                to_f32(v + (j0 + t) * v_stride + c * D, DT_BF16, D, vf_[t]);
-                krow[t] = k + (j0 + t) * k_stride + c * D;
+            for (int t = 0; t < nk; t++) krow[t] = k + (j0 + t) * k_stride + c * D;
+            for (int kp = 0; kp < (nk + 1) / 2; kp++) { /* dims of keys 2 kp, 2 kp + 1 interleaved (a missing one: 0) */
+                const uint16_t *va = v + (j0 + 2 * kp) * v_stride + c * D, *vb = va + v_stride;
+                for (int u = 0; u < nd; u++) {
+                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(va + 16 * u)));
+                    __m512i hi = 2 * kp + 1 < nk ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + 16 * u)))
+                                                 : _mm512_setzero_si512();
+                    vp[kp][u] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                }
             }
             for (int t = nk; t < PF_QB; t++) krow[t] = krow[0]; /* a short block: key j0 again (masked) */
             for (int r = 0; r < rows; r++) {
@@ -1762,7 +1774,6 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
                 if (j0 >= lim) continue;
                 int nv = (int)(lim - j0 < nk ? lim - j0 : nk);
                 __m512 a[16];
-                float p[16];
                 for (int t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
                 const uint16_t *qr = q + (i0 + r) * q_stride + h * D;
                 for (int64_t d = 0; d < D; d += 32) { /* all 16 keys (past nv: key j0 again, masked): a[] in registers */
@@ -1777,15 +1788,17 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
                 float mnew = m[r] > bmax ? m[r] : bmax; /* the running max moves in few blocks: e^0 and e^-inf skipped */
                 float corr = mnew == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
                 __m512 e = _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-                _mm512_storeu_ps(p, e);
                 l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
                 m[r] = mnew;
+                uint32_t pp[8]; /* the weights in key order, rounded to bfloat16, in pairs */
+                _mm256_storeu_si256((__m256i *)pp, (__m256i)_mm512_cvtneps_pbh(_mm512_permutexvar_ps(key_order, e)));
                 __m512 cv = _mm512_set1_ps(corr); /* acc[r] = acc[r] * corr + sum_t p_t v_t */
+                int pairs = (nv + 1) / 2;
                 switch (nd) { /* the common head sizes with constant bounds: the sums in registers */
-                    case 2: pf_pv(acc[r], vf_, p, nv, cv, 2); break;
-                    case 4: pf_pv(acc[r], vf_, p, nv, cv, 4); break;
-                    case 8: pf_pv(acc[r], vf_, p, nv, cv, 8); break;
-                    default: pf_pv(acc[r], vf_, p, nv, cv, nd);
+                    case 2: pf_pv(acc[r], vp, pp, pairs, cv, 2); break;
+                    case 4: pf_pv(acc[r], vp, pp, pairs, cv, 4); break;
+                    case 8: pf_pv(acc[r], vp, pp, pairs, cv, 8); break;
+                    default: pf_pv(acc[r], vp, pp, pairs, cv, nd);
                 }
             }
         }

@@ -250,7 +250,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     strided) -> [n, H * D]; query i sits at position L - n + i and sees keys j <= L - n + i.
 
     out[i, h] = softmax_j(q[i, h] . k[j, h / G] * scale) v[j, h / G], G = H / KVH: q . k products
-    exact, float32 sums and softmax, p v in float32, rounded to bfloat16 once (`prefill_attention_fits`)."""
+    exact, float32 sums and softmax; p rounded to bfloat16 for p v (vdpbf16ps, float32 sums), as
+    torch's bf16 SDPA does; the output rounded once (`prefill_attention_fits`)."""
     n, h, d = q.shape
     length, kvh, _ = k.shape
     if length < n or h % kvh or v.shape != k.shape:
