@@ -334,7 +334,7 @@ def prefill_attention(
         ki, vi = ki.to(q.dtype), vi.to(q.dtype)  # [L, KVH, D]
         prefix = meta.prefix_lens[i] if meta.prefix_lens else 0
         simple = slopes is None and key_bias is None and (meta.mask == "causal" or prefix <= 1)
-        if simple and compiled_prefill(q, ki, vi):  # the compiled kernel: 1.3-1.4x torch's SDPA on bf16
+        if simple and compiled_prefill(q, ki, vi):  # the compiled kernel: ~1.8x torch's SDPA on bf16 (384-512 tokens)
             outs.append(dispatch.cpu_ops().prefill_attention(q[start : start + n], ki, vi, scale))
             start += n
             continue
