@@ -503,16 +503,6 @@ INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uin
                             float out[ROWS][MT]) {
     __m512 acc[ROWS][MT];
     bf16t_block_acc(x2, kh, k, w, row0, R, M, acc);
-    if (R * M == 16) { /* the 16 sums in one shuffle tree; acc[r][i] is vector r * M + i */
-        __m512 v[16];
-        float sums[16];
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < M; i++) v[r * M + i] = acc[r][i];
-        sum16(v, sums);
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < M; i++) out[r][i] = sums[SUM16_LANE(r * M + i)];
-        return;
-    }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
 }
@@ -1499,190 +1489,188 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
                          int64_t KVH, int64_t D, int64_t bs, int bs_shift, float scale, const float *slopes, void *out,
                          int odt, const float *kv_scales, const int64_t *windows, int64_t b, int64_t kvh, int64_t h0,
                          int gc, int whole_rows) {
-    {
-        int64_t L = kv_lens[b];
-        const int64_t *table = tables + b * max_blocks;
-        /* windows [2, B] (or NULL): window W (0 = none) and sinks S of each sequence. The query at L - 1
-         * sees keys j < S and j >= lo = max(0, L - (W - S)): n of them, key t of the walk at j_of(t). */
-        int64_t W = windows ? windows[b] : 0, S = W ? windows[B + b] : 0;
-        int64_t lo = W ? (L - (W - S) > 0 ? L - (W - S) : 0) : 0, ns = S < lo ? S : lo, n = ns + L - lo;
+    int64_t L = kv_lens[b];
+    const int64_t *table = tables + b * max_blocks;
+    /* windows [2, B] (or NULL): window W (0 = none) and sinks S of each sequence. The query at L - 1
+     * sees keys j < S and j >= lo = max(0, L - (W - S)): n of them, key t of the walk at j_of(t). */
+    int64_t W = windows ? windows[b] : 0, S = W ? windows[B + b] : 0;
+    int64_t lo = W ? (L - (W - S) > 0 ? L - (W - S) : 0) : 0, ns = S < lo ? S : lo, n = ns + L - lo;
 #define J_OF(t) ((t) < ns ? (t) : lo + (t) - ns)
 #define SLOT_OF(j) (bs_shift >= 0 ? (table[(j) >> bs_shift] << bs_shift) + ((j) & (bs - 1)) : table[(j) / bs] * bs + (j) % bs)
-        float qf[GQ][512 + PAD], acc[GQ][512 + PAD], row[512 + PAD], mx[GQ];
-        float stack_scores[4096];
-        float *scores = n * gc <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)(n * gc)); /* [gc, n] */
-        for (int g = 0; g < gc; g++) {
-            to_f32((const char *)q + (b * q_stride + (h0 + g) * D) * (qdt == DT_F32 ? 4 : 2), qdt, D, qf[g]);
-            memset(qf[g] + D, 0, sizeof(float) * PAD);
-            memset(acc[g], 0, sizeof(float) * (size_t)(D + PAD));
-            mx[g] = -INFINITY;
-        }
+/* the rows are scattered (blocks, other heads between): fetch key t + 16 ahead, and key j's value
+ * (element off of its own head) for the weighted sum after the softmax; `fetch` bytes of each row */
+#define FETCH_ROWS(t, j, off)                                                                                     \
+    do {                                                                                                          \
+        if ((t) + 16 < n) {                                                                                       \
+            int64_t offa = (SLOT_OF(J_OF((t) + 16)) * KVH + (whole_rows ? 0 : kvh)) * D;                          \
+            for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0); \
+        }                                                                                                         \
+        int64_t offv = whole_rows ? SLOT_OF(j) * KVH * D : (off);                                                 \
+        for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)v_pool + offv * esize + c, _MM_HINT_T0); \
+    } while (0)
+    float qf[GQ][512 + PAD], acc[GQ][512 + PAD], row[512 + PAD], mx[GQ];
+    float stack_scores[4096];
+    float *scores = n * gc <= 4096 ? stack_scores : (float *)malloc(sizeof(float) * (size_t)(n * gc)); /* [gc, n] */
+    for (int g = 0; g < gc; g++) {
+        to_f32((const char *)q + (b * q_stride + (h0 + g) * D) * (qdt == DT_F32 ? 4 : 2), qdt, D, qf[g]);
+        memset(qf[g] + D, 0, sizeof(float) * PAD);
+        memset(acc[g], 0, sizeof(float) * (size_t)(D + PAD));
+        mx[g] = -INFINITY;
+    }
 #if BST_BF16DOT
-        /* bf16 q . bf16 keys: vdpbf16ps (exact products, float32 sums) */
-        const int dot = qdt == DT_BF16 && kvdt == DT_BF16 && !kv_scales;
-        const uint16_t *q16 = (const uint16_t *)q + b * q_stride + h0 * D;
+    /* bf16 q . bf16 keys: vdpbf16ps (exact products, float32 sums) */
+    const int dot = qdt == DT_BF16 && kvdt == DT_BF16 && !kv_scales;
+    const uint16_t *q16 = (const uint16_t *)q + b * q_stride + h0 * D;
 #endif
 #if BST_SIMD
-        const int64_t esize = kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1; /* a pool element's bytes */
-        const int64_t fetch = (whole_rows ? KVH : 1) * D * esize; /* bytes fetched ahead per row */
-        for (int64_t t = 0; t < n && t < 16; t++) { /* the first 16 keys (the walk fetches 16 ahead) */
-            int64_t offa = (SLOT_OF(J_OF(t)) * KVH + (whole_rows ? 0 : kvh)) * D;
-            for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0);
-        }
+    const int64_t esize = kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1; /* a pool element's bytes */
+    const int64_t fetch = (whole_rows ? KVH : 1) * D * esize; /* bytes fetched ahead per row */
+    for (int64_t t = 0; t < n && t < 16; t++) { /* the first 16 keys (the walk fetches 16 ahead) */
+        int64_t offa = (SLOT_OF(J_OF(t)) * KVH + (whole_rows ? 0 : kvh)) * D;
+        for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0);
+    }
 #endif
-        int64_t scored = 0; /* keys [0, scored) have their scores */
+    int64_t scored = 0; /* keys [0, scored) have their scores */
 #if BST_BF16DOT
-        if (dot && D % 32 == 0) /* 16 keys at a time: their 16 dot products summed in one shuffle tree */
-            for (; scored < n; scored += 16) {
-                int nk = n - scored < 16 ? (int)(n - scored) : 16;
-                int64_t offs[16];
-                for (int i = nk; i < 16; i++) offs[i] = (SLOT_OF(J_OF(scored)) * KVH + kvh) * D;
+    if (dot && D % 32 == 0) /* 16 keys at a time: their 16 dot products summed in one shuffle tree */
+        for (; scored < n; scored += 16) {
+            int nk = n - scored < 16 ? (int)(n - scored) : 16;
+            int64_t offs[16];
+            for (int i = nk; i < 16; i++) offs[i] = (SLOT_OF(J_OF(scored)) * KVH + kvh) * D;
+            for (int i = 0; i < nk; i++) {
+                int64_t t = scored + i, j = J_OF(t);
+                offs[i] = (SLOT_OF(j) * KVH + kvh) * D;
+                FETCH_ROWS(t, j, offs[i]);
+            }
+            for (int g = 0; g < gc; g++) {
+                __m512 a[16];
+                float sums[16];
+                for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 32) { /* all 16 (a short block repeats its first key): a[] in registers */
+                    __m512bh qv = (__m512bh)_mm512_loadu_si512(q16 + g * D + d);
+                    for (int i = 0; i < 16; i++)
+                        a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512((const uint16_t *)k_pool + offs[i] + d));
+                }
+                sum16(a, sums);
                 for (int i = 0; i < nk; i++) {
-                    int64_t t = scored + i, j = J_OF(t);
-                    offs[i] = (SLOT_OF(j) * KVH + kvh) * D;
-                    if (t + 16 < n) {
-                        int64_t offa = (SLOT_OF(J_OF(t + 16)) * KVH + (whole_rows ? 0 : kvh)) * D;
-                        for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * 2 + c, _MM_HINT_T0);
-                    }
-                    int64_t offv = whole_rows ? SLOT_OF(j) * KVH * D : offs[i];
-                    for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)v_pool + offv * 2 + c, _MM_HINT_T0);
-                }
-                for (int g = 0; g < gc; g++) {
-                    __m512 a[16];
-                    float sums[16];
-                    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 32) { /* all 16 (a short block repeats its first key): a[] in registers */
-                        __m512bh qv = (__m512bh)_mm512_loadu_si512(q16 + g * D + d);
-                        for (int i = 0; i < 16; i++)
-                            a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512((const uint16_t *)k_pool + offs[i] + d));
-                    }
-                    sum16(a, sums);
-                    for (int i = 0; i < nk; i++) {
-                        float sc = sums[SUM16_LANE(i)] * scale;
-                        if (slopes) sc += slopes[h0 + g] * (float)(J_OF(scored + i) - (L - 1));
-                        scores[g * n + scored + i] = sc;
-                        if (sc > mx[g]) mx[g] = sc;
-                    }
+                    float sc = sums[SUM16_LANE(i)] * scale;
+                    if (slopes) sc += slopes[h0 + g] * (float)(J_OF(scored + i) - (L - 1));
+                    scores[g * n + scored + i] = sc;
+                    if (sc > mx[g]) mx[g] = sc;
                 }
             }
+        }
 #endif
-        for (int64_t t = scored; t < n; t++) {
-            int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
-            /* the rows are scattered (blocks, other heads between): fetch the key 16 ahead, and this
-             * key's value for the weighted sum after the softmax */
+    for (int64_t t = scored; t < n; t++) {
+        int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
 #if BST_SIMD
-            if (t + 16 < n) {
-                int64_t ja = J_OF(t + 16), offa = (SLOT_OF(ja) * KVH + (whole_rows ? 0 : kvh)) * D;
-                for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T0);
-            }
-            int64_t offv = whole_rows ? SLOT_OF(j) * KVH * D : off;
-            for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)v_pool + offv * esize + c, _MM_HINT_T0);
+        FETCH_ROWS(t, j, off);
 #endif
-            const void *kp = k_pool;
-            int kdt = kvdt;
-            if (kv_scales) { /* codes -> a float row */
-                load_kv_row(k_pool, kvdt, off, D, kv_scales[0], row);
-                kp = row, kdt = DT_F32, off = 0;
-            }
-            for (int g = 0; g < gc; g++) {
-                float s = 0.f;
-#if BST_BF16DOT
-                if (dot) {
-                    s = dot_bf16(q16 + g * D, (const uint16_t *)k_pool + off, D);
-                } else
-#endif
-#if BST_SIMD
-                {
-                    vf a = vzero();
-                    int64_t d = 0;
-                    for (; d + VW <= D; d += VW) a = vfmadd(vloadu(qf[g] + d), vload_any(kp, kdt, off + d), a);
-                    if (d < D) a = vfmadd(vloadu(qf[g] + d), vload_any_part(kp, kdt, off + d, D - d), a);
-                    s = vsum(a);
-                }
-#else
-                for (int64_t d = 0; d < D; d++) s += qf[g][d] * load_f(kp, kdt, off + d);
-#endif
-                s *= scale;
-                if (slopes) s += slopes[h0 + g] * (float)(j - (L - 1));
-                scores[g * n + t] = s;
-                if (s > mx[g]) mx[g] = s;
-            }
+        const void *kp = k_pool;
+        int kdt = kvdt;
+        if (kv_scales) { /* codes -> a float row */
+            load_kv_row(k_pool, kvdt, off, D, kv_scales[0], row);
+            kp = row, kdt = DT_F32, off = 0;
         }
         for (int g = 0; g < gc; g++) {
-            float *sc = scores + g * n, sum = 0.f;
-            int64_t t = 0;
-#if BST_SIMD
-            vf tv = vzero();
-            for (; t + VW <= n; t += VW) {
-                vf e = vexp(vsub(vloadu(sc + t), vset1(mx[g])));
-                vstoreu(sc + t, e);
-                tv = vadd(tv, e);
-            }
-            sum = vsum(tv);
+            float s = 0.f;
+#if BST_BF16DOT
+            if (dot) {
+                s = dot_bf16(q16 + g * D, (const uint16_t *)k_pool + off, D);
+            } else
 #endif
-            for (; t < n; t++) {
-                sc[t] = expf(sc[t] - mx[g]);
-                sum += sc[t];
-            }
-            t = 0; /* the weights p = e / total, a vector of divisions at a time (each as the scalar one) */
 #if BST_SIMD
-            for (; t + VW <= n; t += VW) vstoreu(sc + t, vdiv(vloadu(sc + t), vset1(sum)));
-#endif
-            for (; t < n; t++) sc[t] /= sum;
-        }
-        int in_registers = 0;
-#if BST_SIMD
-        in_registers = !kv_scales && D % VW == 0 && D <= 8 * VW;
-        if (in_registers) { /* 4 vectors of every head's sum in registers (16 at most) per walk over the keys */
-            const int64_t nd = D / VW;
-            for (int64_t c0 = 0; c0 < nd; c0 += 4) {
-                vf va[GQ][4];
-                for (int g = 0; g < GQ; g++)
-                    for (int c = 0; c < 4; c++) va[g][c] = vzero();
-                for (int64_t t = 0; t < n; t++) {
-                    int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D + c0 * VW;
-                    vf pv[GQ];
-                    for (int g = 0; g < GQ; g++)
-                        if (g < gc) pv[g] = vset1(scores[g * n + t]);
-                    for (int c = 0; c < 4; c++)
-                        if (c0 + c < nd) {
-                            vf vr = vload_any(v_pool, kvdt, off + c * VW);
-                            for (int g = 0; g < GQ; g++)
-                                if (g < gc) va[g][c] = vfmadd(pv[g], vr, va[g][c]);
-                        }
-                }
-                for (int g = 0; g < gc; g++)
-                    for (int c = 0; c < 4; c++)
-                        if (c0 + c < nd) vstoreu(acc[g] + (c0 + c) * VW, va[g][c]);
-            }
-        }
-#endif
-        for (int64_t t = 0; t < n && !in_registers; t++) {
-            int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
-            const void *vp = v_pool;
-            int vdt = kvdt;
-            if (kv_scales) {
-                load_kv_row(v_pool, kvdt, off, D, kv_scales[1], row);
-                vp = row, vdt = DT_F32, off = 0;
-            }
-            for (int g = 0; g < gc; g++) {
-                float p = scores[g * n + t];
-#if BST_SIMD
-                vf pv = vset1(p);
+            {
+                vf a = vzero();
                 int64_t d = 0;
-                for (; d + VW <= D; d += VW) vstoreu(acc[g] + d, vfmadd(pv, vload_any(vp, vdt, off + d), vloadu(acc[g] + d)));
-                if (d < D) vstoreu(acc[g] + d, vfmadd(pv, vload_any_part(vp, vdt, off + d, D - d), vloadu(acc[g] + d)));
-#else
-                for (int64_t d = 0; d < D; d++) acc[g][d] += p * load_f(vp, vdt, off + d);
-#endif
+                for (; d + VW <= D; d += VW) a = vfmadd(vloadu(qf[g] + d), vload_any(kp, kdt, off + d), a);
+                if (d < D) a = vfmadd(vloadu(qf[g] + d), vload_any_part(kp, kdt, off + d, D - d), a);
+                s = vsum(a);
             }
+#else
+            for (int64_t d = 0; d < D; d++) s += qf[g][d] * load_f(kp, kdt, off + d);
+#endif
+            s *= scale;
+            if (slopes) s += slopes[h0 + g] * (float)(j - (L - 1));
+            scores[g * n + t] = s;
+            if (s > mx[g]) mx[g] = s;
         }
-        for (int g = 0; g < gc; g++)
-            from_f32(acc[g], D, (char *)out + (b * H + h0 + g) * D * (odt == DT_F32 ? 4 : 2), odt);
-        if (scores != stack_scores) free(scores);
+    }
+    for (int g = 0; g < gc; g++) {
+        float *sc = scores + g * n, sum = 0.f;
+        int64_t t = 0;
+#if BST_SIMD
+        vf tv = vzero();
+        for (; t + VW <= n; t += VW) {
+            vf e = vexp(vsub(vloadu(sc + t), vset1(mx[g])));
+            vstoreu(sc + t, e);
+            tv = vadd(tv, e);
+        }
+        sum = vsum(tv);
+#endif
+        for (; t < n; t++) {
+            sc[t] = expf(sc[t] - mx[g]);
+            sum += sc[t];
+        }
+        t = 0; /* the weights p = e / total, a vector of divisions at a time (each as the scalar one) */
+#if BST_SIMD
+        for (; t + VW <= n; t += VW) vstoreu(sc + t, vdiv(vloadu(sc + t), vset1(sum)));
+#endif
+        for (; t < n; t++) sc[t] /= sum;
+    }
+    int in_registers = 0;
+#if BST_SIMD
+    in_registers = !kv_scales && D % VW == 0 && D <= 8 * VW;
+    if (in_registers) { /* 4 vectors of every head's sum in registers (16 at most) per walk over the keys */
+        const int64_t nd = D / VW;
+        for (int64_t c0 = 0; c0 < nd; c0 += 4) {
+            vf va[GQ][4];
+            for (int g = 0; g < GQ; g++)
+                for (int c = 0; c < 4; c++) va[g][c] = vzero();
+            for (int64_t t = 0; t < n; t++) {
+                int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D + c0 * VW;
+                vf pv[GQ];
+                for (int g = 0; g < GQ; g++)
+                    if (g < gc) pv[g] = vset1(scores[g * n + t]);
+                for (int c = 0; c < 4; c++)
+                    if (c0 + c < nd) {
+                        vf vr = vload_any(v_pool, kvdt, off + c * VW);
+                        for (int g = 0; g < GQ; g++)
+                            if (g < gc) va[g][c] = vfmadd(pv[g], vr, va[g][c]);
+                    }
+            }
+            for (int g = 0; g < gc; g++)
+                for (int c = 0; c < 4; c++)
+                    if (c0 + c < nd) vstoreu(acc[g] + (c0 + c) * VW, va[g][c]);
+        }
+    }
+#endif
+    for (int64_t t = 0; t < n && !in_registers; t++) {
+        int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
+        const void *vp = v_pool;
+        int vdt = kvdt;
+        if (kv_scales) {
+            load_kv_row(v_pool, kvdt, off, D, kv_scales[1], row);
+            vp = row, vdt = DT_F32, off = 0;
+        }
+        for (int g = 0; g < gc; g++) {
+            float p = scores[g * n + t];
+#if BST_SIMD
+            vf pv = vset1(p);
+            int64_t d = 0;
+            for (; d + VW <= D; d += VW) vstoreu(acc[g] + d, vfmadd(pv, vload_any(vp, vdt, off + d), vloadu(acc[g] + d)));
+            if (d < D) vstoreu(acc[g] + d, vfmadd(pv, vload_any_part(vp, vdt, off + d, D - d), vloadu(acc[g] + d)));
+#else
+            for (int64_t d = 0; d < D; d++) acc[g][d] += p * load_f(vp, vdt, off + d);
+#endif
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        from_f32(acc[g], D, (char *)out + (b * H + h0 + g) * D * (odt == DT_F32 ? 4 : 2), odt);
+    if (scores != stack_scores) free(scores);
 #undef J_OF
 #undef SLOT_OF
-    }
+#undef FETCH_ROWS
 }
 
 void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *k_pool, const void *v_pool, int kvdt,
