@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.runtime.worker_group import describe_exit, settled_exitcode
 from tiny_llama import make_tiny_llama
 
 DRIVER = Path(__file__).with_name("tp_fault_driver.py")
@@ -124,6 +125,25 @@ def test_hung_rank_is_named_within_30_s(tp2):
     assert code != 0 and seconds < LIMIT_S
     assert [line for line in err.splitlines() if line.strip()] == [
         f"bestiary: rank 1 (pid {rank1}) did not answer within 20 s (process state T); stopping all 2 ranks"], err
+
+
+class ReapedByTheOtherThread:
+    """A dead rank's process object while another thread's waitpid has the status but has not
+    stored it yet: exitcode reads None a few times, then -9 (CI, 2026-11-26: the line said
+    'exited with status None')."""
+
+    def __init__(self, none_reads: int):
+        self.none_reads = none_reads
+
+    @property
+    def exitcode(self) -> int | None:
+        self.none_reads -= 1
+        return None if self.none_reads >= 0 else -signal.SIGKILL
+
+
+def test_exit_code_read_while_another_thread_reaps_names_the_signal():
+    assert describe_exit(settled_exitcode(ReapedByTheOtherThread(5))) == "was killed by SIGKILL"
+    assert settled_exitcode(ReapedByTheOtherThread(10 ** 9), timeout_s=0.05) is None  # never stored: bounded
 
 
 def test_pipeline_stage_killed_mid_generation_stops_everything(tp2pp2):

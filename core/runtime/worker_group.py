@@ -103,6 +103,15 @@ def process_state(pid: int | None) -> str:
         return "?"
 
 
+def settled_exitcode(process, timeout_s: float = 2.0) -> int | None:
+    """A dead process's exit code. Two threads (the watch thread and a failed collective) may reap
+    it at once: the one whose waitpid lost reads None until the winner has stored the code."""
+    deadline = time.monotonic() + timeout_s
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process.exitcode
+
+
 def describe_exit(code: int | None) -> str:
     """'was killed by SIGKILL' / 'exited with status 3' of a multiprocessing exitcode."""
     if code is not None and code < 0:
@@ -201,7 +210,7 @@ class WorkerGroup:
                 else:
                     s.process.join(timeout=1)
                     if not self.closing:
-                        self.fail(s.rank, s.process.pid, describe_exit(s.process.exitcode))
+                        self.fail(s.rank, s.process.pid, describe_exit(settled_exitcode(s.process)))
                     del by_handle[handle]
 
     def fail(self, rank: int, pid: int | None, cause: str) -> None:
@@ -224,7 +233,7 @@ class WorkerGroup:
                 threading.Event().wait(5)  # the watch thread is reporting and will exit the process
             dead = [s for s in self.spawned if not s.process.is_alive()]
             if dead:
-                self.fail(dead[0].rank, dead[0].process.pid, describe_exit(dead[0].process.exitcode))
+                self.fail(dead[0].rank, dead[0].process.pid, describe_exit(settled_exitcode(dead[0].process)))
             threading.Event().wait(0.1)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         stuck = self._stuck_ranks()
