@@ -62,15 +62,20 @@ needs_kernels = pytest.mark.skipif(not dispatch.use_cpu_kernels(torch.zeros(1)),
 
 @needs_kernels
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("tokens", [1, 5, 32, 33, 40])
+@pytest.mark.parametrize("past_bound", [-1000, -1, 0, 1, 8])  # rows: bound + this (at least 1)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_linear_in_row_tiles_equals_linear(dtype, tokens, native, monkeypatch):
+def test_linear_in_row_tiles_equals_linear(dtype, past_bound, native, monkeypatch):
     """A bfloat16 / float32 Linear with N % 8 == 0, K % 32 / 16 == 0 is held in row tiles: the
-    compiled GEMV up to KERNEL_MAX_TOKENS rows, above it torch's GEMM over blocks of rows put back
-    in order (several blocks here; bf16 in float32 where the CPU has no native bf16 GEMM). The
-    parameter keeps its shape, its state_dict the values in order, and the output equals F.linear
-    to a rounding of the output dtype."""
+    compiled kernel up to tiled_kernel_max_tokens(dtype) rows, above it torch's GEMM over blocks of
+    rows put back in order (several blocks here; bf16 in float32 where the CPU has no native bf16
+    GEMM). The parameter keeps its shape, its state_dict the values in order, and the output equals
+    F.linear to a rounding of the output dtype."""
+    bound = cpu_matmul.tiled_kernel_max_tokens(dtype)
+    tokens = max(1, bound + past_bound)
     monkeypatch.setattr(cpu_matmul, "native_half_gemm", lambda _dtype: native)
+    calls = []
+    real = dispatch.cpu_ops().linear
+    monkeypatch.setattr(dispatch.cpu_ops(), "linear", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
     monkeypatch.setattr(cpu_matmul, "UPCAST_CHUNK", 96 * 50)  # blocks of 48 rows: 3 blocks for 136
     lin = Linear(96, 136, bias=True, dtype=dtype)
     torch.nn.init.normal_(lin.weight)
@@ -84,8 +89,23 @@ def test_linear_in_row_tiles_equals_linear(dtype, tokens, native, monkeypatch):
     assert torch.equal(lin.state_dict()["weight"], before)
     y = lin(x)
     assert y.dtype == dtype and y.shape == (tokens, 136)
+    assert calls == ([tokens] if tokens <= bound else [])  # the kernel up to the bound, torch past it
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@needs_kernels
+def test_tiled_kernel_bound_by_build(monkeypatch):
+    """The bound is the kernel build's (bf16 / fp32 rows): 128 / 64 on avx512bf16 (torch's native bf16
+    GEMM), 256 / 128 on avx512, 128 / 64 on avx2, KERNEL_MAX_TOKENS (32) on the scalar build."""
+    from bestiary.core.cpu.build import ISAS
+
+    for isa, bf16, fp32 in (("avx512bf16", 128, 64), ("avx512", 256, 128), ("avx2", 128, 64),
+                           ("scalar", 32, 32)):
+        lib = type("Lib", (), {"bst_isa": staticmethod(lambda code=ISAS[isa].code: code)})()
+        monkeypatch.setattr(cpu_matmul, "library", lambda lib=lib: lib)
+        assert (cpu_matmul.tiled_kernel_max_tokens(torch.bfloat16),
+                cpu_matmul.tiled_kernel_max_tokens(torch.float32)) == (bf16, fp32), isa
 
 
 @needs_kernels
@@ -97,7 +117,7 @@ def test_tiled_prefill_scratch_works_in_and_out_of_inference_mode(monkeypatch):
     torch.nn.init.normal_(lin.weight)
     before = lin.weight.detach().clone()
     lin.fuse()
-    x = torch.randn(40, 96).bfloat16()
+    x = torch.randn(cpu_matmul.tiled_kernel_max_tokens(torch.bfloat16) + 8, 96).bfloat16()  # torch's GEMM
     ref = F.linear(x.float(), before.float())
     with torch.inference_mode():
         inside = lin(x)

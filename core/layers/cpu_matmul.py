@@ -7,7 +7,7 @@ A Linear's weight W is [N, K] (out, in). On the CPU:
   per 8 rows, per 64 bytes of features, the rows' blocks in turn), which the compiled GEMV reads as one
   sequential stream per tile: cache-cold, 2 threads, 29-37 GB/s against 22-24 for W^T (SmolLM2
   shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it up to
-  KERNEL_MAX_TOKENS rows; above, a block of rows at a time is put back in order into a scratch
+  tiled_kernel_max_tokens(dtype) rows; above, a block of rows at a time is put back in order into a scratch
   tensor for torch's GEMM (the copy ~2% of a 512-token GEMM; torch's bf16 GEMM itself runs ~15%
   slower on a weight whose contents changed since its last call). The parameter keeps its shape, the
   module's state_dict its values (`untile_state_dict`), and an embedding that shares it looks
@@ -29,16 +29,40 @@ half-precision GEMM (oneDNN, AMX) is the fast one.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
-from bestiary.core.cpu.build import cpu_flags
+from bestiary.core.cpu.build import ISAS, cpu_flags, library
 from bestiary.core.kernels import dispatch
 from bestiary.core.quant import packing
 from torch import nn
 
 HALF_GEMV_MAX_TOKENS = 8
-KERNEL_MAX_TOKENS = 32  # rows up to which tiled and bf16 transposed matmuls run the compiled GEMV
+KERNEL_MAX_TOKENS = 32  # rows up to which bf16 transposed matmuls run the compiled GEMV
+# rows up to which weights in row tiles run the compiled kernel, by the kernels' ISA: it reads the
+# tiles as they lie, where torch's GEMM needs them put back in order first. torch / kernel time
+# over 16 weights of each SmolLM2 shape in turn, 2 threads, one AVX-512 BF16 machine with each
+# build forced, torch in fp32 for bf16 on the builds without native bf16 (benchmarks/tiled_crossover.py):
+#   avx512bf16  bf16 1.13-1.31 at 128 rows, 0.98-1.18 at 256;  fp32 1.07-1.99 at 64, 0.90-1.47 at 128
+#   avx512      bf16 1.09-1.37 at 256;                         fp32 1.20-1.63 at 128, 0.90-1.19 at 256
+#   avx2        bf16 1.08-1.51 at 128, 0.76-1.11 at 256;       fp32 1.07-1.89 at 64, 0.82-1.40 at 128
+TILED_KERNEL_MAX_TOKENS = {
+    "avx512bf16": {torch.bfloat16: 128, torch.float32: 64},
+    "avx512": {torch.bfloat16: 256, torch.float32: 128},
+    "avx2": {torch.bfloat16: 128, torch.float32: 64},
+}  # others: KERNEL_MAX_TOKENS
+
+
+def tiled_kernel_max_tokens(dtype: torch.dtype) -> int:
+    """Rows of `dtype` up to which matmul_tiled runs the compiled kernel on this build."""
+    return TILED_KERNEL_MAX_TOKENS.get(_isa_name(library()), {}).get(dtype, KERNEL_MAX_TOKENS)
+
+
+@functools.cache
+def _isa_name(lib) -> str:
+    """The ISA name of a loaded kernel library ("" for none)."""
+    return next((name for name, isa in ISAS.items() if lib is not None and isa.code == lib.bst_isa()), "")
 UPCAST_CHUNK = 1 << 22  # weight elements converted at a time (16 MiB of fp32)
 NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
@@ -118,12 +142,12 @@ def untiled_rows(tiles: torch.Tensor, start: int, stop: int, dtype: torch.dtype)
 def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b for W held in row tiles [N, K]: x [..., K] -> [..., N] in x's dtype.
 
-    Up to KERNEL_MAX_TOKENS rows: the compiled GEMV on the tiles. Above: a block of UPCAST_CHUNK
+    Up to tiled_kernel_max_tokens(dtype) rows: the compiled kernel on the tiles. Above: a block of UPCAST_CHUNK
     weights at a time back in order (`untiled_rows`) for torch's GEMM, in float32 where the CPU
     has no native bf16 GEMM (as matmul_t)."""
     x2 = x.reshape(-1, x.shape[-1])
     n, k = tiles.shape
-    if x2.shape[0] <= KERNEL_MAX_TOKENS and dispatch.use_cpu_kernels(x2, tiles):
+    if x2.shape[0] <= tiled_kernel_max_tokens(x2.dtype) and dispatch.use_cpu_kernels(x2, tiles):
         ops = dispatch.cpu_ops()
         y = ops.linear(x2, ops.PackedWeight.tiled(tiles))
     else:

@@ -1,0 +1,69 @@
+"""Where torch's GEMM overtakes the compiled kernel on weights in row tiles (issue 27).
+
+For each SmolLM2 linear shape (N x K: fused gate|up 3072x576, down 576x1536, fused qkv 960x576,
+dense 576x576) and each row count, times the compiled kernel on the tiles (ops.linear) against
+what matmul_tiled runs past its bound: the rows put back in order block by block, then
+F.linear (in float32 for bf16 where the CPU has no native bf16 GEMM, as matmul_tiled does).
+Each pass runs --layers different weights in turn, as a prefill step does (the weights out of
+cache, torch's GEMM seeing new contents each call); best pass of --repeats.
+Prints seconds(torch) / seconds(kernel): above 1 the kernel wins. The bound per kernel build,
+core.layers.cpu_matmul.TILED_KERNEL_MAX_TOKENS, comes from this table. Force a build with
+BESTIARY_CPU_ISA=avx512 / avx2 (and --no-native to time torch as a CPU without bf16 GEMM runs it).
+
+    python benchmarks/tiled_crossover.py [--rows 33 64 128 256] [--threads 2] [--layers 16] [--no-native]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """Best wall time of fn() over `repeats` runs (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[33, 64, 128, 256])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--no-native", action="store_true", help="torch's side in fp32 for bf16 (no native bf16 GEMM)")
+    args = parser.parse_args()
+    from bestiary.core.cpu import ops
+    from bestiary.core.cpu.build import chosen_isa
+    from bestiary.core.layers import cpu_matmul
+    from bestiary.core.quant import packing
+
+    torch.set_num_threads(args.threads)
+    if args.no_native:
+        cpu_matmul.native_half_gemm = lambda _dtype: False
+    cpu_matmul.tiled_kernel_max_tokens = lambda _dtype: 0  # matmul_tiled: always torch's side
+    print(f"kernels {chosen_isa()}, {args.threads} threads; torch / kernel seconds (above 1: the kernel wins)")
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, k in SHAPES:
+            layers = [packing.pack_float_tiled(torch.randn(n, k).to(dtype)) for _ in range(args.layers)]
+            packed = [ops.PackedWeight.tiled(tiles) for tiles in layers]
+            cells = []
+            for rows in args.rows:
+                x = torch.randn(rows, k).to(dtype)
+                kernel = best_seconds(lambda: [ops.linear(x, p) for p in packed], args.repeats)
+                torch_side = best_seconds(lambda: [cpu_matmul.matmul_tiled(x, t) for t in layers], args.repeats)
+                cells.append(f"{rows}: {torch_side / kernel:.2f}")
+            print(f"{str(dtype).removeprefix('torch.'):9s} {n}x{k:<5d} " + "  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
