@@ -1,14 +1,14 @@
 """Per-op profile of a CPU decode step (issue 27): where a batch-1 and a 32-sequence step go.
 
 An engine (default: SmolLM2-135M-Instruct from the demo GGUF, converted at --dtype, optionally
---quant W8A16 / W4A16) decodes `--tokens` greedy tokens for each batch size after a 64-token prompt
-per sequence (context grows from 64). Every record of the compiled decode plan is timed
+--quant W8A16 / W4A16) decodes `--tokens` greedy tokens for each batch size after a `--prompt`-token prompt
+per sequence (64 by default; context grows from it). Every record of the compiled decode plan is timed
 (core.cpu.plan.DecodePlan.start_profile: one compiled call per record), and the rest of a step
 (the executor, sampling, Python) is the step's wall time minus the plan's. Printed per batch size:
 ms per step for each op kind (linears by shape and weight kind), summed over the layers, and %.
 
 Usage: python benchmarks/profile_step.py [--dtype bfloat16] [--quant W8A16] [--batches 1 32]
-       [--tokens 32] [--threads 2] [--workdir DIR]
+       [--tokens 32] [--prompt 64] [--threads 2] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -37,14 +37,16 @@ def engine_dir(workdir: Path, dtype: str, quant: str | None) -> Path:
     return engine
 
 
-def profile(llm, batch: int, tokens: int) -> tuple[dict[str, float], float, int]:
+def profile(llm, batch: int, tokens: int, prompt: int = 64) -> tuple[dict[str, float], float, int]:
     """(ms per step by op label, ms per step outside the plan, steps) of `batch` sequences decoding."""
     from bestiary.core.runtime.sampling import SamplingConfig
 
     model = llm.engine.model
-    prompts = [[100 + 7 * i + j for i in range(64)] for j in range(batch)]
+    prompts = [[100 + 7 * i + j for i in range(prompt)] for j in range(batch)]
     sampling = SamplingConfig(temperature=0, max_new_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=2, ignore_eos=True))  # builds the plan
+    # builds the plan: prompts longer than a step's max_num_tokens take several prefill steps, and
+    # the first sequences decode beside the last ones' prefill, so a step of `batch` needs a few tokens
+    llm.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=min(tokens, 8), ignore_eos=True))
     plan = model.__dict__["_decode_plans"][batch]
     plan.start_profile()
     before = model.__dict__.get("plan_steps", 0)
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--quant", default=None, choices=["W8A16", "W4A16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence (context grows from it)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
@@ -80,7 +83,7 @@ def main() -> None:
     console = Console()
     console.print(f"load average {os.getloadavg()}, {args.threads} threads, {args.dtype} {args.quant or ''}")
     for batch in args.batches:
-        per_op, rest, steps = profile(llm, batch, args.tokens)
+        per_op, rest, steps = profile(llm, batch, args.tokens, args.prompt)
         total = sum(per_op.values()) + rest
         table = Table(title=f"batch {batch}: {total:.2f} ms per decode step ({steps} steps, "
                             f"{1e3 * batch / total:.1f} tok/s)")

@@ -257,6 +257,26 @@ def test_decode_attention_matches_reference(dtype, alibi):
     assert _rel_err(out, ref) < _tol(dtype)
 
 
+@pytest.mark.parametrize("bounds", [None, ([0, 20, 9], [0, 3, 2])], ids=["full", "windows-sinks"])
+def test_bf16_decode_attention_with_alibi_and_windows_matches_reference(bounds):
+    """bf16 q and pools with D % 32 == 0 (the avx512bf16 build's 16-key score blocks): ALiBi's
+    slope * (j - (L - 1)) uses each walked key's own position j, past a window's gap too (a sink, then
+    keys from L - (W - S)), and keys past a short last block are not stored. 37 keys: two blocks of 16
+    and 5."""
+    gen = torch.Generator().manual_seed(41)
+    blocks, bs, kvh, d, h = 14, 8, 2, 64, 6
+    k_pool = torch.randn(blocks, bs, kvh, d, generator=gen).bfloat16()
+    v_pool = torch.randn(blocks, bs, kvh, d, generator=gen).bfloat16()
+    tables = torch.tensor([[9, 2, 12, 0, 5], [1, 4, 13, 7, 3], [11, 6, 10, 8, 0]])
+    kv_lens = torch.tensor([37, 40, 19])
+    q = torch.randn(3, h, d, generator=gen).bfloat16()
+    slopes = torch.rand(h, generator=gen)
+    out = ops.decode_attention(q, k_pool, v_pool, tables, kv_lens, d**-0.5, slopes, bounds=bounds,
+                               out_dtype=torch.float32)
+    ref = ops.decode_attention_ref(q.float(), k_pool, v_pool, tables, kv_lens, d**-0.5, slopes, bounds=bounds)
+    assert _rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", FLOAT)
 @pytest.mark.parametrize("h,kvh,d", [(4, 4, 64), (8, 2, 64), (10, 2, 128), (8, 1, 80), (6, 2, 72)])
 def test_decode_attention_head_groups_equal_single_heads(h, kvh, d, dtype):

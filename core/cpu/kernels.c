@@ -448,7 +448,7 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
 
 #if BST_BF16DOT
 /* The lane sums of 16 vectors v[0..15] in one shuffle tree (45 instructions against ~8 for each
- * _mm512_reduce_add_ps): lane SUM16_LANE(j) of sum16v (out[SUM16_LANE(j)] of sum16) = sum of v[j]'s lanes. Each sum pairs its lanes as
+ * _mm512_reduce_add_ps): lane SUM16_LANE(j) of sum16v = sum of v[j]'s lanes. Each sum pairs its lanes as
  * _mm512_reduce_add_ps does (i + 8, then + 4, + 2, + 1), so it is the same float. */
 #define SUM16_LANE(j) (4 * ((j) % 4) + (j) / 4)
 INLINE __m512 sum16v(const __m512 *v) {
@@ -465,8 +465,6 @@ INLINE __m512 sum16v(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
-
-INLINE void sum16(const __m512 *v, float out[16]) { _mm512_storeu_ps(out, sum16v(v)); }
 
 /* DT_BF16T rows row0 .. row0 + R of one tile (R <= 8) x M bfloat16 inputs as pairs (x2 [M, kh],
  * bst_linear): per block of 32 features a row's 64 bytes and an input's 16 pairs make one
@@ -489,7 +487,7 @@ INLINE void bf16t_block_acc(const uint32_t *x2, int64_t kh, int64_t k, const uin
     }
 }
 
-/* 4 rows x 4 inputs: the 16 sums in sum16's lanes (lane 4 i + r) */
+/* 4 rows x 4 inputs: the 16 sums in sum16v's lanes (lane 4 i + r) */
 INLINE __m512 bf16t_dot_4x4(const uint32_t *x2, int64_t kh, int64_t k, const uint16_t *w, int64_t row0) {
     __m512 acc[ROWS][MT], v[16];
     bf16t_block_acc(x2, kh, k, w, row0, 4, 4, acc);
@@ -507,7 +505,7 @@ INLINE void bf16t_block_dot(const uint32_t *x2, int64_t kh, int64_t k, const uin
         for (int i = 0; i < M; i++) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* y rows [r0, r0 + 4) of inputs [i0, i0 + 4) from 16 sums in sum16's lanes (lane 4 i + r: input i,
+/* y rows [r0, r0 + 4) of inputs [i0, i0 + 4) from 16 sums in sum16v's lanes (lane 4 i + r: input i,
  * row r), + bias: per input one store of 4 floats or 4 bfloat16 (rounded as store_f rounds). */
 INLINE void store_4x4(void *y, int ydt, int64_t n, int64_t i0, int64_t r0, __m512 sv, const float *bias) {
     sv = _mm512_add_ps(sv, bias ? _mm512_broadcast_f32x4(_mm_loadu_ps(bias + r0)) : _mm512_setzero_ps());
@@ -564,7 +562,7 @@ static void bf16t_rows(const uint32_t *x2, int64_t m, int64_t k, const uint16_t 
             for (int half = 0; half < (M == MT ? 2 : 1); half++) { /* 4 inputs: 4 rows at a time (16 sums) */
                 int R = M == MT ? 4 : 8;
                 int64_t r0 = row0 + half * 4;
-                if (M == 4) { /* 16 sums in sum16's order, stored 4 at a time */
+                if (M == 4) { /* 16 sums in sum16v's order, stored 4 at a time */
                     store_4x4(y, ydt, n, i0, r0, bf16t_dot_4x4(xi, kh, k, w, r0), bias);
                     continue;
                 }
@@ -1532,6 +1530,10 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
 #endif
     int64_t scored = 0; /* keys [0, scored) have their scores */
 #if BST_BF16DOT
+    /* lane i <- sum16v's lane SUM16_LANE(i): the 16 keys' scores in key order */
+    const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512 mxv[GQ];
+    for (int g = 0; g < GQ; g++) mxv[g] = _mm512_set1_ps(-INFINITY);
     if (dot && D % 32 == 0) /* 16 keys at a time: their 16 dot products summed in one shuffle tree */
         for (; scored < n; scored += 16) {
             int nk = n - scored < 16 ? (int)(n - scored) : 16;
@@ -1542,24 +1544,29 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
                 offs[i] = (SLOT_OF(j) * KVH + kvh) * D;
                 FETCH_ROWS(t, j, offs[i]);
             }
+            const __mmask16 live = (__mmask16)((1u << nk) - 1);
+            __m512 dist = _mm512_setzero_ps(); /* ALiBi: each key's j - (L - 1) */
+            if (slopes)
+                for (int i = 0; i < 16; i++) ((float *)&dist)[i] = (float)(J_OF(scored + (i < nk ? i : 0)) - (L - 1));
             for (int g = 0; g < gc; g++) {
                 __m512 a[16];
-                float sums[16];
                 for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
                 for (int64_t d = 0; d < D; d += 32) { /* all 16 (a short block repeats its first key): a[] in registers */
                     __m512bh qv = (__m512bh)_mm512_loadu_si512(q16 + g * D + d);
                     for (int i = 0; i < 16; i++)
                         a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512((const uint16_t *)k_pool + offs[i] + d));
                 }
-                sum16(a, sums);
-                for (int i = 0; i < nk; i++) {
-                    float sc = sums[SUM16_LANE(i)] * scale;
-                    if (slopes) sc += slopes[h0 + g] * (float)(J_OF(scored + i) - (L - 1));
-                    scores[g * n + scored + i] = sc;
-                    if (sc > mx[g]) mx[g] = sc;
-                }
+                /* score = sum * scale (+ slope * distance, rounded as the scalar sum of the two) */
+                __m512 sc = _mm512_mul_ps(_mm512_permutexvar_ps(key_order, sum16v(a)), _mm512_set1_ps(scale));
+                if (slopes) sc = _mm512_add_ps(sc, _mm512_mul_ps(_mm512_set1_ps(slopes[h0 + g]), dist));
+                _mm512_mask_storeu_ps(scores + g * n + scored, live, sc);
+                mxv[g] = _mm512_mask_max_ps(mxv[g], live, mxv[g], sc);
             }
         }
+    for (int g = 0; g < gc; g++) {
+        float m = _mm512_reduce_max_ps(mxv[g]);
+        if (m > mx[g]) mx[g] = m;
+    }
 #endif
     for (int64_t t = scored; t < n; t++) {
         int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
@@ -1735,7 +1742,7 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         __m512i vp[PF_QB / 2][PF_MAX_D / 16]; /* the block's value rows in key pairs (pf_pv) */
         const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); /* SUM16_LANE */
         const int nd = (int)(D / 16);
-        __mmask16 lanes[17]; /* lanes[v]: the lanes of keys 0 .. v - 1 in sum16's order */
+        __mmask16 lanes[17]; /* lanes[v]: the lanes of keys 0 .. v - 1 in sum16v's order */
         lanes[0] = 0;
         for (int t = 0; t < 16; t++) lanes[t + 1] = (__mmask16)(lanes[t] | 1u << SUM16_LANE(t));
         for (int r = 0; r < rows; r++) {
@@ -1769,7 +1776,7 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
                     for (int t = 0; t < 16; t++)
                         a[t] = _mm512_dpbf16_ps(a[t], qv, (__m512bh)_mm512_loadu_si512(krow[t] + d));
                 }
-                /* the scores in sum16's lane order (key t in lane SUM16_LANE(t)), keys past nv masked */
+                /* the scores in sum16v's lane order (key t in lane SUM16_LANE(t)), keys past nv masked */
                 __mmask16 valid = lanes[nv];
                 __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, sum16v(a), _mm512_set1_ps(scale));
                 float bmax = _mm512_reduce_max_ps(sv);
