@@ -72,6 +72,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "loader": (["core/convert/loader.py"], LOADER_TESTS),
     "kernels": (KERNEL_FAMILIES, KERNEL_TESTS),
     "layers_numerics": (LAYERS_NUMERICS, LAYER_TESTS),
+    # how float matmuls run on the CPU (row tiles, the kernel's bound per build, upcasts): its own tests
+    "cpu_matmul": (["core/layers/cpu_matmul.py"], ["tests/test_cpu_matmul.py", "tests/test_mutation_kills_mlp_matmul.py",
+                                                   "-m", "not slow"]),
     "layers": (["core/layers/"], LAYER_TESTS),
 }
 

@@ -72,10 +72,12 @@ def test_linear_in_row_tiles_equals_linear(dtype, past_bound, native, monkeypatc
     F.linear to a rounding of the output dtype."""
     bound = cpu_matmul.tiled_kernel_max_tokens(dtype)
     tokens = max(1, bound + past_bound)
-    monkeypatch.setattr(cpu_matmul, "native_half_gemm", lambda _dtype: native)
-    calls = []
-    real = dispatch.cpu_ops().linear
+    # the CPU's flags decide (not a patched native_half_gemm: its dtype argument counts too)
+    monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"} if native else {"avx2"}))
+    calls, gemm_dtypes = [], []
+    real, real_gemm = dispatch.cpu_ops().linear, F.linear
     monkeypatch.setattr(dispatch.cpu_ops(), "linear", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    monkeypatch.setattr(F, "linear", lambda x, *a, **kw: gemm_dtypes.append(x.dtype) or real_gemm(x, *a, **kw))
     monkeypatch.setattr(cpu_matmul, "UPCAST_CHUNK", 96 * 50)  # blocks of 48 rows: 3 blocks for 136
     lin = Linear(96, 136, bias=True, dtype=dtype)
     torch.nn.init.normal_(lin.weight)
@@ -87,11 +89,16 @@ def test_linear_in_row_tiles_equals_linear(dtype, past_bound, native, monkeypatc
     assert lin._wt is None and lin._tiles is not None and lin._tiles.data_ptr() == lin.weight.data_ptr()
     assert lin.weight.shape == (136, 96) and torch.equal(lin._tiles, packing.pack_float_tiled(before))
     assert torch.equal(lin.state_dict()["weight"], before)
+    gemm_dtypes.clear()  # the reference's
     y = lin(x)
     assert y.dtype == dtype and y.shape == (tokens, 136)
     assert calls == ([tokens] if tokens <= bound else [])  # the kernel up to the bound, torch past it
+    gemm = torch.float32 if dtype == torch.float32 or not native else dtype  # bf16 upcast without native bf16
+    assert gemm_dtypes == ([] if tokens <= bound else [gemm] * 3)  # 3 blocks of rows
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    y3 = lin(x.view(1, tokens, 96))  # leading dims kept: [1, T, K] -> [1, T, N]
+    assert y3.shape == (1, tokens, 136) and torch.equal(y3[0], y)
 
 
 @needs_kernels
@@ -126,6 +133,26 @@ def test_tiled_prefill_scratch_works_in_and_out_of_inference_mode(monkeypatch):
         again = lin(x)
     assert torch.equal(inside, outside) and torch.equal(outside, again)
     torch.testing.assert_close(outside.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    wide = Linear(192, 272, dtype=torch.bfloat16)  # 4x the scratch the first one left: it grows
+    torch.nn.init.normal_(wide.weight)
+    wide_before = wide.weight.detach().clone()
+    wide.fuse()
+    wide_ref = F.linear(x.repeat(1, 2).float(), wide_before.float())
+    torch.testing.assert_close(wide(x.repeat(1, 2)).float(), wide_ref, rtol=1e-2, atol=1e-2 * wide_ref.abs().max().item())
+
+
+@needs_kernels
+def test_two_tiled_parameters_of_one_module_keep_their_state_dict():
+    """hold_tiled on two parameters of one module: one state_dict hook, both given back in order."""
+    module = torch.nn.Module()
+    module.a = torch.nn.Parameter(torch.randn(16, 64).bfloat16(), requires_grad=False)
+    module.b = torch.nn.Parameter(torch.randn(8, 128).bfloat16(), requires_grad=False)
+    a, b = module.a.detach().clone(), module.b.detach().clone()
+    cpu_matmul.hold_tiled(module, "a")
+    cpu_matmul.hold_tiled(module, "b")
+    assert not torch.equal(module.a, a) and not torch.equal(module.b, b)  # held in tiles
+    state = module.state_dict()
+    assert torch.equal(state["a"], a) and torch.equal(state["b"], b)
 
 
 def test_weights_that_do_not_fit_the_tiles_stay_transposed():
