@@ -283,13 +283,13 @@ def test_decode_attention_head_groups_equal_single_heads(h, kvh, d, dtype):
     """The kernel takes up to 4 query heads of a key head per task (G = 1, 4, 5 -> 4 + 1, 8 -> 4 + 4,
     3), with the sums of D in registers (64, 80: one walk over the keys; 128: two) or in memory (72).
     Each head's output is the reference's, and bit for bit what that head alone (G = 1) gives: the
-    grouping changes no sum's order, nor does a task per sequence (9 of them) against a task per key
-    head (3). One sequence of 1,100 keys (scores past the stack buffer)."""
+    grouping changes no sum's order, nor does the batch (9 sequences against their first 3). One
+    sequence of 1,100 keys (scores past the stack buffer)."""
     gen = torch.Generator().manual_seed(h * d + kvh)
     bs, blocks = 16, 80
     k_pool = torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)
     v_pool = torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)
-    b = 9  # >= 4 per thread (2 here): a task per sequence; its first 3 alone: a task per key head
+    b = 9
     tables = torch.stack([torch.randperm(blocks, generator=gen)[:70] for _ in range(b)])  # scattered blocks
     kv_lens = torch.tensor([1100, 17, 1, 40, 3, 300, 64, 65, 16])
     q = torch.randn(b, h, d, generator=gen).to(dtype)

@@ -1479,14 +1479,12 @@ void bst_kv_write(const void *k, const void *v, int sdt, int64_t src_stride, voi
  * A task is one sequence and up to GQ of the G query heads sharing a key head: each key and value row
  * is found, fetched and read once for them all (per head the sums run in the same order as for one). */
 #define GQ 4
-/* Sequence b's query heads h0 .. h0 + gc of key head kvh (see bst_decode_attention). whole_rows: this
- * walk fetches every key head's part of each key and value row ahead (the walks of the sequence's
- * other key heads then find them in cache), else only its own. */
+/* Sequence b's query heads h0 .. h0 + gc of key head kvh (see bst_decode_attention). */
 static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k_pool, const void *v_pool, int kvdt,
                          const int64_t *tables, int64_t max_blocks, const int64_t *kv_lens, int64_t B, int64_t H,
                          int64_t KVH, int64_t D, int64_t bs, int bs_shift, float scale, const float *slopes, void *out,
                          int odt, const float *kv_scales, const int64_t *windows, int64_t b, int64_t kvh, int64_t h0,
-                         int gc, int whole_rows) {
+                         int gc) {
     int64_t L = kv_lens[b];
     const int64_t *table = tables + b * max_blocks;
     /* windows [2, B] (or NULL): window W (0 = none) and sinks S of each sequence. The query at L - 1
@@ -1495,19 +1493,19 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
     int64_t lo = W ? (L - (W - S) > 0 ? L - (W - S) : 0) : 0, ns = S < lo ? S : lo, n = ns + L - lo;
 #define J_OF(t) ((t) < ns ? (t) : lo + (t) - ns)
 #define SLOT_OF(j) (bs_shift >= 0 ? (table[(j) >> bs_shift] << bs_shift) + ((j) & (bs - 1)) : table[(j) / bs] * bs + (j) % bs)
-/* the rows are scattered (blocks, other heads between): fetch key t + 16 ahead, and key j's value
- * (element off of its own head) for the weighted sum after the softmax; `fetch` bytes of each row.
- * Into L2 (T1): T0 fills the L1's few miss buffers and stalls the walk (benchmarks/attention_stream.py,
- * 64 sequences x 150-1500 keys, pools out of cache: 12.7-15.5 GB/s with T0, 15.5-18.1 with T1, ~10
- * without software prefetch) */
-#define FETCH_ROWS(t, j, off)                                                                                     \
+/* the rows are scattered (blocks, other heads between): fetch key t + 16 ahead, and the value at
+ * element off (key t's, its own head) for the weighted sum after the softmax; `fetch` bytes of each row.
+ * Into L2 (T1): T0 fills the L1's few miss buffers and stalls the walk. benchmarks/attention_stream.py,
+ * 64 sequences x 150-1500 keys, pools out of cache: 12.7-15.5 GB/s with T0 (and a task per sequence
+ * over whole rows), 15.5-18.1 with T1 (the same), 18.5-18.9 with T1 and a task per key head; ~10
+ * without software prefetch */
+#define FETCH_ROWS(t, off)                                                                                        \
     do {                                                                                                          \
         if ((t) + 16 < n) {                                                                                       \
-            int64_t offa = (SLOT_OF(J_OF((t) + 16)) * KVH + (whole_rows ? 0 : kvh)) * D;                          \
+            int64_t offa = (SLOT_OF(J_OF((t) + 16)) * KVH + kvh) * D;                                             \
             for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T1); \
         }                                                                                                         \
-        int64_t offv = whole_rows ? SLOT_OF(j) * KVH * D : (off);                                                 \
-        for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)v_pool + offv * esize + c, _MM_HINT_T1); \
+        for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)v_pool + (off) * esize + c, _MM_HINT_T1); \
     } while (0)
     float qf[GQ][512 + PAD], acc[GQ][512 + PAD], row[512 + PAD], mx[GQ];
     float stack_scores[4096];
@@ -1525,9 +1523,9 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
 #endif
 #if BST_SIMD
     const int64_t esize = kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1; /* a pool element's bytes */
-    const int64_t fetch = (whole_rows ? KVH : 1) * D * esize; /* bytes fetched ahead per row */
+    const int64_t fetch = D * esize; /* bytes fetched ahead per row */
     for (int64_t t = 0; t < n && t < 16; t++) { /* the first 16 keys (the walk fetches 16 ahead) */
-        int64_t offa = (SLOT_OF(J_OF(t)) * KVH + (whole_rows ? 0 : kvh)) * D;
+        int64_t offa = (SLOT_OF(J_OF(t)) * KVH + kvh) * D;
         for (int64_t c = 0; c < fetch; c += 64) _mm_prefetch((const char *)k_pool + offa * esize + c, _MM_HINT_T1);
     }
 #endif
@@ -1545,7 +1543,7 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
             for (int i = 0; i < nk; i++) {
                 int64_t t = scored + i, j = J_OF(t);
                 offs[i] = (SLOT_OF(j) * KVH + kvh) * D;
-                FETCH_ROWS(t, j, offs[i]);
+                FETCH_ROWS(t, offs[i]);
             }
             const __mmask16 live = (__mmask16)((1u << nk) - 1);
             __m512 dist = _mm512_setzero_ps(); /* ALiBi: each key's j - (L - 1) */
@@ -1574,7 +1572,7 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
     for (int64_t t = scored; t < n; t++) {
         int64_t j = J_OF(t), off = (SLOT_OF(j) * KVH + kvh) * D;
 #if BST_SIMD
-        FETCH_ROWS(t, j, off);
+        FETCH_ROWS(t, off);
 #endif
         const void *kp = k_pool;
         int kdt = kvdt;
@@ -1691,17 +1689,14 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
     int bs_shift = -1; /* log2(bs) when bs is a power of two: a key's block and row by shifts */
     for (int e = 0; e < 31; e++)
         if ((int64_t)1 << e == bs) bs_shift = e;
-    /* enough sequences for the threads: a task per sequence, its key heads one after another over
-     * rows fetched whole (one stream per sequence); else a task per key head and group of heads */
-    int64_t per_seq = B >= 4 * parts ? KVH * chunks : 1;
+    /* a task per sequence, key head and group of its query heads */
 #pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KVH * chunks / per_seq; task++)
-        for (int64_t u = task * per_seq; u < (task + 1) * per_seq; u++) {
-            int64_t b = u / (KVH * chunks), kvh = u / chunks % KVH, h0 = kvh * G + u % chunks * GQ;
-            int gc = (int)(kvh * G + G - h0 < GQ ? kvh * G + G - h0 : GQ); /* heads h0 .. h0 + gc */
-            attend_heads(q, qdt, q_stride, k_pool, v_pool, kvdt, tables, max_blocks, kv_lens, B, H, KVH, D, bs, bs_shift,
-                         scale, slopes, out, odt, kv_scales, windows, b, kvh, h0, gc, per_seq > 1 && u == task * per_seq);
-        }
+    for (int64_t u = 0; u < B * KVH * chunks; u++) {
+        int64_t b = u / (KVH * chunks), kvh = u / chunks % KVH, h0 = kvh * G + u % chunks * GQ;
+        int gc = (int)(kvh * G + G - h0 < GQ ? kvh * G + G - h0 : GQ); /* heads h0 .. h0 + gc */
+        attend_heads(q, qdt, q_stride, k_pool, v_pool, kvdt, tables, max_blocks, kv_lens, B, H, KVH, D, bs, bs_shift,
+                     scale, slopes, out, odt, kv_scales, windows, b, kvh, h0, gc);
+    }
 }
 #undef GQ
 
