@@ -67,6 +67,58 @@ def test_config_refuses_bad_ranges():
         BenchConfig(workloads=["train"])
 
 
+class DriftingSystem:
+    """A fake system whose speed is its base rate times the machine's phase at open time."""
+
+    bytes_per_token = 1000
+    max_prompt_len = None
+
+    def __init__(self, name: str, rate: float, phases: list[float], opened: list[str]):
+        self.name, self.rate, self.phase = name, rate, phases.pop(0)
+        opened.append(name)
+
+    def generate(self, prompt: list[int], n: int) -> Timed:
+        return Timed(n / (self.rate * self.phase), n)
+
+    def mixed(self, work):
+        from bestiary.core.bench.workload import MixedResult
+
+        seconds = 100 / (self.rate * self.phase)
+        return MixedResult(seconds, [seconds] * len(work.prompts), 100)
+
+    def close(self) -> None:
+        pass
+
+
+def test_rounds_measure_every_system_in_turn_and_report_the_median_round():
+    """--rounds 3: A, B, A, B, A, B opened in that order; each figure the median of the 3 rounds. The
+    machine runs at 1.0, 0.5 (a slow phase) and 0.9 of its speed: alone, each round's ratio is off by
+    the phase; the medians are 0.9 x each base rate, so B / A = 2 as the systems are."""
+    from bestiary.core.bench.peers import Candidate
+    from bestiary.core.bench.run import run_bench
+
+    opened: list[str] = []
+    phases = [1.0, 1.0, 0.5, 0.5, 0.9, 0.9]  # at each open, in order
+    cands = [Candidate(n, n, open=lambda n=n, r=r: DriftingSystem(n, r, phases, opened))
+             for n, r in (("A", 10.0), ("B", 20.0))]
+    config = BenchConfig(rounds=3, repeats=1, new_tokens=4, prompt_lens=[8], mixed_requests=2, bandwidth_mib=0)
+    report = run_bench(config, cands, vocab=96)
+    assert opened == ["A", "B"] * 3
+    a, b = report.rows
+    assert a.decode_tps == pytest.approx(9.0) and b.decode_tps == pytest.approx(18.0)
+    assert a.ttft[8] == pytest.approx(1 / 9.0) and b.ttft[8] == pytest.approx(1 / 18.0)
+    assert a.mixed.tokens_per_second == pytest.approx(9.0) and b.mixed.tokens_per_second == pytest.approx(18.0)
+    assert not phases  # one open per system and round
+
+
+def test_rounds_flag_reaches_the_tables(tiny, capsys):
+    from bestiary.core.cli.main import main
+
+    assert main(["bench", "--engine_dir", str(tiny / "engine"), "--workloads", "decode", "--rounds", "2",
+                 "--new_tokens", "4", "--repeats", "1", "--num_threads", "1", "--bandwidth_mib", "0"]) == 0
+    assert "median of 1, median of 2 rounds" in " ".join(capsys.readouterr().out.split())
+
+
 def test_engine_and_hf_measured_missing_peers_skipped(tiny, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # None in sys.modules: ImportError on import
     monkeypatch.setitem(sys.modules, "ftllm", None)

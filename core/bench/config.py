@@ -17,6 +17,9 @@ class BenchConfig(BaseModel):
     new_tokens: int = Field(64, ge=1, description="Decode: new tokens per timed generation (greedy, EOS ignored); "
                             "rewrite: at most this many (it stops at EOS).")
     repeats: int = Field(3, ge=1, description="Decode, prefill and rewrite: timed repeats; the median is reported.")
+    rounds: int = Field(1, ge=1, description="Every system measured this many times, in turn (each opened anew "
+                        "per round); per system and figure the median round is reported, so a slow phase of a "
+                        "shared machine falls on every system alike.")
     decode_prompt_len: int = Field(16, ge=1, description="Decode: prompt tokens before the timed tokens.")
     prompt_lens: list[int] = Field([128, 512, 2048], description="Prefill: prompt lengths whose TTFT is measured.")
     mixed_requests: int = Field(64, ge=1, description="Mixed: requests, all submitted at once.")

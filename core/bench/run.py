@@ -3,6 +3,9 @@
 For each system (engines first, then the peers in --compare order): open it, run the asked
 workloads, close it; so only one system holds memory and threads at a time (FastLLM's threads
 spin while its model lives). A peer that cannot run is a row with the reason, not an error.
+With --rounds R the whole sequence runs R times and each figure of a system is the median of
+its R rounds (the mixed and rewrite results: the round with the median rate): on a shared
+machine whose speed drifts by tens of percent over minutes, every system then sees each phase.
 
 - decode: warm up (4 tokens), then the median over `repeats` of (t(1 + N) - t(1)) / N.
 - prefill: per prompt length L (within the system's input limit): the median over `repeats` of
@@ -149,10 +152,9 @@ def _keep_speculative(row: Row, workload: str, stats: AcceptanceStats | None) ->
         row.speculative[workload] = stats
 
 
-def run_bench(config: BenchConfig, systems: list[Candidate], vocab: int,
-              on_step: Callable[[str], None] = lambda _: None) -> BenchReport:
-    """Open, measure and close each system in turn; `on_step` hears what is being measured."""
-    machine = Machine.now(config.bandwidth_mib)
+def measure_round(config: BenchConfig, systems: list[Candidate], vocab: int,
+                  on_step: Callable[[str], None]) -> list[Row]:
+    """Open, measure and close each system in turn: a row each."""
     rows = []
     for cand in systems:
         row = Row(cand.name, cand.label, skipped=cand.skipped)
@@ -168,6 +170,52 @@ def run_bench(config: BenchConfig, systems: list[Candidate], vocab: int,
             measure(system, row, config, vocab, on_step)
         finally:
             system.close()
+    return rows
+
+
+def _median(values: list[float | None]) -> float | None:
+    """The median of the measured values (the lower middle of an even count); None if none was."""
+    known = sorted(v for v in values if v is not None)
+    return known[(len(known) - 1) // 2] if known else None
+
+
+def _median_by(items: list, rate: Callable) -> object:
+    """The item whose rate is the median of the measured ones; None if none was."""
+    known = sorted((x for x in items if x is not None and rate(x) is not None), key=rate)
+    return known[(len(known) - 1) // 2] if known else None
+
+
+def merge_rounds(rounds: list[Row]) -> Row:
+    """One system's rows of every round as one row: each figure the median over the rounds that
+    measured it; the speculative counts summed. A system skipped in any round is skipped."""
+    first = rounds[0]
+    skipped = next((r.skipped for r in rounds if r.skipped is not None), None)
+    if len(rounds) == 1 or skipped is not None:
+        first.skipped = skipped
+        return first
+    merged = Row(first.name, first.label, bytes_per_token=first.bytes_per_token)
+    merged.decode_tps = _median([r.decode_tps for r in rounds])
+    merged.ttft = {length: _median([r.ttft.get(length) for r in rounds]) for length in first.ttft}
+    merged.mixed = _median_by([r.mixed for r in rounds], lambda m: m.tokens_per_second)
+    merged.mixed_note = first.mixed_note
+    merged.rewrite = _median_by([r.rewrite for r in rounds], lambda w: w.tokens_per_second) or first.rewrite
+    merged.rewrite_note = first.rewrite_note
+    for workload in first.speculative:
+        counts = [r.speculative.get(workload, AcceptanceStats()) for r in rounds]
+        merged.speculative[workload] = AcceptanceStats(*(sum(getattr(c, f) for c in counts)
+                                                         for f in ("steps", "drafted", "accepted")))
+    return merged
+
+
+def run_bench(config: BenchConfig, systems: list[Candidate], vocab: int,
+              on_step: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """Every system measured in turn, --rounds times; `on_step` hears what is being measured."""
+    machine = Machine.now(config.bandwidth_mib)
+    rounds = []
+    for r in range(config.rounds):
+        say = on_step if config.rounds == 1 else (lambda what, r=r: on_step(f"round {r + 1}/{config.rounds}: {what}"))
+        rounds.append(measure_round(config, systems, vocab, say))
+    rows = [merge_rounds([rows[i] for rows in rounds]) for i in range(len(systems))]
     machine.load_after = load_average()
     for cand, row in zip(systems, rows, strict=True):  # speculative rows against their plain row
         plain = next((r for c, r in zip(systems, rows, strict=True) if c is cand.plain), None)

@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
     g = p.add_argument_group("workloads")
     g.add_argument("--workloads", nargs="+", choices=ALL_WORKLOADS, default=f["workloads"].default,
                    help=f["workloads"].description)
-    for name in ("new_tokens", "repeats", "decode_prompt_len", "mixed_requests", "rewrite_texts",
+    for name in ("new_tokens", "repeats", "rounds", "decode_prompt_len", "mixed_requests", "rewrite_texts",
                  "rewrite_text_tokens", "static_batch", "seed", "bandwidth_mib"):
         g.add_argument(f"--{name}", type=int if name in ("seed", "bandwidth_mib") else positive_int, default=f[name].default,
                        help=f"{f[name].description} (default: {f[name].default})")

@@ -21,6 +21,11 @@ def reference_row(rows: list[Row], name: str | None, has_value) -> Row | None:
     return next((r for r in measured if r.name != "engine"), measured[0] if measured else None)
 
 
+def rounds_note(c) -> str:
+    """', median of R rounds' where the systems were measured R > 1 times in turn."""
+    return f", median of {c.rounds} rounds" if c.rounds > 1 else ""
+
+
 def ratio(value: float | None, ref: float | None) -> str:
     return f"{value / ref:.2f}x" if value and ref else "-"
 
@@ -30,7 +35,7 @@ def decode_table(report: BenchReport, ref_name: str | None) -> Table:
     ref = reference_row(report.rows, ref_name, lambda r: r.decode_tps)
     bw = f"read bandwidth {gbps:.1f} GB/s" if gbps else "bandwidth not measured"
     table = Table(title=f"batch-1 decode: {c.new_tokens} new tokens after {c.decode_prompt_len}, greedy, "
-                        f"median of {c.repeats}; {bw}")
+                        f"median of {c.repeats}{rounds_note(c)}; {bw}")
     for col in ("system", "tok/s", f"vs {ref.label if ref else '-'}", "MB read / token", "% of bandwidth limit"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in report.rows:
@@ -47,8 +52,8 @@ def prefill_table(report: BenchReport, ref_name: str | None) -> Table:
     lens = report.config.prompt_lens
     longest = lambda r: next((n for n in reversed(lens) if r.ttft.get(n)), None)
     ref = reference_row(report.rows, ref_name, longest)
-    table = Table(title=f"prefill: time to first token, median of {report.config.repeats} "
-                        "(prompt tok/s at the longest measured prompt)")
+    table = Table(title=f"prefill: time to first token, median of {report.config.repeats}"
+                        f"{rounds_note(report.config)} (prompt tok/s at the longest measured prompt)")
     table.add_column("system")
     for n in lens:
         table.add_column(f"TTFT {n} ms", justify="right")
@@ -70,7 +75,7 @@ def mixed_table(report: BenchReport, ref_name: str | None) -> Table:
     ref = reference_row(report.rows, ref_name, lambda r: r.mixed)
     table = Table(title=f"mixed: {c.mixed_requests} requests submitted at once, prompts "
                         f"{c.mixed_prompt_lens[0]}..{c.mixed_prompt_lens[1]}, outputs {c.mixed_output_lens[0]}.."
-                        f"{c.mixed_output_lens[1]} (hf: static batches of {c.static_batch})")
+                        f"{c.mixed_output_lens[1]} (hf: static batches of {c.static_batch}){rounds_note(c)}")
     for col in ("system", "generated tok/s", f"vs {ref.label if ref else '-'}", "p50 latency s", "p99 latency s"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in report.rows:
@@ -93,7 +98,8 @@ def rewrite_table(report: BenchReport, ref_name: str | None) -> Table:
     texts = max((len(r.rewrite.prompt_tokens) for r in measured), default=c.rewrite_texts)
     table = Table(title=f"rewrite: batch-1 greedy decode of {texts} x \"Rewrite the following text ...\" "
                         f"(~{c.rewrite_text_tokens}-token passages, chat template, {prompts}), up to "
-                        f"{c.new_tokens} new tokens (stop at EOS), tok/s = (t(1 + N) - t(1)) / N, median of {c.repeats}")
+                        f"{c.new_tokens} new tokens (stop at EOS), tok/s = (t(1 + N) - t(1)) / N, median of {c.repeats}"
+                        f"{rounds_note(c)}")
     for col in ("system", "tok/s", f"vs {ref.label if ref else '-'}", "x plain", "acceptance",
                 "tokens / verify step", "output = plain"):
         table.add_column(col, justify="left" if col == "system" else "right")
