@@ -16,22 +16,11 @@ BESTIARY_CPU_ISA=avx512 / avx2 (and --no-native to time torch as a CPU without b
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from gemv_stream import best_seconds  # this folder's: the script's own directory is on sys.path
 
 SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]
-
-
-def best_seconds(fn, repeats: int) -> float:
-    """Best wall time of fn() over `repeats` runs (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
