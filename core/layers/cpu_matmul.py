@@ -53,6 +53,9 @@ TILED_KERNEL_MAX_TOKENS = {
     "avx2": {torch.bfloat16: 128, torch.float32: 64},
 }  # others: KERNEL_MAX_TOKENS
 
+UPCAST_CHUNK = 1 << 22  # weight elements converted at a time (16 MiB of fp32)
+NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
 
 def tiled_kernel_max_tokens(dtype: torch.dtype) -> int:
     """Rows of `dtype` up to which matmul_tiled runs the compiled kernel on this build."""
@@ -63,8 +66,6 @@ def tiled_kernel_max_tokens(dtype: torch.dtype) -> int:
 def _isa_name(lib) -> str:
     """The ISA name of a loaded kernel library ("" for none)."""
     return next((name for name, isa in ISAS.items() if lib is not None and isa.code == lib.bst_isa()), "")
-UPCAST_CHUNK = 1 << 22  # weight elements converted at a time (16 MiB of fp32)
-NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
 def native_half_gemm(dtype: torch.dtype) -> bool:
