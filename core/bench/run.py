@@ -173,14 +173,9 @@ def measure_round(config: BenchConfig, systems: list[Candidate], vocab: int,
     return rows
 
 
-def _median(values: list[float | None]) -> float | None:
-    """The median of the measured values (the lower middle of an even count); None if none was."""
-    known = sorted(v for v in values if v is not None)
-    return known[(len(known) - 1) // 2] if known else None
-
-
-def _median_by(items: list, rate: Callable) -> object:
-    """The item whose rate is the median of the measured ones; None if none was."""
+def _median_by(items: list, rate: Callable = lambda x: x) -> object:
+    """The item whose rate is the median of the measured ones (the lower middle of an even count);
+    None if none was."""
     known = sorted((x for x in items if x is not None and rate(x) is not None), key=rate)
     return known[(len(known) - 1) // 2] if known else None
 
@@ -194,8 +189,8 @@ def merge_rounds(rounds: list[Row]) -> Row:
         first.skipped = skipped
         return first
     merged = Row(first.name, first.label, bytes_per_token=first.bytes_per_token)
-    merged.decode_tps = _median([r.decode_tps for r in rounds])
-    merged.ttft = {length: _median([r.ttft.get(length) for r in rounds]) for length in first.ttft}
+    merged.decode_tps = _median_by([r.decode_tps for r in rounds])
+    merged.ttft = {length: _median_by([r.ttft.get(length) for r in rounds]) for length in first.ttft}
     merged.mixed = _median_by([r.mixed for r in rounds], lambda m: m.tokens_per_second)
     merged.mixed_note = first.mixed_note
     merged.rewrite = _median_by([r.rewrite for r in rounds], lambda w: w.tokens_per_second) or first.rewrite

@@ -235,6 +235,15 @@ def built_library(isa: str) -> ctypes.CDLL | None:
 
 
 @functools.cache
+def isa_name(lib) -> str:
+    """The name of the ISA a loaded kernel library was built for (its bst_isa() code); "" for None."""
+    if lib is None:
+        return ""
+    code = lib.bst_isa()
+    return next((name for name, isa in ISAS.items() if isa.code == code), "")
+
+
+@functools.cache
 def library() -> ctypes.CDLL | None:
     """The kernel library for the chosen ISA (chosen_isa), built if needed; None when off or
     unavailable (warned once). Cached: tests that change the environment call cache_clear()."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.cpu.build import library
+from bestiary.core.cpu.build import isa_name, library
 from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
 from bestiary.core.quant import packing
 
@@ -137,7 +137,7 @@ class PackedWeight:
 def dot_layout_fits(k: int) -> bool:
     """True when this build packs int4 weights of K input features in the dot layout (KIND_I4D)."""
     lib = library()
-    return lib is not None and lib.bst_isa() == 3 and k % packing.DOT_BLOCK == 0
+    return isa_name(lib) == "avx512bf16" and k % packing.DOT_BLOCK == 0
 
 
 def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
@@ -152,7 +152,7 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torch.Tensor:
-    if kind == KIND_I4D and library().bst_isa() != 3:
+    if kind == KIND_I4D and isa_name(library()) != "avx512bf16":
         raise ValueError("an int4 weight in the dot layout needs the avx512bf16 kernel build (prepare it again)")
     x = x.contiguous()
     m = x.shape[0]
@@ -236,11 +236,8 @@ PREFILL_MAX_HEAD_DIM = 256  # bst_prefill_attention keeps a block of rows of eac
 def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when `prefill_attention` takes these: bfloat16 CPU tensors on the avx512bf16 build
     (vdpbf16ps), head_dim % 32 == 0 and <= PREFILL_MAX_HEAD_DIM, heads and dims contiguous."""
-    from bestiary.core.cpu.build import ISAS
-
-    lib = library()
     d = q.shape[-1]
-    return (lib is not None and lib.bst_isa() == ISAS["avx512bf16"].code and d % 32 == 0
+    return (isa_name(library()) == "avx512bf16" and d % 32 == 0
             and d <= PREFILL_MAX_HEAD_DIM and all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
                                                  and t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v)))
 

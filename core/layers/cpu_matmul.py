@@ -29,11 +29,10 @@ half-precision GEMM (oneDNN, AMX) is the fast one.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
-from bestiary.core.cpu.build import ISAS, cpu_flags, library
+from bestiary.core.cpu.build import cpu_flags, isa_name, library
 from bestiary.core.kernels import dispatch
 from bestiary.core.quant import packing
 from torch import nn
@@ -59,13 +58,7 @@ NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("av
 
 def tiled_kernel_max_tokens(dtype: torch.dtype) -> int:
     """Rows of `dtype` up to which matmul_tiled runs the compiled kernel on this build."""
-    return TILED_KERNEL_MAX_TOKENS.get(_isa_name(library()), {}).get(dtype, KERNEL_MAX_TOKENS)
-
-
-@functools.cache
-def _isa_name(lib) -> str:
-    """The ISA name of a loaded kernel library ("" for none)."""
-    return next((name for name, isa in ISAS.items() if lib is not None and isa.code == lib.bst_isa()), "")
+    return TILED_KERNEL_MAX_TOKENS.get(isa_name(library()), {}).get(dtype, KERNEL_MAX_TOKENS)
 
 
 def native_half_gemm(dtype: torch.dtype) -> bool:
