@@ -451,6 +451,8 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
  * _mm512_reduce_add_ps): lane SUM16_LANE(j) of sum16v = sum of v[j]'s lanes. Each sum pairs its lanes as
  * _mm512_reduce_add_ps does (i + 8, then + 4, + 2, + 1), so it is the same float. */
 #define SUM16_LANE(j) (4 * ((j) % 4) + (j) / 4)
+/* permutexvar indices back to key order: lane i <- sum16v's lane SUM16_LANE(i) */
+#define SUM16_KEY_ORDER _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
 INLINE __m512 sum16v(const __m512 *v) {
     __m512 w[8], x[4], y[2];
     for (int p = 0; p < 8; p++) /* quarters [v2p: Q0+Q2, Q1+Q3 | v2p+1: Q0+Q2, Q1+Q3] */
@@ -1531,8 +1533,7 @@ static void attend_heads(const void *q, int qdt, int64_t q_stride, const void *k
 #endif
     int64_t scored = 0; /* keys [0, scored) have their scores */
 #if BST_BF16DOT
-    /* lane i <- sum16v's lane SUM16_LANE(i): the 16 keys' scores in key order */
-    const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i key_order = SUM16_KEY_ORDER; /* the 16 keys' scores in key order */
     __m512 mxv[GQ];
     for (int g = 0; g < GQ; g++) mxv[g] = _mm512_set1_ps(-INFINITY);
     if (dot && D % 32 == 0) /* 16 keys at a time: their 16 dot products summed in one shuffle tree */
@@ -1738,7 +1739,7 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
         float m[PF_QB], l[PF_QB];
         float acc[PF_QB][PF_MAX_D];
         __m512i vp[PF_QB / 2][PF_MAX_D / 16]; /* the block's value rows in key pairs (pf_pv) */
-        const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); /* SUM16_LANE */
+        const __m512i key_order = SUM16_KEY_ORDER;
         const int nd = (int)(D / 16);
         __mmask16 lanes[17]; /* lanes[v]: the lanes of keys 0 .. v - 1 in sum16v's order */
         lanes[0] = 0;
