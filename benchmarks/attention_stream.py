@@ -11,9 +11,9 @@ the L3 for 64 x 150 keys). Best pass of --repeats; GB/s = the key and value byte
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from gemv_stream import best_seconds  # this folder's: the script's own directory is on sys.path
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
 
@@ -54,13 +54,7 @@ def main() -> None:
                 for k, v, tables in layers:
                     ops.decode_attention(q, k, v, tables, kv_lens, HEAD_DIM**-0.5)
 
-            step()
-            best = float("inf")
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                step()
-                best = min(best, time.perf_counter() - start)
-            seconds = best / args.layers
+            seconds = best_seconds(step, args.repeats) / args.layers
             nbytes = 2 * batch * keys * KV_HEADS * HEAD_DIM * 2
             print(f"batch {batch:3d} keys {keys:5d}: {seconds * 1e6:7.0f} us/layer  {nbytes / seconds / 1e9:5.1f} GB/s")
 
