@@ -109,9 +109,13 @@ def test_plan_equals_eager_torch(hf_dir, tmp_path, case, forced_isa, monkeypatch
     else:
         with dispatch.kernels_mode("torch"):
             eager = _generate(llm)
-    for a, b in zip(planned, eager):
-        # up to the first token that differs, the two runs saw the same inputs: compare logits;
-        # a differing token must be a near tie of the reference (bf16 rounds in other places)
+    assert_same_generation(planned, eager, case, tol)
+
+
+def assert_same_generation(planned, eager, case: str, tol: float) -> None:
+    """Up to the first token that differs, the two runs saw the same inputs: their logits agree within
+    tol; a differing token must be a near tie of the reference (bf16 rounds in other places)."""
+    for a, b in zip(planned, eager, strict=True):
         same = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), len(b.output_ids))
         steps = min(same + 1, len(b.output_ids))
         ours, ref = a.generation_logits[:steps], b.generation_logits[:steps]
@@ -121,6 +125,27 @@ def test_plan_equals_eager_torch(hf_dir, tmp_path, case, forced_isa, monkeypatch
         if same < len(b.output_ids):
             top2 = ref[same].topk(2).values
             assert tol > 1e-4 and (top2[0] - top2[1]).item() <= 2 * tol * scale, f"{case}: step {same}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plans_of_a_shrinking_batch_share_buffers_and_equal_eager(hf_dir, tmp_path, dtype):
+    """Requests that end one after the other: the batch shrinks 3 -> 2 -> 1, each size its own plan.
+    The plans write the same activation buffers (StepBuffers: rows [:b] of one set, the same one for
+    every layer), and each step's logits are still the eager path's."""
+    llm = _llm(hf_dir, tmp_path, dtype, None)
+    configs = [SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True, output_generation_logits=True)
+               for n in (4, 8, 12)]
+    planned = llm.generate(PROMPTS, configs)
+    plans = llm.executor.model.__dict__["_decode_plans"]
+    assert all(plans.get(b) is not None for b in (1, 2, 3))
+    for name in ("x", "y", "delta", "logits", "tables"):
+        assert len({getattr(plans[b], name).data_ptr() for b in (1, 2, 3)}) == 1, name
+    linear_outputs = {r.p[5] for r in plans[3].records if r.op == 2}  # OP_LINEAR's out: one buffer per role
+    assert len(linear_outputs) == 4  # qkv, delta (dense and proj), fc|gate, logits: not a set per layer
+    with dispatch.kernels_mode("torch"):
+        eager = llm.generate(PROMPTS, configs)
+    case = "bf16" if dtype == "bfloat16" else "fp32"
+    assert_same_generation(planned, eager, case, CASES[case][2])
 
 
 def test_unsupported_models_get_no_plan(hf_dir, tmp_path):

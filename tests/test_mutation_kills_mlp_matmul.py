@@ -426,3 +426,43 @@ def test_dense_weight_matmul_in_float32_casts_the_weight_to_x() -> None:
     y = cpu_matmul.dense_weight_matmul(x, w)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, x @ w.float().t(), **FP32_TOL)
+
+
+def test_heap_chunks_keep_each_piece_under_glibcs_mmap_threshold():
+    """A long prefill's [T, 2I] activation comes in pieces under 32 MiB (glibc maps larger blocks afresh
+    each time: every layer faulted them in again): SmolLM2's 2I = 3072 at 8,192 tokens is 48 MiB in
+    bfloat16 (2 pieces) and 96 MiB in float32 (3 MiB over 3 x 32: 4 pieces); off the CPU, one."""
+    from bestiary.core.layers.mlp import heap_chunks
+
+    assert heap_chunks(torch.empty(8192, 576, dtype=torch.bfloat16), 3072) == 2
+    assert heap_chunks(torch.empty(8192, 576), 3072) == 4
+    assert heap_chunks(torch.empty(5460, 576, dtype=torch.bfloat16), 3072) == 1  # 32 MiB less 10 KiB
+    assert heap_chunks(torch.empty(5461, 576, dtype=torch.bfloat16), 3072) == 2  # within 4 KiB of it
+    assert heap_chunks(torch.empty(1, 576), 3072) == 1
+    assert heap_chunks(torch.empty(8192, 576, device="meta"), 3072) == 1
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gated_mlp_in_heap_pieces_gives_the_whole_output(monkeypatch, lora):
+    """With the threshold at 1 KiB, 40 tokens of 2I = 24 floats (96 bytes a row) run in 4 pieces of 10
+    rows (the fused matmul and proj see at most 10), and the output is the one-piece forward's; a step with a
+    LoRA delta (per-token adapters) runs whole."""
+    from bestiary.core.cpu import malloc
+
+    mlp = _filled(GatedMLP(H, I, "silu", False, 0, 1, torch.float32), 3)
+    _prepare(mlp)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(4))
+    delta = _Lora({mlp.fc: None}, 5) if lora else None
+    whole = mlp(x, delta)
+    rows = []
+    real = cpu_matmul.matmul_t if mlp._fused_t is not None else cpu_matmul.matmul_tiled
+    spy = lambda a, *args, **kw: rows.append(a.shape[0]) or real(a, *args, **kw)  # noqa: E731
+    monkeypatch.setattr(cpu_matmul, real.__name__, spy)
+    monkeypatch.setattr(malloc, "MMAP_BYTES", 4096 + 1024)
+    pieces = mlp(x, delta)
+    assert rows == ([40, 40] if lora else [10, 10] * 4)  # fc|gate, then proj, per piece
+    torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-6)
+    ref_g = x @ mlp.fc.weight.t()
+    ref = (_silu(ref_g) * (x @ mlp.gate.weight.t()) if not lora else None)
+    if ref is not None:
+        torch.testing.assert_close(pieces, ref @ mlp.proj.weight.t(), **FP32_TOL)
