@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.cpu import build as cpu_build
-from bestiary.core.cpu.plan import MAX_BATCH, DecodePlan, plan_for
+from bestiary.core.cpu.plan import MAX_BATCH, OP_ATTENTION, DecodePlan, plan_for
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.kernels import dispatch
 from bestiary.core.runtime.llm import LLM
@@ -146,6 +146,33 @@ def test_plans_of_a_shrinking_batch_share_buffers_and_equal_eager(hf_dir, tmp_pa
         eager = llm.generate(PROMPTS, configs)
     case = "bf16" if dtype == "bfloat16" else "fp32"
     assert_same_generation(planned, eager, case, CASES[case][2])
+
+
+def test_a_resized_plan_has_a_fresh_plans_records(hf_dir, tmp_path):
+    """plan_for(..., like=plan) resizes `plan` instead of walking the model: every record equals the one
+    a new plan of that batch has (op, dtypes, integers, floats, pointers), but the attention records'
+    sequence rows, which are the resized plan's own [3, b]. Past the buffers' capacity, with tp stop
+    points or widened tables, it builds anew."""
+    llm = _llm(hf_dir, tmp_path, "float32", None)
+    model, kv = llm.executor.model, llm.executor.kv
+    pools = (list(kv.k), list(kv.v))
+    big = plan_for(model, 4, *pools)
+    for b in (1, 3, 4, 8):
+        small = plan_for(model, b, *pools, like=big)
+        fresh = DecodePlan(model, b, *pools)
+        assert small is not big and small.batch == b and small.buffers is big.buffers is fresh.buffers
+        windows = iter(w for _, w in small.windows)
+        for a, f in zip(small.records, fresh.records, strict=True):
+            assert (a.op, list(a.dt), list(a.i), list(a.f)) == (f.op, list(f.dt), list(f.i), list(f.f))
+            pa, pf = list(a.p), list(f.p)
+            if a.op == OP_ATTENTION:
+                window = next(windows)
+                assert pa[4] == small.seq_rows[window].data_ptr() and pf[4] == fresh.seq_rows[window].data_ptr()
+                pa[4] = pf[4] = None
+            assert pa == pf
+    assert big.resized(big.buffers.capacity + 1) is None
+    big._widen_tables(big.tables.shape[1] + 1)
+    assert big.resized(2) is None
 
 
 def test_unsupported_models_get_no_plan(hf_dir, tmp_path):

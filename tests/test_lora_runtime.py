@@ -59,16 +59,21 @@ def test_a_mixed_batch_equals_each_request_alone(setup):
 
 def test_compiled_decode_with_mixed_adapters_equals_the_eager_path(setup):
     """Decode steps of a mixed batch on the compiled plan (its LoRA records: each row its own adapter's
-    A and B) give the eager torch path's logits (StepLora's mask form over every adapter's ranks)."""
+    A and B) give the eager torch path's logits (StepLora's mask form over every adapter's ranks). The
+    requests end one after the other: the plans of the smaller batches are the first one resized, and
+    bind the step's adapters anew."""
     from bestiary.core.kernels import dispatch
 
     root, dirs = setup
     lora = [LoraRequest(f"r{r}", dirs[r]) if r else None for r in (4, 0, 8, 16, 4, 0)]
-    cfg = SamplingConfig(temperature=0, max_new_tokens=6, ignore_eos=True, output_generation_logits=True)
+    cfg = [SamplingConfig(temperature=0, max_new_tokens=n, ignore_eos=True, output_generation_logits=True)
+           for n in (6, 3, 8, 4, 6, 7)]
     llm = LLM(root / "ckpt")
     planned = llm.generate(PROMPTS, cfg, lora=lora)
     steps = llm.executor.model.__dict__.get("plan_steps", 0)
-    assert steps >= 5, llm.executor.model.decode_plan_status()  # the decode steps ran as the plan
+    assert steps >= 7, llm.executor.model.decode_plan_status()  # the decode steps ran as the plan
+    plans = llm.executor.model.__dict__["_decode_plans"]
+    assert all(plans.get(b) is not None for b in (6, 5, 4, 2, 1)), sorted(plans)
     with dispatch.kernels_mode("torch"):
         eager = LLM(root / "ckpt").generate(PROMPTS, cfg, lora=lora)
     for a, b in zip(planned, eager):

@@ -36,6 +36,7 @@ hidden state it is given (no embedding) and, before the last stage, returns x af
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 from collections.abc import Callable
@@ -46,6 +47,9 @@ from bestiary.core.cpu.build import library
 from bestiary.core.layers.mlp import ACT_CODES
 
 OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL, OP_LORA = range(8)
+# which i[] of each op's record holds its number of rows (the batch): DecodePlan.resized sets it
+BATCH_FIELD = {OP_EMBED: 0, OP_RMS_NORM: 0, OP_LINEAR: 0, OP_ROTARY: 0, OP_KV_WRITE: 0, OP_ATTENTION: 1,
+               OP_ACT_MUL: 0, OP_LORA: 0}
 # decode steps of up to this many sequences run as a plan: 1.7x eager at 32; with float weights in
 # row tiles (whose eager GEMMs put rows back in order each step) bf16 SmolLM2 steps of 48 / 64 / 96 /
 # 128 sequences took 76 / 96 / 118 / 163 ms as plans against 96 / 106 / 127 / 176 eager on W^T
@@ -119,11 +123,12 @@ class StepBuffers:
         return buffers
 
     def rows(self, name: str, batch: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [:batch] of the [capacity, width] buffer `name` (zeros when first made)."""
+        """Rows [:batch] of the [capacity, width] buffer `name` (zeros when first made); width 0: the
+        [batch] vector of a [capacity] buffer."""
         key = (name, width, dtype)
         if key not in self._tensors:
-            self._tensors[key] = torch.zeros(self.capacity, width, dtype=dtype)
-        return self._tensors[key][:batch]
+            self._tensors[key] = torch.zeros(self.capacity, max(width, 1), dtype=dtype)
+        return self._tensors[key][:batch] if width else self._tensors[key][:batch, 0]
 
 
 class DecodePlan:
@@ -139,24 +144,24 @@ class DecodePlan:
         self.dtype, hidden = model.dtype, cfg.hidden_size
         self._keep: list[torch.Tensor] = []  # tensors the records point at (biases as float32, ...)
         self._lora_ops: list[tuple[Op, Op, tuple]] = []  # (linear record, its LoRA record, modules)
-        self.lora_slots = torch.full((batch,), -1, dtype=torch.int64)  # each row's adapter (step's stack)
         self._lora_stack = None  # the AdapterStack the LoRA records point into (kept alive while they do)
         self._reduce_ops: list[tuple[Op, torch.Tensor, torch.Tensor | None]] = []  # (row-parallel record, out, bias)
         self.tp_size, self.tp_group = model.tp_size, model.tp_group
-        as_i64 = {"dtype": torch.int64}
-        self.ids = torch.zeros(batch, **as_i64)
-        self.positions = torch.zeros(batch, **as_i64)
         # per layer window (0: none): [3, B] kv lengths | windows | sinks, the attention records' sequence rows
         self.seq_rows: dict[int, torch.Tensor] = {}
         self.windows: list[tuple[torch.nn.Module, int]] = []  # (PagedAttention, its window when built)
-        self.slots = torch.zeros(batch, **as_i64)
-        self.buffers = buffers = StepBuffers.of(model, batch)
-        self.tables = buffers.rows("tables", batch, k_pools[0].shape[0], torch.int64)
-        self.x = buffers.rows("x", batch, hidden, self.dtype)  # the residual stream
-        self.y = buffers.rows("y", batch, hidden, self.dtype)  # normed input of a block
-        self.delta = buffers.rows("delta", batch, hidden, self.dtype)  # a block's output, added to x by the next norm
-        # this rank's vocab slice of the logits (all of them at tp 1; gathered after the plan at tp > 1)
-        self.logits = buffers.rows("logits", batch, cfg.vocab_size // model.tp_size, torch_dtype(cfg.logits_dtype))
+        self.buffers = StepBuffers.of(model, batch)
+        i64 = torch.int64
+        # attribute -> (width, dtype) of the rows [:batch] it takes of the shared buffer of that name
+        self._shared = {"ids": (0, i64), "positions": (0, i64), "slots": (0, i64),
+                        "lora_slots": (0, i64),  # each row's adapter (-1: none; set every step)
+                        "tables": (k_pools[0].shape[0], i64),
+                        "x": (hidden, self.dtype),  # the residual stream
+                        "y": (hidden, self.dtype),  # normed input of a block
+                        "delta": (hidden, self.dtype),  # a block's output, added to x by the next norm
+                        # this rank's vocab slice of the logits (all of them at tp 1; gathered after the plan at tp > 1)
+                        "logits": (cfg.vocab_size // model.tp_size, torch_dtype(cfg.logits_dtype))}
+        self._take_rows()
         self.max_position = 1 << 62  # positions the rotary tables cover
         records = []
         if self.first:
@@ -184,6 +189,34 @@ class DecodePlan:
                   for op, out, bias in self._reduce_ops]
         self.points: list[tuple[int, Callable]] = [(i, fn) for i, _, fn in sorted(points, key=lambda p: p[:2])]
         self.records = (Op * len(records))(*records)
+
+    def _take_rows(self) -> None:
+        """Point each `_shared` attribute at rows [:batch] of its StepBuffers buffer."""
+        for name, (width, dtype) in self._shared.items():
+            setattr(self, name, self.buffers.rows(name, self.batch, width, dtype))
+
+    def resized(self, batch: int) -> DecodePlan | None:
+        """This plan for `batch` sequences without walking the model again (~7 ms of Python per batch size
+        for SmolLM2, and a 64-request workload meets ~50 sizes): the same records with each op's row count
+        (BATCH_FIELD) set and the attention records pointed at new [3, batch] sequence rows; every other
+        pointer is the same (the shared buffers' rows start where they did). None where only a new plan
+        will do: more rows than the buffers hold, block tables widened for this plan, or tp stop points."""
+        if batch > self.buffers.capacity or self.points or self.tables.shape[1] != self._shared["tables"][0]:
+            return None
+        plan = copy.copy(self)
+        plan.batch, plan.profile, plan._lora_stack = batch, None, None
+        plan._take_rows()
+        plan.seq_rows = {window: torch.ones(3, batch, dtype=torch.int64) for window in self.seq_rows}
+        plan.records = (Op * len(self.records))()
+        ctypes.memmove(plan.records, self.records, ctypes.sizeof(self.records))
+        windows = iter(window for _, window in self.windows)  # one per attention record, in order
+        for record in plan.records:
+            record.i[BATCH_FIELD[record.op]] = batch
+            if record.op == OP_ATTENTION:
+                record.p[4] = plan.seq_rows[next(windows)].data_ptr()
+            if record.op == OP_LORA:
+                record.p[1] = None  # no adapter until the step binds one (_bind_lora, as a new plan)
+        return plan
 
     # --- building ------------------------------------------------------------------------
     def _norm(self, norm, add_delta: bool) -> Op:
@@ -372,7 +405,7 @@ class DecodePlan:
         """Block tables wider than the pool has blocks (a sequence whose early blocks were released out
         of an attention window, core.runtime.kv_window): a buffer twice as wide, pointed at by every
         attention record."""
-        self.tables = torch.zeros(self.batch, max(width, 2 * self.tables.shape[1]), dtype=torch.int64)
+        self.tables = torch.zeros(self.batch, max(width, 2 * self.tables.shape[1]), dtype=torch.int64)  # its own
         for record in self.records:
             if record.op == OP_ATTENTION:
                 record.p[3], record.i[0] = self.tables.data_ptr(), self.tables.shape[1]
@@ -496,16 +529,21 @@ def refusal(model) -> str | None:
     return None
 
 
-def plan_for(model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> DecodePlan | None:
-    """A DecodePlan for `model`, or None when the compiled kernels are off or the model has
-    something a plan does not express (then the eager path runs every step; the reason is
-    kept in `model.decode_plan_refusal`)."""
+def plan_for(model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+             like: DecodePlan | None = None) -> DecodePlan | None:
+    """A DecodePlan for `model` (`like` resized, when it is a plan of the model over these pools that can
+    be), or None when the compiled kernels are off or the model has something a plan does not express
+    (then the eager path runs every step; the reason is kept in `model.decode_plan_refusal`)."""
     from bestiary.core.kernels import dispatch
 
     if not 1 <= batch <= MAX_BATCH or dispatch.mode() != "auto" or library() is None:
         return None
     reason = refusal(model)
     if reason is None:
+        if like is not None and like.model is model and like.same_pools(k_pools, v_pools):
+            resized = like.resized(batch)
+            if resized is not None:
+                return resized
         try:
             return DecodePlan(model, batch, k_pools, v_pools)
         except Unsupported as err:

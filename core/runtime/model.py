@@ -322,7 +322,8 @@ class DecoderLM(nn.Module):
         if b not in plans or (plans[b] is not None and not plans[b].same_pools(kv_cache.k, kv_cache.v)):
             from bestiary.core.cpu.plan import plan_for
 
-            plans[b] = plan_for(self, b, list(kv_cache.k), list(kv_cache.v))
+            like = max((p for p in plans.values() if p is not None), key=lambda p: p.batch, default=None)
+            plans[b] = plan_for(self, b, list(kv_cache.k), list(kv_cache.v), like=like)  # like resized if it can be
         plan = plans[b]
         return plan if plan is not None and plan.fits(meta) else None
 
