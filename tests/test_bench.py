@@ -363,3 +363,17 @@ def test_what_systems_print_does_not_reach_stdout(tiny, capfd, monkeypatch):
     out, err = capfd.readouterr()
     assert json.loads(out)["rows"][0]["decode_tokens_per_second"] > 0
     assert "Load 0 Load 1" in err
+
+
+def test_ratio_header_names_the_reference_without_its_build_notes():
+    """A llama.cpp reference row's label carries its CPU features in brackets; the ratio column's header
+    keeps the name only (the features made it ~190 characters wide)."""
+    from bestiary.core.bench.run import Row
+    from bestiary.core.cli.bench_tables import vs_column
+
+    llama = Row(name="llama.cpp",
+                label="llama.cpp SmolLM2-135M-Instruct.Q4_1.gguf [CPU : AVX2, AVX512, AVX512_BF16]")
+    assert vs_column(llama) == "vs llama.cpp SmolLM2-135M-Instruct.Q4_1.gguf"
+    hf = Row(name="hf", label="transformers 5.2 bfloat16 (dense)")
+    assert vs_column(hf) == "vs transformers 5.2 bfloat16 (dense)"
+    assert vs_column(None) == "vs -"

@@ -26,6 +26,12 @@ def rounds_note(c) -> str:
     return f", median of {c.rounds} rounds" if c.rounds > 1 else ""
 
 
+def vs_column(ref: Row | None) -> str:
+    """The ratio column's header: 'vs' and the reference row's label up to its bracketed build notes
+    (a llama.cpp row's CPU features stay in its own row, not in every line of the header)."""
+    return f"vs {ref.label.split(' [', 1)[0]}" if ref else "vs -"
+
+
 def ratio(value: float | None, ref: float | None) -> str:
     return f"{value / ref:.2f}x" if value and ref else "-"
 
@@ -36,7 +42,7 @@ def decode_table(report: BenchReport, ref_name: str | None) -> Table:
     bw = f"read bandwidth {gbps:.1f} GB/s" if gbps else "bandwidth not measured"
     table = Table(title=f"batch-1 decode: {c.new_tokens} new tokens after {c.decode_prompt_len}, greedy, "
                         f"median of {c.repeats}{rounds_note(c)}; {bw}")
-    for col in ("system", "tok/s", f"vs {ref.label if ref else '-'}", "MB read / token", "% of bandwidth limit"):
+    for col in ("system", "tok/s", vs_column(ref), "MB read / token", "% of bandwidth limit"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in report.rows:
         if r.skipped is None:
@@ -58,7 +64,7 @@ def prefill_table(report: BenchReport, ref_name: str | None) -> Table:
     for n in lens:
         table.add_column(f"TTFT {n} ms", justify="right")
     table.add_column("prompt tok/s", justify="right")
-    table.add_column(f"vs {ref.label if ref else '-'}", justify="right")
+    table.add_column(vs_column(ref), justify="right")
     for r in report.rows:
         if r.skipped is not None or not r.ttft:
             continue
@@ -76,7 +82,7 @@ def mixed_table(report: BenchReport, ref_name: str | None) -> Table:
     table = Table(title=f"mixed: {c.mixed_requests} requests submitted at once, prompts "
                         f"{c.mixed_prompt_lens[0]}..{c.mixed_prompt_lens[1]}, outputs {c.mixed_output_lens[0]}.."
                         f"{c.mixed_output_lens[1]} (hf: static batches of {c.static_batch}){rounds_note(c)}")
-    for col in ("system", "generated tok/s", f"vs {ref.label if ref else '-'}", "p50 latency s", "p99 latency s"):
+    for col in ("system", "generated tok/s", vs_column(ref), "p50 latency s", "p99 latency s"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in report.rows:
         if r.skipped is None and r.mixed is not None:
@@ -100,7 +106,7 @@ def rewrite_table(report: BenchReport, ref_name: str | None) -> Table:
                         f"(~{c.rewrite_text_tokens}-token passages, chat template, {prompts}), up to "
                         f"{c.new_tokens} new tokens (stop at EOS), tok/s = (t(1 + N) - t(1)) / N, median of {c.repeats}"
                         f"{rounds_note(c)}")
-    for col in ("system", "tok/s", f"vs {ref.label if ref else '-'}", "x plain", "acceptance",
+    for col in ("system", "tok/s", vs_column(ref), "x plain", "acceptance",
                 "tokens / verify step", "output = plain"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in measured:
