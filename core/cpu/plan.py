@@ -107,7 +107,7 @@ class StepBuffers:
     other), and every plan of the model shares them, so a step's activations stay in cache and a plan
     built for a new batch size touches no new memory. Built per step shape, they made the first step
     of each new batch size fault in ~30 MB at 50 sequences (~8,000 page faults), and a 64-request
-    workload changes batch size ~60 times."""
+    workload changes batch size ~50 times."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

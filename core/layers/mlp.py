@@ -39,7 +39,7 @@ def heap_chunks(x: torch.Tensor, width: int) -> int:
 
     A block at or above it is mapped afresh and returned on free, so every layer of a long prefill
     faulted its [T, 2I] activation in again: ~12,000 page faults a layer for SmolLM2's 50 MB at 8,192
-    tokens in bfloat16 (measured: 480 k faults in the 64-request mixed workload, 104 k with pieces)."""
+    tokens in bfloat16 (measured: 480 k faults in the 64-request mixed workload, ~110 k with pieces)."""
     from bestiary.core.cpu.malloc import MMAP_BYTES
 
     if x.device.type != "cpu" or x.dim() != 2:
