@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bestiary.core.cpu import malloc
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
@@ -40,12 +41,10 @@ def heap_chunks(x: torch.Tensor, width: int) -> int:
     A block at or above it is mapped afresh and returned on free, so every layer of a long prefill
     faulted its [T, 2I] activation in again: ~12,000 page faults a layer for SmolLM2's 50 MB at 8,192
     tokens in bfloat16 (measured: 480 k faults in the 64-request mixed workload, ~110 k with pieces)."""
-    from bestiary.core.cpu.malloc import MMAP_BYTES
-
     if x.device.type != "cpu" or x.dim() != 2:
         return 1
     row = width * x.element_size()
-    return -(-x.shape[0] * row // (MMAP_BYTES - 4096))  # ceil: each piece under the threshold
+    return -(-x.shape[0] * row // (malloc.MMAP_BYTES - 4096))  # ceil: each piece under the threshold
 
 
 class GatedMLP(nn.Module):
