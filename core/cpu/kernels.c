@@ -1708,7 +1708,7 @@ void bst_decode_attention(const void *q, int qdt, int64_t q_stride, const void *
  * D % 32 == 0, D <= PF_MAX_D. Flash-style: per task a head and PF_QB queries, keys PF_QB at a time;
  * the key block transposed once into dim pairs (transpose16), then each query's 16 scores in one
  * register, a vdpbf16ps per dim pair with the query's pair broadcast (exact products, float32 sums;
- * no lane sums: ~1.5x the per-key dot products and shuffle tree this replaced), an online softmax in
+ * no lane sums: 1.35-1.4x the per-key dot products and shuffle tree this replaced), an online softmax in
  * float32, p v in vdpbf16ps over key pairs (p rounded to bfloat16 as torch's bf16 SDPA does, float32
  * sums). */
 #define PF_QB 16
