@@ -39,6 +39,21 @@ LAYER_TESTS = [
 # shared 2-core machine runs in under an hour; `layers` is the whole folder
 LAYERS_NUMERICS = [f"core/layers/{f}.py" for f in (
     "rotary", "rotary_2d", "alibi", "position_embedding", "norm", "mlp", "attention_window", "cpu_matmul")]
+LAYERS_ATTENTION = [f"core/layers/{f}.py" for f in (
+    "attention", "self_attention", "decoder_layer", "standard_layer", "output_norm_decoder_layer",
+    "parallel_decoder_layer", "post_norm_decoder_layer")]
+LAYERS_LINEAR_MOE = [f"core/layers/{f}.py" for f in ("linear", "embedding", "moe")]
+# the layer tests, and what reaches the attention paths the model parity tests never take (dense references
+# of every path, quantized KV pools, LoRA through each decoder layer)
+ATTENTION_TESTS = LAYER_TESTS[:-4] + [
+    "tests/test_mutation_kills_attention.py", "tests/test_quant_kv.py", "tests/test_lora.py"] + LAYER_TESTS[-4:]
+# the layer tests, and the LoRA rows and weight-only / activation quant linears. Not test_moe_ep.py: its
+# multi-rank engines leave the process group's state in mutmut's parent process, and every forked mutant
+# run that starts ranks again then spins until its CPU limit (a "timeout" for any mutant); its tests run
+# by hand on the survivors (docs/testing.md)
+LINEAR_TESTS = LAYER_TESTS[:-4] + [
+    "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py",
+    "tests/test_quant_act.py"] + LAYER_TESTS[-4:]
 # the op families (torch references and launchers; mutmut leaves the @triton.jit kernels alone),
 # not dispatch.py: its CPU branches are what the layer tests run, its CUDA ones need a GPU
 KERNEL_FAMILIES = [f"core/kernels/{f}.py" for f in (
@@ -75,6 +90,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # how float matmuls run on the CPU (row tiles, the kernel's bound per build, upcasts): its own tests
     "cpu_matmul": (["core/layers/cpu_matmul.py"], ["tests/test_cpu_matmul.py", "tests/test_mutation_kills_mlp_matmul.py",
                                                    "-m", "not slow"]),
+    # the rest of core/layers in two runs of about an hour each: the attention layer and the decoder
+    # layers that compose it; the linears (TP splits, LoRA, weight-only), embeddings and MoE
+    "layers_attention": (LAYERS_ATTENTION, ATTENTION_TESTS),
+    "layers_linear_moe": (LAYERS_LINEAR_MOE, LINEAR_TESTS),
     "layers": (["core/layers/"], LAYER_TESTS),
 }
 
