@@ -47,13 +47,12 @@ LAYERS_LINEAR_MOE = [f"core/layers/{f}.py" for f in ("linear", "embedding", "moe
 # of every path, quantized KV pools, LoRA through each decoder layer)
 ATTENTION_TESTS = LAYER_TESTS[:-4] + [
     "tests/test_mutation_kills_attention.py", "tests/test_quant_kv.py", "tests/test_lora.py"] + LAYER_TESTS[-4:]
-# the layer tests, and the LoRA rows and weight-only / activation quant linears. Not test_moe_ep.py: its
-# multi-rank engines leave the process group's state in mutmut's parent process, and every forked mutant
-# run that starts ranks again then spins until its CPU limit (a "timeout" for any mutant); its tests run
-# by hand on the survivors (docs/testing.md)
+# the layer tests, the LoRA rows and weight-only / activation quant linears. Not test_moe_ep.py: an engine
+# with ranks in a forked mutant run spins until its CPU limit (a "timeout" whatever the mutant), so its
+# tests run by hand, in fresh processes, on what the run leaves (docs/testing.md)
 LINEAR_TESTS = LAYER_TESTS[:-4] + [
-    "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py",
-    "tests/test_quant_act.py"] + LAYER_TESTS[-4:]
+    "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py", "tests/test_quant_act.py",
+] + LAYER_TESTS[-4:]
 # the op families (torch references and launchers; mutmut leaves the @triton.jit kernels alone),
 # not dispatch.py: its CPU branches are what the layer tests run, its CUDA ones need a GPU
 KERNEL_FAMILIES = [f"core/kernels/{f}.py" for f in (
@@ -113,6 +112,19 @@ def single_threaded_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 
 
+# Appended to the staged tests/conftest.py. mutmut runs every test once in its own process (the stats and
+# clean runs), then forks that process per mutant; a test that sets torch's threads above 1 (the CLI's
+# --num_threads, LLM(num_threads=2), a thread-split kernel test) leaves an OpenMP pool in it, and each forked
+# run then spins in its first parallel region until its CPU limit: a "timeout" whatever the mutant.
+ONE_THREAD = """
+
+# tests/mutation_run.py: torch stays on one thread in mutation runs (see ONE_THREAD there)
+import torch as _torch  # noqa: E402
+
+_torch.set_num_threads = lambda n, _set=_torch.set_num_threads: _set(1)
+"""
+
+
 def stage(name: str) -> Path:
     """A fresh `.mutation/<name>/` with the repository as `bestiary/` and mutmut's setup.cfg."""
     paths, tests = MODULES[name]
@@ -124,6 +136,8 @@ def stage(name: str) -> Path:
     def listed(items: list[str]) -> str:  # setup.cfg lists: one item a line
         return "".join(f"\n    {item}" for item in items)
 
+    with open(work / "bestiary" / "tests" / "conftest.py", "a") as f:
+        f.write(ONE_THREAD)
     selection = [f"bestiary/{t}" if t.startswith("tests/") else t for t in tests]
     (work / "setup.cfg").write_text(
         "[mutmut]\n"

@@ -158,7 +158,7 @@ def test_prefill_attention_prefix_lm_and_bf16_bias():
 def test_windowed_attention_equals_dense_reference(window, sinks, mask, bias):
     """(A causal mask ignores prefix lengths, when a step has them.)"""
     h = 6
-    kw = dict(mask=mask.split("_with")[0], prefix_lens=[2, 3, 4]) if mask != "causal" else {}
+    kw = {"mask": mask.split("_with")[0], "prefix_lens": [2, 3, 4]} if mask != "causal" else {}
     q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*CASES["ctx1_fresh_split"], h=h, **kw)
     slopes = A.alibi_slopes(h) if bias == "alibi" else None
     kb = key_bias_fn(h) if bias == "key_bias" else None
@@ -238,10 +238,11 @@ def test_write_kv_quantizes_k_and_v_with_their_own_scales():
     assert torch.equal(k_pool.view(-1, 2, 8)[1:4], k.bfloat16()) and torch.equal(v_pool.view(-1, 2, 8)[1:4], v.bfloat16())
 
 
-@pytest.mark.skipif(cpu_build.isa_name(cpu_build.library()) != "avx512bf16", reason="the compiled prefill attention needs the avx512bf16 build")
 def test_bf16_prefill_takes_the_compiled_kernel(monkeypatch):
     """head_dim 32 in bfloat16: prefill_attention hands each causal sequence (fresh or after cached tokens) to
     the compiled kernel, and its output equals the dense reference."""
+    if cpu_build.isa_name(cpu_build.library()) != "avx512bf16":
+        pytest.skip("the compiled prefill attention needs the avx512bf16 build")
     ops = dispatch.cpu_ops()
     calls = []
     real = ops.prefill_attention
