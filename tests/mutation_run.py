@@ -153,7 +153,7 @@ def score(work: Path) -> str:
     """'killed / total (percent)' from `mutmut results --all true`."""
     out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work,
                          capture_output=True, text=True, check=False).stdout
-    states = re.findall(r":\s*(\w[\w ]*)$", out, flags=re.M)
+    states = re.findall(r":\s*(\w[\w ]*)$", out, flags=re.MULTILINE)
     total, killed = len(states), sum(s == "killed" for s in states)
     return f"{killed} / {total} killed ({100 * killed / max(total, 1):.0f}%)"
 
