@@ -51,7 +51,7 @@ ATTENTION_TESTS = LAYER_TESTS[:-4] + [
 # with ranks in a forked mutant run spins until its CPU limit (a "timeout" whatever the mutant), so its
 # tests run by hand, in fresh processes, on what the run leaves (docs/testing.md)
 LINEAR_TESTS = LAYER_TESTS[:-4] + [
-    "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py", "tests/test_quant_act.py",
+    "tests/test_mutation_kills_linear_moe.py", "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py", "tests/test_quant_act.py",
 ] + LAYER_TESTS[-4:]
 # the op families (torch references and launchers; mutmut leaves the @triton.jit kernels alone),
 # not dispatch.py: its CPU branches are what the layer tests run, its CUDA ones need a GPU
@@ -89,8 +89,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # how float matmuls run on the CPU (row tiles, the kernel's bound per build, upcasts): its own tests
     "cpu_matmul": (["core/layers/cpu_matmul.py"], ["tests/test_cpu_matmul.py", "tests/test_mutation_kills_mlp_matmul.py",
                                                    "-m", "not slow"]),
-    # the rest of core/layers in two runs of about an hour each: the attention layer and the decoder
-    # layers that compose it; the linears (TP splits, LoRA, weight-only), embeddings and MoE
+    # the rest of core/layers in two runs: the attention layer and the decoder layers that compose it
+    # (25 min on 2 cores); the linears (TP splits, LoRA, weight-only), embeddings and MoE (over an hour:
+    # every model test covers Linear.forward)
     "layers_attention": (LAYERS_ATTENTION, ATTENTION_TESTS),
     "layers_linear_moe": (LAYERS_LINEAR_MOE, LINEAR_TESTS),
     "layers": (["core/layers/"], LAYER_TESTS),
