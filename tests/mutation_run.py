@@ -25,7 +25,7 @@ STAGE = ROOT / ".mutation"
 # every family's tiny-model parity with transformers (prefill and decode), the attention paths,
 # windows, MoE, fusion, chunked prefill and TP reassembly; not the AVX2/AVX-512 decode builds (a
 # C++ compile per forked run; the scalar one stays) nor test_layout (import rules, no numerics)
-LAYER_TESTS = [
+LAYER_FILES = [
     "tests/test_llama_parity.py", "tests/test_cpu_matmul.py", "tests/test_zoo_hf.py",
     "tests/test_decode_attention.py", "tests/test_opt.py", "tests/test_falcon.py", "tests/test_chatglm.py",
     "tests/test_mixtral.py",
@@ -33,8 +33,9 @@ LAYER_TESTS = [
     "tests/test_checkpoint.py", "tests/test_executor.py::test_mixed_workload_equals_each_alone",
     "tests/test_mutation_kills_layers.py", "tests/test_mutation_kills_mlp_matmul.py",
     "tests/test_mutation_kills_rotary_window.py",
-    "-m", "not slow", "-k", "not avx2 and not avx512",
 ]
+LAYER_FLAGS = ["-m", "not slow", "-k", "not avx2 and not avx512"]
+LAYER_TESTS = LAYER_FILES + LAYER_FLAGS
 # the position, norm, MLP and window files of core/layers (820 of its ~2,900 mutants): what a
 # shared 2-core machine runs in under an hour; `layers` is the whole folder
 LAYERS_NUMERICS = [f"core/layers/{f}.py" for f in (
@@ -45,14 +46,14 @@ LAYERS_ATTENTION = [f"core/layers/{f}.py" for f in (
 LAYERS_LINEAR_MOE = [f"core/layers/{f}.py" for f in ("linear", "embedding", "moe")]
 # the layer tests, and what reaches the attention paths the model parity tests never take (dense references
 # of every path, quantized KV pools, LoRA through each decoder layer)
-ATTENTION_TESTS = LAYER_TESTS[:-4] + [
-    "tests/test_mutation_kills_attention.py", "tests/test_quant_kv.py", "tests/test_lora.py"] + LAYER_TESTS[-4:]
+ATTENTION_TESTS = LAYER_FILES + [
+    "tests/test_mutation_kills_attention.py", "tests/test_quant_kv.py", "tests/test_lora.py"] + LAYER_FLAGS
 # the layer tests, the LoRA rows and weight-only / activation quant linears. Not test_moe_ep.py: an engine
 # with ranks in a forked mutant run spins until its CPU limit (a "timeout" whatever the mutant), so its
 # tests run by hand, in fresh processes, on what the run leaves (docs/testing.md)
-LINEAR_TESTS = LAYER_TESTS[:-4] + [
-    "tests/test_mutation_kills_linear_moe.py", "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py", "tests/test_quant_act.py",
-] + LAYER_TESTS[-4:]
+LINEAR_TESTS = LAYER_FILES + [
+    "tests/test_mutation_kills_linear_moe.py", "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py",
+    "tests/test_quant_act.py"] + LAYER_FLAGS
 # the op families (torch references and launchers; mutmut leaves the @triton.jit kernels alone),
 # not dispatch.py: its CPU branches are what the layer tests run, its CUDA ones need a GPU
 KERNEL_FAMILIES = [f"core/kernels/{f}.py" for f in (

@@ -9,8 +9,6 @@ without `build`. The decoder layers are checked on stub modules against their fo
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from bestiary.core.cpu import build as cpu_build
@@ -22,23 +20,10 @@ from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLaye
 from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
 from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
 from bestiary.core.layers.self_attention import SelfAttention, kv_heads_of_rank
+from test_zoo_remote import get_interleave  # the ALiBi paper's get_slopes, as Baichuan ships it
 from torch import nn
 
 BLOCK = 4
-
-
-def paper_alibi_slopes(n: int) -> list[float]:
-    """The ALiBi paper's get_slopes (Press et al., github.com/ofirpress/attention_with_linear_biases):
-    powers of 2 ** (-8 / n) for a power of two n, else the closest power's slopes followed by every
-    other slope of twice that power."""
-    def power_of_2(m: int) -> list[float]:
-        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
-        return [start * start**i for i in range(m)]
-
-    if math.log2(n).is_integer():
-        return power_of_2(n)
-    closest = 2 ** math.floor(math.log2(n))
-    return power_of_2(closest) + paper_alibi_slopes(2 * closest)[0::2][: n - closest]
 
 
 def dense_reference(q, keys, values, q_pos, k_pos, scale, slopes=None, key_bias=None, prefix=0, window=FULL,
@@ -121,16 +106,15 @@ def expected(q, meta, ks, vs, scale, **kw):
     return torch.cat(outs)
 
 
-CASES = {  # seq_lens, context_lens, tables: one cached token; a fresh prompt; a split table
-    "ctx1_fresh_split": ([3, 5, 2], [1, 0, 6], [[2, 3], [4, 5], [9, 1]]),
-}
+# seq_lens, context_lens, tables: one cached token; a fresh prompt; a split table
+STEP = ([3, 5, 2], [1, 0, 6], [[2, 3], [4, 5], [9, 1]])
 
 
 @pytest.mark.parametrize("bias", ["none", "alibi", "key_bias"])
 @pytest.mark.parametrize("build", [True, False])
 def test_prefill_attention_equals_dense_reference(bias, build):
     h = 6  # not a power of two: the slopes' interleaved tail
-    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*CASES["ctx1_fresh_split"], h=h, build=build)
+    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*STEP, h=h, build=build)
     slopes = A.alibi_slopes(h) if bias == "alibi" else None
     kb = key_bias_fn(h) if bias == "key_bias" else None
     out = A.prefill_attention(q, k, v, meta, k_pool, v_pool, 0.3, slopes, kb)
@@ -144,7 +128,7 @@ def test_prefill_attention_prefix_lm_and_bf16_bias():
     out = A.prefill_attention(q, k, v, meta, k_pool, v_pool, 0.3, None)
     torch.testing.assert_close(out.double(), expected(q, meta, ks, vs, 0.3), rtol=1e-5, atol=1e-5)
     # bf16 with ALiBi: the bias is handed to SDPA in the query's dtype
-    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*CASES["ctx1_fresh_split"], dtype=torch.bfloat16)
+    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*STEP, dtype=torch.bfloat16)
     slopes = A.alibi_slopes(6)
     out = A.prefill_attention(q, k, v, meta, k_pool, v_pool, 0.3, slopes)
     assert out.dtype == torch.bfloat16
@@ -159,7 +143,7 @@ def test_windowed_attention_equals_dense_reference(window, sinks, mask, bias):
     """(A causal mask ignores prefix lengths, when a step has them.)"""
     h = 6
     kw = {"mask": mask.split("_with")[0], "prefix_lens": [2, 3, 4]} if mask != "causal" else {}
-    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*CASES["ctx1_fresh_split"], h=h, **kw)
+    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*STEP, h=h, **kw)
     slopes = A.alibi_slopes(h) if bias == "alibi" else None
     kb = key_bias_fn(h) if bias == "key_bias" else None
     out = A.windowed_attention(q, k, v, meta, k_pool, v_pool, 0.3, slopes, kb, [window] * 3, [sinks] * 3)
@@ -169,7 +153,7 @@ def test_windowed_attention_equals_dense_reference(window, sinks, mask, bias):
 
 def test_alibi_slopes_equal_the_papers():
     for n in (1, 2, 4, 5, 6, 8, 12, 20, 32):
-        torch.testing.assert_close(A.alibi_slopes(n), torch.tensor(paper_alibi_slopes(n), dtype=torch.float32))
+        torch.testing.assert_close(A.alibi_slopes(n), torch.tensor(get_interleave(n), dtype=torch.float32))
 
 
 def test_decode_padded_with_key_bias_equals_per_sequence():
@@ -247,7 +231,7 @@ def test_bf16_prefill_takes_the_compiled_kernel(monkeypatch):
     calls = []
     real = ops.prefill_attention
     monkeypatch.setattr(ops, "prefill_attention", lambda *a: calls.append(a[0].shape) or real(*a))
-    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*CASES["ctx1_fresh_split"], h=4, kvh=2, d=32,
+    q, k, v, meta, k_pool, v_pool, ks, vs = prefill_case(*STEP, h=4, kvh=2, d=32,
                                                           dtype=torch.bfloat16)
     assert A.compiled_prefill(q, ks[0], vs[0]) and not A.compiled_prefill(q.float(), ks[0].float(), vs[0].float())
     out = A.prefill_attention(q, k, v, meta, k_pool, v_pool, 0.3, None)
@@ -274,32 +258,24 @@ class Norm(nn.Module):
         return x / 2 + 1
 
 
-def test_decoder_layers_compose_as_their_formulas():
+# each layer built from (norm, attention, mlp) stubs, and its output as a formula of x and the norm
+DECODER_LAYERS = {
+    "pre_norm": (lambda n, a, m: PreNormDecoderLayer(n, a, n, m), lambda n, x: (h := x + n(x) * 3) + n(h) * 5 + 1),
+    "post_norm": (lambda n, a, m: PostNormDecoderLayer(n, a, n, m), lambda n, x: n((h := n(x + x * 3)) + h * 5 + 1)),
+    "output_norm": (lambda n, a, m: OutputNormDecoderLayer(a, n, m, n), lambda n, x: (h := x + n(x * 3)) + n(h * 5 + 1)),
+    "parallel": (lambda n, a, m: ParallelDecoderLayer(n, a, m), lambda n, x: x + n(x) * 3 + n(x) * 5 + 1),
+}
+
+
+@pytest.mark.parametrize("kind", list(DECODER_LAYERS))
+def test_decoder_layers_compose_as_their_formulas(kind):
+    """attention x -> 3 x, mlp x -> 5 x + 1 (handed the step's LoRA), norm x -> x / 2 + 1."""
+    build, formula = DECODER_LAYERS[kind]
     x, meta, lora = torch.randn(3, 4), A.AttentionMetadata.build([3], [0], [[0]], BLOCK), object()
     meta.lora = lora
-    n = Norm()
-
-    def run(layer):
-        return layer(x, meta, None, None)
-
-    attn, mlp = Tagged(3.0), Tagged(5.0, 1.0)
-    out = run(PreNormDecoderLayer(n, attn, n, mlp))
-    h = x + n(x) * 3
-    torch.testing.assert_close(out, h + n(h) * 5 + 1)
-    assert mlp.seen == [lora]
-    attn, mlp = Tagged(3.0), Tagged(5.0, 1.0)
-    out = run(PostNormDecoderLayer(n, attn, n, mlp))
-    h = n(x + x * 3)
-    torch.testing.assert_close(out, n(h + h * 5 + 1))
-    assert mlp.seen == [lora]
-    attn, mlp = Tagged(3.0), Tagged(5.0, 1.0)
-    out = run(OutputNormDecoderLayer(attn, n, mlp, n))
-    h = x + n(x * 3)
-    torch.testing.assert_close(out, h + n(h * 5 + 1))
-    assert mlp.seen == [lora]
-    attn, mlp = Tagged(3.0), Tagged(5.0, 1.0)
-    out = run(ParallelDecoderLayer(n, attn, mlp))
-    torch.testing.assert_close(out, x + n(x) * 3 + n(x) * 5 + 1)
+    norm, mlp = Norm(), Tagged(5.0, 1.0)
+    out = build(norm, Tagged(3.0), mlp)(x, meta, None, None)
+    torch.testing.assert_close(out, formula(norm, x))
     assert mlp.seen == [lora]
 
 
@@ -360,15 +336,13 @@ def test_paged_attention_on_quantized_pools_equals_the_dequantized_reference(alg
     """A prompt, then two decode steps, run eagerly through PagedAttention on INT8 / FP8 pools (the
     compiled decode reads the codes with the layer's scales; with a key bias the steps attend over
     dequantized blocks): each output equals attention over the dequantized keys and values."""
-    from bestiary.core.quant.kv import KV_DTYPES, dequantize_kv, quantize_kv
+    from bestiary.core.quant.kv import KV_DTYPES, KVQuant, dequantize_kv, quantize_kv
 
     h, kvh, d, n = 4, 2, 8, 5
     owner = nn.Module()
     owner.kv_cache_scaling_factor = nn.Parameter(torch.tensor([0.03, 0.05]), requires_grad=False)
     kb = key_bias_fn(h) if bias == "key_bias" else None
     attn = A.PagedAttention(d, 0.3, None, kb)
-    from bestiary.core.quant.kv import KVQuant
-
     attn.kv_quant = KVQuant(algo, owner)
     dtype = KV_DTYPES[algo]
     k_pool, v_pool = torch.zeros(6, BLOCK, kvh, d, dtype=dtype), torch.zeros(6, BLOCK, kvh, d, dtype=dtype)

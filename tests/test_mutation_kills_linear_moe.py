@@ -11,9 +11,11 @@ import pytest
 import torch
 from bestiary.core.layers import embedding as embedding_module
 from bestiary.core.layers import linear as linear_module
+from bestiary.core.layers import moe as moe_module
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel, tp_dim_of
 from bestiary.core.layers.moe import ExpertLinear, MoE, SharedExpertMoE, route, stack_experts
+from test_moe_ep import rank_moe
 
 
 def test_expert_linear_placement():
@@ -168,18 +170,18 @@ def test_row_and_column_parallel_linears_equal_the_whole(monkeypatch, bias):
     whole = torch.nn.functional.linear(x, w, b if bias else None)
     fake = FakeCollectives(monkeypatch, linear_module)
 
-    def load(layer, r):
-        dim = layer.tp_dim("weight")
+    def load(layer, r):  # Megatron's cut, written here: a row-parallel W by in-features, its bias whole
+        dim = 1 if layer.parallel == Parallel.ROW else 0
         size = w.shape[dim] // 2
         layer.weight.data.copy_(w.narrow(dim, r * size, size))
         if bias:
-            bdim = layer.tp_dim("bias")
-            layer.bias.data.copy_(b if bdim == -1 else b.narrow(0, r * 3, 3))
+            layer.bias.data.copy_(b if dim == 1 else b.narrow(0, r * 3, 3))
 
     row = ranks_of(lambda r: Linear(8, 6, bias, Parallel.ROW, tp_rank=r, tp_size=2), load)
     for lin in row:
         lin.tp_group = "stage tp group"
-    assert [lin.weight.shape for lin in row] == [(6, 4)] * 2 and row[0].tp_dim("bias") == -1
+    assert [lin.weight.shape for lin in row] == [(6, 4)] * 2
+    assert (row[0].tp_dim("weight"), row[0].tp_dim("bias")) == (1, -1)
     for r, lin in enumerate(row):  # first pass: the partial products, before any bias
         lin(x[:, 4 * r : 4 * r + 4])
     torch.testing.assert_close(sum(fake.sent), x @ w.T)
@@ -263,11 +265,10 @@ def test_embedding_defaults_and_refusals():
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 2)])
 def test_moe_ranks_sum_to_the_whole(monkeypatch, tp, ep):
-    """tp ranks (ep groups of whole experts, each split over tp / ep) computed one after another: each hands
-    its partial to the all-reduce, the partials sum to the whole MoE, and the reduced result is what each
-    rank returns."""
-    from bestiary.core.layers import moe as moe_module
-
+    """tp ranks (ep groups of whole experts, each split over tp / ep; weights cut by test_moe_ep's rank_moe,
+    not by the ranks' own placement) run forward one after another: each hands its partial to the
+    all-reduce on its tp_group, the partials sum to the whole MoE, and the reduced result is what each rank
+    returns."""
     g = torch.Generator().manual_seed(2)
     whole = MoE(6, 8, 4, 2)
     for p in whole.parameters():
@@ -275,14 +276,9 @@ def test_moe_ranks_sum_to_the_whole(monkeypatch, tp, ep):
     x = torch.randn(5, 6, generator=g)
     expected = whole(x)
     fake = FakeCollectives(monkeypatch, moe_module)
-    ranks = [MoE(6, 8, 4, 2, tp_rank=r, tp_size=tp, ep_size=ep) for r in range(tp)]
-    for r, rank in enumerate(ranks):
+    ranks = [rank_moe(whole, tp, ep, r) for r in range(tp)]
+    for rank in ranks:
         rank.tp_group = "stage tp group"
-        rank.router.weight.data.copy_(whole.router.weight)
-        first, n, part = rank.fc.first_expert, rank.fc.num_local, rank.fc.tp_rank
-        i = 8 * ep // tp  # each expert's FFN slice on this rank
-        for mine, full, dim in ((rank.fc, whole.fc, 1), (rank.gate, whole.gate, 1), (rank.proj, whole.proj, 2)):
-            mine.weight.data.copy_(full.weight[first : first + n].narrow(dim, part * i, i))
         rank(x)
     torch.testing.assert_close(sum(fake.sent), expected)
     fake.reduce()
