@@ -42,13 +42,16 @@ def test_best_isa_the_flags_allow(cpu):
 
 
 def test_avx512_bf16_selects_the_dot_product_build(cpu, monkeypatch):
-    """avx512_bf16 present: the avx512bf16 build (vdpbf16ps); forced avx512 still loads the plain
-    AVX-512 one; a CPU without the flag refuses avx512bf16 naming it. describe() lists the extras
-    the chosen build does not use."""
+    """avx512_bf16 and avx512_vnni present: the avx512bf16 build (vdpbf16ps, vpdpwssd); forced avx512
+    still loads the plain AVX-512 one; a CPU without the flag refuses avx512bf16 naming it.
+    describe() lists the extras the chosen build does not use."""
     cpu(BF16_SERVER)
     assert build.supported_isas() == ["avx512bf16", "avx512", "avx2", "scalar"]
     assert build.chosen_isa() == "avx512bf16"
-    assert build.describe()["cpu extras"] == "avx512_vnni"  # avx512_bf16 is in use
+    assert build.describe()["cpu extras"] == "-"  # avx512_bf16 and avx512_vnni are in use
+    cpu(BF16_SERVER - {"avx512_vnni"})  # no such CPU is known, but the build needs both
+    assert build.supported_isas() == ["avx512", "avx2", "scalar"]
+    cpu(BF16_SERVER)
     monkeypatch.setenv(build.ISA_ENV_VAR, "avx512")
     assert build.chosen_isa() == "avx512" and build.describe()["cpu extras"] == "avx512_vnni, avx512_bf16"
     cpu(AVX512_SERVER)

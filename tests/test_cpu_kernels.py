@@ -95,24 +95,24 @@ def test_int4_dot_layout_round_trips():
 
 
 def test_int8_tiled_layout_round_trips():
-    """pack_int8_tiled: per tile of 8 rows, per block of 16 features, the 8 rows' 16 codes in turn."""
-    q = torch.randint(-127, 128, (16, 48), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    """pack_int8_tiled: per tile of 8 rows, per block of 32 features, the 8 rows' 32 codes in turn."""
+    q = torch.randint(-127, 128, (16, 96), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
     t = packing.pack_int8_tiled(q).flatten()
-    assert t[16 * 3 + 5].item() == q[3, 5].item()  # tile 0, block 0, row 3
-    assert t[128 + 16 * 2 + 7].item() == q[2, 16 + 7].item()  # tile 0, block 1, row 2
-    assert t[8 * 48 + 128 * 2 + 16 * 6 + 1].item() == q[8 + 6, 32 + 1].item()  # tile 1, block 2, row 6
+    assert t[32 * 3 + 5].item() == q[3, 5].item()  # tile 0, block 0, row 3
+    assert t[256 + 32 * 2 + 7].item() == q[2, 32 + 7].item()  # tile 0, block 1, row 2
+    assert t[8 * 96 + 256 * 2 + 32 * 6 + 1].item() == q[8 + 6, 64 + 1].item()  # tile 1, block 2, row 6
     assert torch.equal(packing.unpack_int8_tiled(packing.pack_int8_tiled(q)), q)
-    assert packing.int8_tiles_fit(16, 48) and not packing.int8_tiles_fit(12, 48) and not packing.int8_tiles_fit(16, 40)
+    assert packing.int8_tiles_fit(16, 96) and not packing.int8_tiles_fit(12, 96) and not packing.int8_tiles_fit(16, 80)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("xdtype", FLOAT)
 def test_int8_tiled_layout_matches_the_row_major_layout(m, xdtype):
-    """int8 weights with N % 8 == 0 and K % 16 == 0 are held in row tiles (KIND_I8T): the same
+    """int8 weights with N % 8 == 0 and K % 32 == 0 are held in row tiles (KIND_I8T): the same
     sums in the same order as the row-major layout, so the outputs are equal bit for bit, on every
     build; `dequantize` reads the layout too."""
     gen = torch.Generator().manual_seed(m)
-    n, k = 72, 208  # 9 tiles; 13 blocks of 16 features
+    n, k = 72, 224  # 9 tiles; 7 blocks of 32 features (3 blocks of 64 inputs, then 32)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     scale = torch.rand(n, generator=gen) + 0.1
     pw = ops.PackedWeight.int8(q, scale)
@@ -122,7 +122,9 @@ def test_int8_tiled_layout_matches_the_row_major_layout(m, xdtype):
     bias = torch.randn(n, generator=gen)
     y = ops.linear(x, pw, bias, out_dtype=torch.float32)
     assert torch.equal(y, ops.linear(x, plain, bias, out_dtype=torch.float32))
-    assert _rel_err(y, ops.linear_ref(x, plain, bias, out_dtype=torch.float32)) < 1e-5
+    read = ops.q16_round(x) if ops.reads_q16(x, pw) else x  # bf16 x: 16-bit integers on the vector builds
+    assert ops.reads_q16(x, plain) == ops.reads_q16(x, pw)
+    assert _rel_err(y, ops.linear_ref(read, plain, bias, out_dtype=torch.float32)) < 1e-5
     torch.testing.assert_close(ops.dequantize(pw), ops.dequantize_ref(plain))
     torch.testing.assert_close(ops.dequantize_ref(pw), ops.dequantize_ref(plain))
 
@@ -197,6 +199,76 @@ def test_int4_dot_layout_matches_the_checkpoint_layout(cpu_build, group, zp, m, 
     assert _rel_err(y, ref) < 2e-6
     assert torch.equal(ops.linear(x[-1:], pw, bias, out_dtype=torch.float32), y[-1:])  # batch-invariant rows
     torch.testing.assert_close(ops.dequantize(pw), ops.dequantize_ref(plain))
+
+
+def _wide_range_inputs(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """bf16 x [m, k] whose values span 2^-12 .. 2^4 within each block: q16 rounds the small ones."""
+    return (torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-12, 4, (m, k), generator=gen).float())).bfloat16()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("k", [576, 96])  # whole 64-feature blocks; one, then a last block of 32
+def test_int8_weights_read_bf16_inputs_as_16_bit_integers(m, tiled, k, cpu_build):
+    """int8 W x bf16 x on the vector builds: x is read per 64-feature block as q16_round(x) (a
+    multiple of 2^(e - 15), 2^(e - 1) <= the block's max |x| < 2^e) and summed exactly, so y is the
+    float32 reference on q16_round(x) to float32 rounding, and within the stated bound of the
+    reference on x: |error| <= sum_k |W[r, k]| max_block |x| 2^-15."""
+    gen = torch.Generator().manual_seed(10 * m + k)
+    n = 40
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) + 0.1
+    pw = ops.PackedWeight.int8(q, scale, tiled=tiled)
+    x = _wide_range_inputs(m, k, gen)
+    y = ops.linear(x, pw, out_dtype=torch.float32)
+    assert ops.reads_q16(x, pw) == (cpu_build != "scalar")
+    if cpu_build == "scalar":  # no q16: the exact float path
+        assert _rel_err(y, ops.linear_ref(x, pw, out_dtype=torch.float32)) < 1e-5
+        return
+    read = ops.q16_round(x)
+    assert not torch.equal(read, x.float())  # the inputs do exercise the rounding
+    assert _rel_err(y, ops.linear_ref(read, pw, out_dtype=torch.float32)) < 2e-6
+    exact = ops.linear_ref(x, pw, out_dtype=torch.float32)
+    blocks = [x.float()[:, b:b + 64].abs().amax(-1, keepdim=True).expand(m, min(64, k - b)) for b in range(0, k, 64)]
+    block_max = torch.cat(blocks, -1)  # [m, k]: each feature's block max
+    bound = (q.float().abs() * scale[:, None]) @ (block_max * 2.0**-15).t()  # [n, m]
+    assert ((y - exact).abs() <= bound.t() * 1.01 + 1e-4).all()
+    torch.testing.assert_close(ops.linear(x[-1:], pw, out_dtype=torch.float32), y[-1:], rtol=0, atol=0)
+
+
+def test_q16_keeps_bf16_inputs_within_2_to_the_7_of_their_block_max_exact():
+    """A bf16 value has an 8-bit significand: every value of a block at least 2^-7 of the block's
+    largest power of two is a multiple of 2^(e - 15) (exact); zero blocks stay zero; a NaN or an
+    infinity makes its block NaN."""
+    gen = torch.Generator().manual_seed(3)
+    sign = torch.randint(0, 2, (3, 128), generator=gen).float() * 2 - 1
+    x = sign * (1 + torch.rand(3, 128, generator=gen)) * torch.exp2(torch.randint(-7, 0, (3, 128), generator=gen).float())
+    x[:, ::7] = 1.0  # each block's max is in [1, 2): all of its values, 2^-7 .. 2, are kept
+    x = x.bfloat16()
+    assert torch.equal(ops.q16_round(x), x.float())
+    special = torch.zeros(2, 128).bfloat16()
+    special[1, 70] = float("inf")
+    special[1, 3] = 5.0
+    read = ops.q16_round(special)
+    assert torch.equal(read[0], torch.zeros(128)) and read[1, :64].tolist() == special[1, :64].float().tolist()
+    assert read[1, 64:].isnan().all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_bf16_linear_lets_a_nan_or_infinity_through(bad, cpu_build):
+    """A NaN or an infinity in an input row leaves none of that row's outputs finite (NaN on the q16
+    path, inf or NaN on the float one); the other rows and an all-zero row are unharmed."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (16, 128), dtype=torch.int8, generator=gen)
+    pw = ops.PackedWeight.int8(q, torch.rand(16, generator=gen) + 0.1)
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    x[1, 100] = bad
+    x[2] = 0
+    bias = torch.randn(16, generator=gen)
+    y = ops.linear(x, pw, bias, out_dtype=torch.float32)
+    assert not y[1].isfinite().any()
+    assert torch.equal(y[2], bias)
+    assert _rel_err(y[0], ops.linear_ref(x[:1], pw, bias, out_dtype=torch.float32)[0]) < 1e-4
 
 
 def test_linear_t_is_linear_on_a_transposed_weight():

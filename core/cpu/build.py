@@ -52,14 +52,14 @@ class Isa(NamedTuple):
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c")
 AVX512_CC = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c")
 ISAS = {  # best first
-    "avx512bf16": Isa((*AVX512, "avx512_bf16"), (*AVX512_CC, "-mavx512bf16"), 3),
+    "avx512bf16": Isa((*AVX512, "avx512_bf16", "avx512_vnni"), (*AVX512_CC, "-mavx512bf16", "-mavx512vnni"), 3),
     "avx512": Isa(AVX512, AVX512_CC, 2),
     "avx2": Isa(("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 1),
     "scalar": Isa((), (), 0),
 }
 TORCH_CAPABILITY_ISA = {"AVX512": "avx512", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability()
-# shown by describe() when present and not used by the chosen build (VNNI, AMX: no kernel uses them;
-# docs/runtime.md says why)
+# shown by describe() when present and not used by the chosen build (avx512_vnni: the avx512bf16 build's
+# int8 GEMV; avx_vnni, AMX: no kernel uses them, docs/runtime.md says why)
 EXTRA_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16")
 
 P, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

@@ -131,6 +131,15 @@ INLINE vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 INLINE vf vload_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+INLINE vi vload_u8i(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); } /* VW bytes */
+INLINE vf vi_to_f(vi a) { return _mm512_cvtepi32_ps(a); }
+/* the VW nibbles of VW / 2 bytes as floats, low nibble first: byte j -> lanes 2j (low), 2j + 1 (high) */
+INLINE vf vload_nibbles(const uint8_t *p) {
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)p), dup));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, shift), _mm512_set1_epi32(15)));
+}
 INLINE vf vload_lut8(const uint8_t *p, const float *table) { /* table[p[j]] */
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), table, 4);
 }
@@ -189,6 +198,16 @@ INLINE vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 INLINE vf vload_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+INLINE vi vload_u8i(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+INLINE vf vi_to_f(vi a) { return _mm256_cvtepi32_ps(a); }
+INLINE vf vload_nibbles(const uint8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i b = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), dup));
+    b = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+}
 INLINE vf vload_lut8(const uint8_t *p, const float *table) {
     return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4);
 }
@@ -301,12 +320,12 @@ static void from_f32(const float *src, int64_t n, void *p, int dt) {
 #define MT 4    /* most input rows per tile (each weight vector loaded once, used MT times) */
 
 /* DT_I8T / DT_BF16T / DT_F32T: int8 / bfloat16 / float W [n, k] in tiles of TILE_ROWS rows
- * (n % 8 == 0, k % tile_k(dt) == 0): per tile, per block of tile_k(dt) features (16 bytes of int8,
+ * (n % 8 == 0, k % tile_k(dt) == 0): per tile, per block of tile_k(dt) features (32 bytes of int8,
  * 64 of bfloat16 or float), the 8 rows' blocks one after another. A tile's GEMV then reads one sequential
  * stream: the row-major layout interleaves 8 streams a row apart (half the bandwidth cache-cold),
  * the transposed one a stream per feature (~0.65x). */
 #define TILE_ROWS 8
-#define I8T_K 16
+#define I8T_K 32
 #define BF16T_K 32
 #define F32T_K 16
 INLINE int tiled_dt(int dt) { return dt == DT_I8T || dt == DT_BF16T || dt == DT_F32T; }
@@ -347,7 +366,7 @@ INLINE void dense_block(const float *x, int64_t k, const void *w, int dt, int64_
             for (int i = 0; i < M; i++) acc[r][i] = vfmadd(wv, xv[i], acc[r][i]);
         }
     }
-    if (kk < k) { /* (DT_I8T: k % 16 == 0, never) */
+    if (kk < k) { /* (DT_I8T: k % 32 == 0, never) */
         vf xv[MT];
         for (int i = 0; i < M; i++) xv[i] = vload_any_part(x, DT_F32, i * k + kk, k - kk);
         for (int r = 0; r < R; r++) {
@@ -445,6 +464,160 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
         }
     }
 }
+
+/* int8 weights (I8 with k % 32 == 0, I8T) x bfloat16 inputs in 16-bit integers (q16, BST_ISA >= 1).
+ * Each input row is read per block of Q16_BLOCK features (the last one may be 32) as x = q 2^(e - 15),
+ * q int16, with 2^(e - 1) <= max |x| < 2^e over the block. A bfloat16 x has an 8-bit significand, so
+ * every x of the block with |x| >= 2^(e - 8) is exact; smaller ones are rounded to a multiple of
+ * 2^(e - 15), an error of at most max |x| 2^-15 (bfloat16 itself keeps 2^-9 of each value).
+ * A block's products are summed exactly in int32 (|q W| < 2^22, 64 of them; vpmaddwd, or vpdpwssd
+ * with AVX512_VNNI: 32 multiply-adds an instruction, against 16 of a float FMA that first has to widen
+ * and convert each code), and each block's sum joins the float32 accumulator times its 2^(e - 15):
+ *     y[i, r] = scale[r] sum_blocks 2^(e_b - 15) sum_{k in b} W[r, k] q[i, k]   (+ bias[r])
+ * Every row of y is summed in the same order whatever the batch (batch-invariant, as the float paths).
+ * A block holding a NaN or an infinity gets a NaN scale, so its rows come out NaN. */
+#define Q16_BLOCK 64
+INLINE int q16_fits(int wdt, int xdt, int64_t k) {
+    return BST_SIMD && xdt == DT_BF16 && ((wdt == DT_I8 && k % 32 == 0) || wdt == DT_I8T);
+}
+
+#if BST_SIMD
+/* x [m, k] floats -> q [m, k] int16 and the block scales xs [m, ceil(k / Q16_BLOCK)] (k % 32 == 0) */
+static void q16_inputs(const float *xf, int64_t m, int64_t k, int16_t *q, float *xs) {
+    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *x = xf + i * k + b * Q16_BLOCK;
+            int16_t *qb = q + i * k + b * Q16_BLOCK;
+            const int64_t len = k - b * Q16_BLOCK < Q16_BLOCK ? k - b * Q16_BLOCK : Q16_BLOCK;
+            vf mx = vzero(), bad = vzero(); /* bad: x * 0 summed, NaN once a NaN or an infinity was seen */
+            for (int64_t j = 0; j < len; j += VW) {
+                vf v = vloadu(x + j);
+                mx = vmax(mx, vabs(v));
+                bad = vadd(bad, vmul(v, vzero()));
+            }
+            float lanes[VW], amax = 0.f;
+            vstoreu(lanes, mx);
+            for (int j = 0; j < VW; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+            if (vsum(bad) != 0.f) amax = NAN;
+            int e = 0;
+            if (amax > 0.f && amax < INFINITY) frexpf(amax, &e);
+            if (!(amax < INFINITY) || amax == 0.f || e < -100) { /* NaN / inf: a NaN row; zero (or below 2^-100): 0 */
+                memset(qb, 0, sizeof(int16_t) * (size_t)len);
+                xs[i * nb + b] = amax == amax && amax < INFINITY ? 0.f : NAN;
+                continue;
+            }
+            xs[i * nb + b] = ldexpf(1.f, e - 15);
+            const vf inv = vset1(ldexpf(1.f, 15 - e));
+            for (int64_t j = 0; j < len; j += VW) {
+#if BST_AVX512
+                _mm256_storeu_si256((__m256i *)(qb + j), _mm512_cvtsepi32_epi16(vcvt_i32(vround(vmul(vloadu(x + j), inv)))));
+#else
+                __m256i v = vcvt_i32(vround(vmul(vloadu(x + j), inv)));
+                _mm_storeu_si128((__m128i *)(qb + j), _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+#endif
+            }
+        }
+}
+
+/* sum_{j < 32 c} W[j] q[j] in int32 lanes, for c = 1 or 2 runs of 32 codes (w0, w1) and 32 q each */
+#if BST_AVX512
+typedef __m512i q16v;
+INLINE q16v q16_w(const int8_t *w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)); }
+INLINE q16v q16_x(const int16_t *q) { return _mm512_loadu_si512((const void *)q); }
+INLINE q16v q16_dot(q16v w, q16v x) { return _mm512_madd_epi16(w, x); }
+#if defined(__AVX512VNNI__)
+INLINE q16v q16_dot_add(q16v acc, q16v w, q16v x) { return _mm512_dpwssd_epi32(acc, w, x); }
+#else
+INLINE q16v q16_dot_add(q16v acc, q16v w, q16v x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
+#endif
+#define Q16_PER 1 /* vectors per 32 codes */
+#else
+typedef __m256i q16v;
+INLINE q16v q16_w(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
+INLINE q16v q16_x(const int16_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
+INLINE q16v q16_dot(q16v w, q16v x) { return _mm256_madd_epi16(w, x); }
+INLINE q16v q16_dot_add(q16v acc, q16v w, q16v x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+#define Q16_PER 2
+#endif
+INLINE vf q16_to_f(q16v a) { return vi_to_f(a); }
+
+/* out[r][i] = sum_k W[row0 + r, k] x[i, k] / scale for R rows, M inputs (compile-time after inlining) */
+INLINE void q16_block(const int16_t *xq, const float *xs, int64_t k, const int8_t *w, int dt, int64_t row0, int R,
+                      int M, float out[ROWS][MT]) {
+    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
+    vf acc[ROWS][MT];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) acc[r][i] = vzero();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t kk = b * Q16_BLOCK, runs = k - kk >= 64 ? 2 : 1; /* 32-code runs in this block */
+        q16v xv[MT][2 * Q16_PER];
+        vf sb[MT];
+        for (int i = 0; i < M; i++) {
+            for (int v = 0; v < runs * Q16_PER; v++) xv[i][v] = q16_x(xq + i * k + kk + v * (32 / Q16_PER));
+            sb[i] = vset1(xs[i * nb + b]);
+        }
+        for (int r = 0; r < R; r++) {
+            q16v wv[2 * Q16_PER];
+            for (int c = 0; c < runs; c++) {
+                const int8_t *wr = w + w_off(dt, row0 + r, kk + 32 * c, k);
+                for (int v = 0; v < Q16_PER; v++) wv[c * Q16_PER + v] = q16_w(wr + v * (32 / Q16_PER));
+            }
+            for (int i = 0; i < M; i++) {
+                q16v s = q16_dot(wv[0], xv[i][0]);
+                for (int v = 1; v < runs * Q16_PER; v++) s = q16_dot_add(s, wv[v], xv[i][v]);
+                acc[r][i] = vfmadd(q16_to_f(s), sb[i], acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) out[r][i] = vsum(acc[r][i]);
+}
+
+#define Q16_SHAPES(DT) \
+    if (R == 8) q16_block(xqi, xsi, k, w, DT, row0, 8, 1, out); \
+    else if (R == 4) { \
+        if (M == 2) q16_block(xqi, xsi, k, w, DT, row0, 4, 2, out); \
+        else if (M == 3) q16_block(xqi, xsi, k, w, DT, row0, 4, 3, out); \
+        else q16_block(xqi, xsi, k, w, DT, row0, 4, 4, out); \
+    } else if (R == 2) { \
+        if (M == 3) q16_block(xqi, xsi, k, w, DT, row0, 2, 3, out); \
+        else q16_block(xqi, xsi, k, w, DT, row0, 2, 4, out); \
+    } else { \
+        if (M == 1) q16_block(xqi, xsi, k, w, DT, row0, 1, 1, out); \
+        else if (M == 2) q16_block(xqi, xsi, k, w, DT, row0, 1, 2, out); \
+        else if (M == 3) q16_block(xqi, xsi, k, w, DT, row0, 1, 3, out); \
+        else q16_block(xqi, xsi, k, w, DT, row0, 1, 4, out); \
+    }
+
+/* dense_rows for int8 weights and q16 inputs (xq [m, k], xs [m, blocks] from q16_inputs) */
+static void q16_rows(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int8_t *w, int wdt,
+                     const float *scale, const float *bias, void *y, int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
+    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
+    float out[ROWS][MT];
+    for (int64_t rows0 = r_begin; rows0 < r_end; rows0 += ROWS) {
+        int64_t rows1 = rows0 + ROWS < r_end ? rows0 + ROWS : r_end;
+        for (int64_t i0 = 0; i0 < m; i0 += MT) {
+            int M = m - i0 >= MT ? MT : (int)(m - i0);
+            int full = M == 1 ? 8 : (BST_ISA == 1 && M > 2) ? 2 : 4;
+            const int16_t *xqi = xq + i0 * k;
+            const float *xsi = xs + i0 * nb;
+            for (int64_t row0 = rows0; row0 < rows1;) {
+                int R = rows1 - row0 >= full ? full : 1;
+                if (wdt == DT_I8T) {
+                    Q16_SHAPES(DT_I8T)
+                } else {
+                    Q16_SHAPES(DT_I8)
+                }
+                for (int r = 0; r < R; r++)
+                    for (int i = 0; i < M; i++)
+                        store_f(y, ydt, (i0 + i) * n + row0 + r, out[r][i] * scale[row0 + r] + (bias ? bias[row0 + r] : 0.f));
+                row0 += R;
+            }
+        }
+    }
+}
+#endif
 
 #if BST_BF16DOT
 /* The lane sums of 16 vectors v[0..15] in one shuffle tree (45 instructions against ~8 for each
@@ -1288,6 +1461,15 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
 #if BST_BF16DOT
     if (wdt == DT_I4D) xsum = group_sums(xf, m, k, k, group); /* the zero point and the codes' offset */
 #endif
+    int16_t *xq = NULL;
+    float *xs = NULL;
+#if BST_SIMD
+    if (q16_fits(wdt, xdt, k)) { /* int8 weights x bfloat16 inputs: 16-bit integer dot products */
+        xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k) + 64);
+        xs = (float *)malloc(sizeof(float) * (size_t)(m * ((k + Q16_BLOCK - 1) / Q16_BLOCK)));
+        q16_inputs(xf, m, k, xq, xs);
+    }
+#endif
     int parts = threads < 1 ? 1 : threads;
     if (n < 64 * parts) parts = 1;
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
@@ -1313,38 +1495,78 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
         else if (wdt == DT_BF16T && x2)
             bf16t_rows(x2, m, k, (const uint16_t *)w, bias, y, ydt, n, b, e);
 #endif
+#if BST_SIMD
+        else if (xq)
+            q16_rows(xq, xs, m, k, (const int8_t *)w, wdt, scale, bias, y, ydt, n, b, e);
+#endif
         else
             dense_rows(xf, m, k, w, wdt, wdt == DT_I8 || wdt == DT_I8T ? scale : NULL, bias, y, ydt, n, b, e);
     }
     free(x2);
     free(xsum);
+    free(xq);
+    free(xs);
     free(xf);
+}
+
+/* row `row` of W [n, k] (I8 / I8T with scale, I4 / I4D with s, sz, BF16T / F32T) as floats in dst [k]:
+ * q * scale, q * s - s z, the value; float weights held transposed (F32 / BF16): NaN. */
+static void dequantize_row(const void *w, int wdt, int64_t row, int64_t n, int64_t k, const float *scale,
+                           const float *sz, int64_t group, float *dst) {
+    const int64_t groups = wdt == DT_I4 || wdt == DT_I4D ? (k + group - 1) / group : 1;
+    int64_t kk = 0;
+#if BST_SIMD /* VW features never cross a block of a tiled layout (16 / 32 / 64 wide) or a group (% 32) */
+    if (wdt == DT_I8 || wdt == DT_I8T) {
+        const vf s = vset1(scale[row]);
+        for (; kk + VW <= k; kk += VW) vstoreu(dst + kk, vmul(vload_i8((const int8_t *)w + w_off(wdt, row, kk, k)), s));
+    } else if (wdt == DT_BF16T || wdt == DT_F32T) {
+        for (; kk + VW <= k; kk += VW) vstoreu(dst + kk, vload_any(w, elem_dt(wdt), w_off(wdt, row, kk, k)));
+    } else if (wdt == DT_I4) {
+        const uint8_t *wr = (const uint8_t *)w + row * (k / 2);
+        for (; kk + VW <= k; kk += VW) {
+            int64_t g = row * groups + kk / group;
+            vstoreu(dst + kk, vfmsub(vload_nibbles(wr + kk / 2), vset1(scale[g]), vset1(sz[g])));
+        }
+    } else if (wdt == DT_I4D) {
+        for (; kk + VW <= k; kk += VW) {
+            int64_t g = i4d_soff(row, kk / group, groups, n);
+            vi b = vload_u8i((const uint8_t *)w + i4d_off(row, kk, k, n) + kk % 32);
+            vf q = vi_to_f(kk % 64 >= 32 ? vi_srli(b, 4) : vi_and(b, vi_set1(15))); /* the high / low nibble plane */
+            vstoreu(dst + kk, vfmsub(q, vset1(scale[g]), vset1(sz[g])));
+        }
+    }
+#endif
+    for (; kk < k; kk++) {
+        float v;
+        if (wdt == DT_I8 || wdt == DT_I8T) {
+            v = (float)((const int8_t *)w)[w_off(wdt, row, kk, k)] * scale[row];
+        } else if (wdt == DT_BF16T || wdt == DT_F32T) {
+            v = load_f(w, elem_dt(wdt), w_off(wdt, row, kk, k));
+        } else if (wdt == DT_I4) {
+            v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
+        } else if (wdt == DT_I4D) {
+            int64_t j = i4d_soff(row, kk / group, groups, n);
+            v = (float)int4d_code((const uint8_t *)w, row, kk, k, n) * scale[j] - sz[j];
+        } else {
+            v = NAN; /* float weights are not dequantized */
+        }
+        dst[kk] = v;
+    }
 }
 
 /* W [n, k] (I8 with scale / I4, I4D with s, sz) -> float rows [n, k] in ydt: the dequantized
  * weight the prefill GEMM multiplies by. */
 void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *scale, const float *sz,
                     int64_t group, void *y, int ydt, int threads) {
-    int64_t groups = wdt == DT_I4 || wdt == DT_I4D ? (k + group - 1) / group : 1;
-#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+    const int parts = threads < 1 ? 1 : threads;
+    float *rows = (float *)malloc(sizeof(float) * (size_t)(k * parts));
+#pragma omp parallel for num_threads(parts) schedule(static)
     for (int64_t row = 0; row < n; row++) {
-        for (int64_t kk = 0; kk < k; kk++) {
-            float v;
-            if (wdt == DT_I8 || wdt == DT_I8T) {
-                v = (float)((const int8_t *)w)[w_off(wdt, row, kk, k)] * scale[row];
-            } else if (wdt == DT_BF16T || wdt == DT_F32T) {
-                v = load_f(w, elem_dt(wdt), w_off(wdt, row, kk, k));
-            } else if (wdt == DT_I4) {
-                v = int4_weight((const uint8_t *)w + row * (k / 2), scale + row * groups, sz + row * groups, kk, group);
-            } else if (wdt == DT_I4D) {
-                int64_t j = i4d_soff(row, kk / group, groups, n);
-                v = (float)int4d_code((const uint8_t *)w, row, kk, k, n) * scale[j] - sz[j];
-            } else {
-                v = NAN; /* float weights are not dequantized */
-            }
-            store_f(y, ydt, row * k + kk, v);
-        }
+        float *dst = rows + k * omp_get_thread_num();
+        dequantize_row(w, wdt, row, n, k, scale, sz, group, dst);
+        from_f32(dst, k, (char *)y + (size_t)(row * k) * (ydt == DT_F32 ? 4 : 2), ydt);
     }
+    free(rows);
 }
 
 /* ---------------------------------------------------------------------------------------- */

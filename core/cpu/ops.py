@@ -191,6 +191,32 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
     return codes * s - sz
 
 
+Q16_BLOCK = 64  # kernels.c: int8 weights x bfloat16 inputs read the inputs per block of 64 features
+
+
+def reads_q16(x: torch.Tensor, pw: PackedWeight) -> bool:
+    """True when `linear` reads x in 16-bit integers (kernels.c q16: int8 weights, bfloat16 x, a
+    vector build); x then counts as `q16_round(x)`."""
+    return (x.dtype == torch.bfloat16 and isa_name(library()) != "scalar"
+            and (pw.kind == KIND_I8T or (pw.kind == KIND_I8 and pw.k % 32 == 0)))
+
+
+def q16_round(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 x bfloat16 GEMV reads it, float32: per block of Q16_BLOCK features,
+    rounded (half to even) to a multiple of 2^(e - 15), where 2^(e - 1) <= the block's max |x| < 2^e.
+    A block with a NaN or an infinity reads as NaN, an all-zero block as zeros."""
+    xf = x.float()
+    out = torch.empty_like(xf)
+    for start in range(0, xf.shape[-1], Q16_BLOCK):
+        block = xf[..., start:start + Q16_BLOCK]
+        amax = block.abs().amax(-1, keepdim=True)
+        _, e = torch.frexp(amax)
+        step = torch.ldexp(torch.ones_like(amax), e - 15)
+        rounded = torch.where(amax > 0, torch.round(block / step) * step, torch.zeros_like(block))
+        out[..., start:start + Q16_BLOCK] = torch.where(amax.isfinite(), rounded, torch.full_like(block, float("nan")))
+    return out
+
+
 def linear_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Torch reference of `linear`, in float32: x [M, K] -> [M, N]."""
@@ -262,7 +288,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Torch reference of `prefill_attention`, in float32."""
     n, h, d = q.shape
-    length, kvh, _ = k.shape
+    length = k.shape[0]
     visible = torch.ones(n, length, dtype=torch.bool).tril(length - n)  # [n, L]: key j <= L - n + i
     qf, kf, vf = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, rows, D]
     o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=visible, scale=scale, enable_gqa=True)

@@ -83,7 +83,7 @@ def dequantize_int8(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = N
     return (q.float() - z.float()[:, None]) * s.float()[:, None]
 
 
-TILE_ROWS, TILE_K = 8, 16  # the int8 tiled layout: rows per tile, features per block
+TILE_ROWS, TILE_K = 8, 32  # the int8 tiled layout: rows per tile, features per block
 FLOAT_TILE_BYTES = 64  # the float (bfloat16 / float32) row tiles: a row's bytes per block, a cache line
 
 
@@ -94,8 +94,8 @@ def int8_tiles_fit(n: int, k: int) -> bool:
 
 def pack_int8_tiled(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> the same codes in the tiled layout [N, K] the compiled GEMV reads (core.cpu):
-    per tile of 8 rows, per block of 16 features, the 8 rows' 16 codes one after another, so a
-    tile is one sequential stream (N % 8 == 0, K % 16 == 0)."""
+    per tile of 8 rows, per block of 32 features, the 8 rows' 32 codes one after another, so a
+    tile is one sequential stream (N % 8 == 0, K % 32 == 0)."""
     return row_tiles(q, TILE_ROWS, TILE_K, to_tiles=True)
 
 
@@ -129,7 +129,7 @@ def unpack_float_tiled(t: torch.Tensor) -> torch.Tensor:
 def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, C] with rows in order <-> rows in tiles of `rows` (the last one N % rows): per tile, per
     block of `unit` columns, its rows' blocks one after another (C % unit == 0). The int8 tiles
-    (8 rows, 16 codes), the float tiles (8 rows, 64 bytes), the int4 dot layout's codes (4 rows,
+    (8 rows, 32 codes), the float tiles (8 rows, 64 bytes), the int4 dot layout's codes (4 rows,
     32 bytes) and scales (4 rows, 1). Written into `out` ([N, C] contiguous, any float dtype for
     float `t`) if given, else a new tensor; one strided copy per tile size."""
     n, width = t.shape
