@@ -542,34 +542,40 @@ INLINE q16v q16_dot_add(q16v acc, q16v w, q16v x) { return _mm256_add_epi32(acc,
 #endif
 INLINE vf q16_to_f(q16v a) { return vi_to_f(a); }
 
+/* acc[r][i] += 2^(e_b - 15) sum_{k in block b} W[row0 + r, k] q[i, k] for the block at kk (RUNS 32-code
+ * runs: 2, or 1 for a last block of 32); R, M and RUNS are compile-time after inlining */
+INLINE void q16_step(const int16_t *xq, const float *xs, int64_t k, int64_t nb, const int8_t *w, int dt,
+                     int64_t row0, int R, int M, int64_t b, int RUNS, vf acc[ROWS][MT]) {
+    const int64_t kk = b * Q16_BLOCK;
+    q16v xv[MT][2 * Q16_PER];
+    vf sb[MT];
+    for (int i = 0; i < M; i++) {
+        for (int v = 0; v < RUNS * Q16_PER; v++) xv[i][v] = q16_x(xq + i * k + kk + v * (32 / Q16_PER));
+        sb[i] = vset1(xs[i * nb + b]);
+    }
+    for (int r = 0; r < R; r++) {
+        q16v wv[2 * Q16_PER];
+        for (int c = 0; c < RUNS; c++) {
+            const int8_t *wr = w + w_off(dt, row0 + r, kk + 32 * c, k);
+            for (int v = 0; v < Q16_PER; v++) wv[c * Q16_PER + v] = q16_w(wr + v * (32 / Q16_PER));
+        }
+        for (int i = 0; i < M; i++) {
+            q16v s = q16_dot(wv[0], xv[i][0]);
+            for (int v = 1; v < RUNS * Q16_PER; v++) s = q16_dot_add(s, wv[v], xv[i][v]);
+            acc[r][i] = vfmadd(q16_to_f(s), sb[i], acc[r][i]);
+        }
+    }
+}
+
 /* out[r][i] = sum_k W[row0 + r, k] x[i, k] / scale for R rows, M inputs (compile-time after inlining) */
 INLINE void q16_block(const int16_t *xq, const float *xs, int64_t k, const int8_t *w, int dt, int64_t row0, int R,
                       int M, float out[ROWS][MT]) {
-    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
+    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK, whole = k / Q16_BLOCK;
     vf acc[ROWS][MT];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = vzero();
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t kk = b * Q16_BLOCK, runs = k - kk >= 64 ? 2 : 1; /* 32-code runs in this block */
-        q16v xv[MT][2 * Q16_PER];
-        vf sb[MT];
-        for (int i = 0; i < M; i++) {
-            for (int v = 0; v < runs * Q16_PER; v++) xv[i][v] = q16_x(xq + i * k + kk + v * (32 / Q16_PER));
-            sb[i] = vset1(xs[i * nb + b]);
-        }
-        for (int r = 0; r < R; r++) {
-            q16v wv[2 * Q16_PER];
-            for (int c = 0; c < runs; c++) {
-                const int8_t *wr = w + w_off(dt, row0 + r, kk + 32 * c, k);
-                for (int v = 0; v < Q16_PER; v++) wv[c * Q16_PER + v] = q16_w(wr + v * (32 / Q16_PER));
-            }
-            for (int i = 0; i < M; i++) {
-                q16v s = q16_dot(wv[0], xv[i][0]);
-                for (int v = 1; v < runs * Q16_PER; v++) s = q16_dot_add(s, wv[v], xv[i][v]);
-                acc[r][i] = vfmadd(q16_to_f(s), sb[i], acc[r][i]);
-            }
-        }
-    }
+    for (int64_t b = 0; b < whole; b++) q16_step(xq, xs, k, nb, w, dt, row0, R, M, b, 2, acc);
+    if (whole < nb) q16_step(xq, xs, k, nb, w, dt, row0, R, M, whole, 1, acc); /* the last 32 features */
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) out[r][i] = vsum(acc[r][i]);
 }

@@ -19,8 +19,8 @@ After loading, `prepare(linear)` repacks for the device that will run it:
                 [N, K/2] uint8 shape, its own byte order), plus its [K/G, N, 2] (scale, offset) table
     CUDA:       the checkpoint layout is what core.kernels.woq_gemm's Triton kernels read
 
-y = x W^T + b on the CPU: a step of at most `max_kernel_tokens` tokens (decode) runs the
-compiled weight-only GEMV (float32 math on x as given, output in x's dtype), or without it
+y = x W^T + b on the CPU: a step of at most `kernel_max_tokens()` tokens (decode, short prompts) runs
+the compiled weight-only GEMV (float32 sums, output in x's dtype), or without it
 the aten weight-only kernel on x cast to the compute dtype (bfloat16, the "A16" of
 W8A16/W4A16); a longer step (prefill, big batches) dequantizes W and runs one dense matmul,
 which is faster there (AMX). With `quantization.activation_quant` set, x is first replaced by
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bestiary.core.cpu.build import cpu_flags, isa_name, library
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.quant import online_act, packing
@@ -39,8 +40,17 @@ from bestiary.core.quant.packing import Int4Codes
 from torch import nn
 
 # Steps with more tokens than this dequantize to bf16 and run a dense matmul on the CPU
-# (the weight-only kernels do not scale with the batch; see docs/quantization.md).
+# (the weight-only kernels do not scale with the batch; see docs/quantization.md): the aten
+# kernels, and the compiled ones where torch's bf16 GEMM runs on AMX.
 DEFAULT_MAX_KERNEL_TOKENS = 8
+# the same bound for the compiled kernels, by their build and the weight's bits. torch / kernel time,
+# bf16 inputs, over 16 weights of each SmolLM2 shape in turn, 2 threads, one AVX-512 BF16 machine
+# without AMX with each build forced (torch's side in float32 on the builds without native bf16;
+# `python benchmarks/tiled_crossover.py --quant [--no-native]`):
+#   avx512bf16  int8 1.04-1.38 at 24 rows, 0.87-1.17 at 32;  int4 1.05-1.20 at 16, 0.81-0.92 at 24
+#   avx512      int8 1.21-1.37 at 128;                       int4 1.06-1.41 at 32, 0.82-1.04 at 64
+#   avx2        int8 1.04-1.24 at 128;                       int4 1.00-1.11 at 16, 0.74-0.79 at 24
+COMPILED_MAX_TOKENS = {"avx512bf16": {8: 24, 4: 16}, "avx512": {8: 128, 4: 32}, "avx2": {8: 128, 4: 16}}
 SCALE_NAMES = ("weights_scaling_factor", "zeros", "in_perm")
 # W4A16_GPTQ layers hold `in_perm` int32 [K_local]: the layer computes x[..., in_perm] W^T, so
 # act-order (GPTQ desc_act) weights are stored with group-contiguous in-features
@@ -75,7 +85,7 @@ class WeightOnlySlot:
         self.lq = lq
         self.out_local, self.in_local = shape
         self.compute_dtype = torch.bfloat16
-        self.max_kernel_tokens = DEFAULT_MAX_KERNEL_TOKENS
+        self.max_kernel_tokens: int | None = None  # None: kernel_max_tokens() picks the bound
         self.layout = "checkpoint"  # "cpu" / "dot" / "tiled": the aten int4, int4 dot, int8 tiled layouts
         self.k_pad = 0  # cpu layout: zero input features appended so the group size divides K
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
@@ -268,7 +278,7 @@ class WeightOnlySlot:
             y = self._compiled_matmul(x2).to(x.dtype)
         else:
             xc = x2.to(self.compute_dtype)
-            if x2.shape[0] <= self.max_kernel_tokens and self._kernel_scales is not None:
+            if x2.shape[0] <= self.kernel_max_tokens() and self._kernel_scales is not None:
                 y = self._cpu_kernel(linear, xc)
             else:
                 y = cpu_matmul.dense_weight_matmul(xc, self.dequantize(linear))  # fp32 GEMM without native bf16
@@ -281,14 +291,24 @@ class WeightOnlySlot:
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _compiled_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """The compiled kernels (core.cpu): GEMV at <= max_kernel_tokens rows, else the weight
+        """The compiled kernels (core.cpu): GEMV at <= kernel_max_tokens() rows, else the weight
         dequantized (float32 without native bf16 GEMMs) and one dense matmul. x2 [T, K] -> [T, N]."""
         ops = dispatch.cpu_ops()
-        if x2.shape[0] <= self.max_kernel_tokens:
+        if x2.shape[0] <= self.kernel_max_tokens():
             return ops.linear(x2, self._packed)
         dtype = self.compute_dtype if cpu_matmul.native_half_gemm(self.compute_dtype) else torch.float32
         w = ops.dequantize(self._packed, dtype)  # [N, K]
         return F.linear(x2.to(dtype), w).to(x2.dtype)
+
+    def kernel_max_tokens(self) -> int:
+        """Rows up to which a CPU step runs the weight-only kernel: `max_kernel_tokens` when set
+        (set_max_kernel_tokens), else COMPILED_MAX_TOKENS of the compiled kernels' build (not with
+        AMX), else DEFAULT_MAX_KERNEL_TOKENS."""
+        if self.max_kernel_tokens is not None:
+            return self.max_kernel_tokens
+        if self._packed is None or "amx_bf16" in cpu_flags():
+            return DEFAULT_MAX_KERNEL_TOKENS
+        return COMPILED_MAX_TOKENS.get(isa_name(library()), {}).get(self.lq.bits, DEFAULT_MAX_KERNEL_TOKENS)
 
     def input_perm(self, linear: nn.Module, device: torch.device) -> torch.Tensor | None:
         """Local in_perm (int64, on `device`) the input is gathered by, None when identity or absent."""
