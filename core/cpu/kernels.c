@@ -318,6 +318,26 @@ static void from_f32(const float *src, int64_t n, void *p, int dt) {
 
 #define ROWS 8  /* most weight rows per tile (a single input row: 8 independent FMA chains) */
 #define MT 4    /* most input rows per tile (each weight vector loaded once, used MT times) */
+#define Q16_BLOCK 64 /* features per scale of the int16 inputs of the int8 x bf16 GEMV (q16, below) */
+
+/* the input rows a tile reads: floats (xf [m, k]), or for the q16 path int16 codes (xq [m, k]) and
+ * their block scales (xs [m, ceil(k / Q16_BLOCK)]) */
+typedef struct {
+    const float *xf;
+    const int16_t *xq;
+    const float *xs;
+} tile_inputs;
+
+/* the same inputs from row i0 on */
+INLINE tile_inputs inputs_at(tile_inputs in, int64_t i0, int64_t k) {
+    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
+    tile_inputs at = {in.xf ? in.xf + i0 * k : NULL, in.xq ? in.xq + i0 * k : NULL, in.xs ? in.xs + i0 * nb : NULL};
+    return at;
+}
+
+/* a tile: out[r][i] = sum_k W[row0 + r, k] x[i, k] for R rows and M inputs (unscaled) */
+typedef void (*tile_fn)(tile_inputs in, int64_t k, const void *w, int wdt, int64_t row0, int R, int M,
+                        float out[ROWS][MT]);
 
 /* DT_I8T / DT_BF16T / DT_F32T: int8 / bfloat16 / float W [n, k] in tiles of TILE_ROWS rows
  * (n % 8 == 0, k % tile_k(dt) == 0): per tile, per block of tile_k(dt) features (32 bytes of int8,
@@ -393,54 +413,55 @@ INLINE void dense_block_scalar(const float *x, int64_t k, const void *w, int dt,
         }
 }
 
-INLINE void dense_tile(const float *x, int64_t k, const void *w, int dt, int64_t row0, int R, int M,
+INLINE void dense_tile(tile_inputs in, int64_t k, const void *w, int dt, int64_t row0, int R, int M,
                        float out[ROWS][MT]) {
 #if BST_SIMD
-    dense_block(x, k, w, dt, row0, R, M, out);
+    dense_block(in.xf, k, w, dt, row0, R, M, out);
 #else
-    dense_block_scalar(x, k, w, dt, row0, R, M, out);
+    dense_block_scalar(in.xf, k, w, dt, row0, R, M, out);
 #endif
 }
 
 /* The tile shapes (rows R x inputs M), each its own register-blocked loop per weight dtype:
  * 8 x 1, 4 x 2..4 (8 to 16 accumulators; AVX2, 16 registers: 2 x 3..4), and 1 x M for the
  * rows left at the end. */
-#define TILE_SHAPES(DT) \
-    if (R == 8) dense_tile(xi, k, w, DT, row0, 8, 1, out); \
+#define TILE_SHAPES(FN, DT) \
+    if (R == 8) FN(in, k, w, DT, row0, 8, 1, out); \
     else if (R == 4) { \
-        if (M == 2) dense_tile(xi, k, w, DT, row0, 4, 2, out); \
-        else if (M == 3) dense_tile(xi, k, w, DT, row0, 4, 3, out); \
-        else dense_tile(xi, k, w, DT, row0, 4, 4, out); \
+        if (M == 2) FN(in, k, w, DT, row0, 4, 2, out); \
+        else if (M == 3) FN(in, k, w, DT, row0, 4, 3, out); \
+        else FN(in, k, w, DT, row0, 4, 4, out); \
     } else if (R == 2) { \
-        if (M == 3) dense_tile(xi, k, w, DT, row0, 2, 3, out); \
-        else dense_tile(xi, k, w, DT, row0, 2, 4, out); \
+        if (M == 3) FN(in, k, w, DT, row0, 2, 3, out); \
+        else FN(in, k, w, DT, row0, 2, 4, out); \
     } else { \
-        if (M == 1) dense_tile(xi, k, w, DT, row0, 1, 1, out); \
-        else if (M == 2) dense_tile(xi, k, w, DT, row0, 1, 2, out); \
-        else if (M == 3) dense_tile(xi, k, w, DT, row0, 1, 3, out); \
-        else dense_tile(xi, k, w, DT, row0, 1, 4, out); \
+        if (M == 1) FN(in, k, w, DT, row0, 1, 1, out); \
+        else if (M == 2) FN(in, k, w, DT, row0, 1, 2, out); \
+        else if (M == 3) FN(in, k, w, DT, row0, 1, 3, out); \
+        else FN(in, k, w, DT, row0, 1, 4, out); \
     }
 
-static void tile_any(const float *xi, int64_t k, const void *w, int wdt, int64_t row0, int R, int M,
+static void tile_any(tile_inputs in, int64_t k, const void *w, int wdt, int64_t row0, int R, int M,
                      float out[ROWS][MT]) {
     if (wdt == DT_F32) {
-        TILE_SHAPES(DT_F32)
+        TILE_SHAPES(dense_tile, DT_F32)
     } else if (wdt == DT_BF16) {
-        TILE_SHAPES(DT_BF16)
+        TILE_SHAPES(dense_tile, DT_BF16)
     } else if (wdt == DT_I8) {
-        TILE_SHAPES(DT_I8)
+        TILE_SHAPES(dense_tile, DT_I8)
     } else if (wdt == DT_BF16T) {
-        TILE_SHAPES(DT_BF16T)
+        TILE_SHAPES(dense_tile, DT_BF16T)
     } else if (wdt == DT_F32T) {
-        TILE_SHAPES(DT_F32T)
+        TILE_SHAPES(dense_tile, DT_F32T)
     } else {
-        TILE_SHAPES(DT_I8T)
+        TILE_SHAPES(dense_tile, DT_I8T)
     }
 }
 
 /* Rows [r_begin, r_end) of y for all m inputs, ROWS rows at a time: every input against those rows
- * while they are in L1 (the weight streams once for any m), in tiles of R rows x M inputs. */
-static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int wdt, const float *scale,
+ * while they are in L1 (the weight streams once for any m), in tiles of R rows x M inputs, each
+ * row's sum times scale[row] (if any) plus bias[row] (if any). */
+static void dense_rows(tile_inputs in, int64_t m, int64_t k, const void *w, int wdt, tile_fn tile, const float *scale,
                        const float *bias, void *y, int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
     float out[ROWS][MT];
     for (int64_t rows0 = r_begin; rows0 < r_end; rows0 += ROWS) {
@@ -448,10 +469,10 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
         for (int64_t i0 = 0; i0 < m; i0 += MT) {
             int M = m - i0 >= MT ? MT : (int)(m - i0);
             int full = M == 1 ? 8 : (BST_ISA == 1 && M > 2) ? 2 : 4;
-            const float *xi = xf + i0 * k;
+            const tile_inputs xi = inputs_at(in, i0, k);
             for (int64_t row0 = rows0; row0 < rows1;) {
                 int R = rows1 - row0 >= full ? full : 1;
-                tile_any(xi, k, w, wdt, row0, R, M, out);
+                tile(xi, k, w, wdt, row0, R, M, out);
                 for (int r = 0; r < R; r++)
                     for (int i = 0; i < M; i++) {
                         float v = out[r][i];
@@ -476,7 +497,6 @@ static void dense_rows(const float *xf, int64_t m, int64_t k, const void *w, int
  *     y[i, r] = scale[r] sum_blocks 2^(e_b - 15) sum_{k in b} W[r, k] q[i, k]   (+ bias[r])
  * Every row of y is summed in the same order whatever the batch (batch-invariant, as the float paths).
  * A block holding a NaN or an infinity gets a NaN scale, so its rows come out NaN. */
-#define Q16_BLOCK 64
 INLINE int q16_fits(int wdt, int xdt, int64_t k) {
     return BST_SIMD && xdt == DT_BF16 && ((wdt == DT_I8 && k % 32 == 0) || wdt == DT_I8T);
 }
@@ -568,8 +588,10 @@ INLINE void q16_step(const int16_t *xq, const float *xs, int64_t k, int64_t nb, 
 }
 
 /* out[r][i] = sum_k W[row0 + r, k] x[i, k] / scale for R rows, M inputs (compile-time after inlining) */
-INLINE void q16_block(const int16_t *xq, const float *xs, int64_t k, const int8_t *w, int dt, int64_t row0, int R,
-                      int M, float out[ROWS][MT]) {
+INLINE void q16_block(tile_inputs in, int64_t k, const int8_t *w, int dt, int64_t row0, int R, int M,
+                      float out[ROWS][MT]) {
+    const int16_t *xq = in.xq;
+    const float *xs = in.xs;
     const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK, whole = k / Q16_BLOCK;
     vf acc[ROWS][MT];
     for (int r = 0; r < R; r++)
@@ -580,47 +602,12 @@ INLINE void q16_block(const int16_t *xq, const float *xs, int64_t k, const int8_
         for (int i = 0; i < M; i++) out[r][i] = vsum(acc[r][i]);
 }
 
-#define Q16_SHAPES(DT) \
-    if (R == 8) q16_block(xqi, xsi, k, w, DT, row0, 8, 1, out); \
-    else if (R == 4) { \
-        if (M == 2) q16_block(xqi, xsi, k, w, DT, row0, 4, 2, out); \
-        else if (M == 3) q16_block(xqi, xsi, k, w, DT, row0, 4, 3, out); \
-        else q16_block(xqi, xsi, k, w, DT, row0, 4, 4, out); \
-    } else if (R == 2) { \
-        if (M == 3) q16_block(xqi, xsi, k, w, DT, row0, 2, 3, out); \
-        else q16_block(xqi, xsi, k, w, DT, row0, 2, 4, out); \
-    } else { \
-        if (M == 1) q16_block(xqi, xsi, k, w, DT, row0, 1, 1, out); \
-        else if (M == 2) q16_block(xqi, xsi, k, w, DT, row0, 1, 2, out); \
-        else if (M == 3) q16_block(xqi, xsi, k, w, DT, row0, 1, 3, out); \
-        else q16_block(xqi, xsi, k, w, DT, row0, 1, 4, out); \
-    }
-
-/* dense_rows for int8 weights and q16 inputs (xq [m, k], xs [m, blocks] from q16_inputs) */
-static void q16_rows(const int16_t *xq, const float *xs, int64_t m, int64_t k, const int8_t *w, int wdt,
-                     const float *scale, const float *bias, void *y, int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
-    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
-    float out[ROWS][MT];
-    for (int64_t rows0 = r_begin; rows0 < r_end; rows0 += ROWS) {
-        int64_t rows1 = rows0 + ROWS < r_end ? rows0 + ROWS : r_end;
-        for (int64_t i0 = 0; i0 < m; i0 += MT) {
-            int M = m - i0 >= MT ? MT : (int)(m - i0);
-            int full = M == 1 ? 8 : (BST_ISA == 1 && M > 2) ? 2 : 4;
-            const int16_t *xqi = xq + i0 * k;
-            const float *xsi = xs + i0 * nb;
-            for (int64_t row0 = rows0; row0 < rows1;) {
-                int R = rows1 - row0 >= full ? full : 1;
-                if (wdt == DT_I8T) {
-                    Q16_SHAPES(DT_I8T)
-                } else {
-                    Q16_SHAPES(DT_I8)
-                }
-                for (int r = 0; r < R; r++)
-                    for (int i = 0; i < M; i++)
-                        store_f(y, ydt, (i0 + i) * n + row0 + r, out[r][i] * scale[row0 + r] + (bias ? bias[row0 + r] : 0.f));
-                row0 += R;
-            }
-        }
+static void q16_any(tile_inputs in, int64_t k, const void *w, int wdt, int64_t row0, int R, int M,
+                    float out[ROWS][MT]) {
+    if (wdt == DT_I8T) {
+        TILE_SHAPES(q16_block, DT_I8T)
+    } else {
+        TILE_SHAPES(q16_block, DT_I8)
     }
 }
 #endif
@@ -1503,10 +1490,11 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
 #endif
 #if BST_SIMD
         else if (xq)
-            q16_rows(xq, xs, m, k, (const int8_t *)w, wdt, scale, bias, y, ydt, n, b, e);
+            dense_rows((tile_inputs){NULL, xq, xs}, m, k, w, wdt, q16_any, scale, bias, y, ydt, n, b, e);
 #endif
         else
-            dense_rows(xf, m, k, w, wdt, wdt == DT_I8 || wdt == DT_I8T ? scale : NULL, bias, y, ydt, n, b, e);
+            dense_rows((tile_inputs){xf, NULL, NULL}, m, k, w, wdt, tile_any, wdt == DT_I8 || wdt == DT_I8T ? scale : NULL,
+                       bias, y, ydt, n, b, e);
     }
     free(x2);
     free(xsum);
