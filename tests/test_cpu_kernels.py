@@ -246,28 +246,33 @@ def test_q16_keeps_bf16_inputs_within_2_to_the_7_of_their_block_max_exact():
     x[:, ::7] = 1.0  # each block's max is in [1, 2): all of its values, 2^-7 .. 2, are kept
     x = x.bfloat16()
     assert torch.equal(ops.q16_round(x), x.float())
-    special = torch.zeros(2, 128).bfloat16()
+    special = torch.zeros(3, 128).bfloat16()
     special[1, 70] = float("inf")
     special[1, 3] = 5.0
+    special[2, :64] = 2.0**-110  # below 2^-101: read as zeros; the next block is not
+    special[2, 64:] = 2.0**-90
     read = ops.q16_round(special)
     assert torch.equal(read[0], torch.zeros(128)) and read[1, :64].tolist() == special[1, :64].float().tolist()
     assert read[1, 64:].isnan().all()
+    assert torch.equal(read[2, :64], torch.zeros(64)) and torch.equal(read[2, 64:], special[2, 64:].float())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_int8_bf16_linear_lets_a_nan_or_infinity_through(bad, cpu_build):
     """A NaN or an infinity in an input row leaves none of that row's outputs finite (NaN on the q16
-    path, inf or NaN on the float one); the other rows and an all-zero row are unharmed."""
+    path, inf or NaN on the float one); the other rows, an all-zero row and a row of values below
+    2^-101 are unharmed."""
     gen = torch.Generator().manual_seed(4)
     q = torch.randint(-127, 128, (16, 128), dtype=torch.int8, generator=gen)
     pw = ops.PackedWeight.int8(q, torch.rand(16, generator=gen) + 0.1)
-    x = torch.randn(3, 128, generator=gen).bfloat16()
+    x = torch.randn(4, 128, generator=gen).bfloat16()
     x[1, 100] = bad
     x[2] = 0
+    x[3] = 2.0**-110  # q16 reads it as zeros; the float path adds ~1e-31 to the bias
     bias = torch.randn(16, generator=gen)
     y = ops.linear(x, pw, bias, out_dtype=torch.float32)
     assert not y[1].isfinite().any()
-    assert torch.equal(y[2], bias)
+    assert torch.equal(y[2], bias) and torch.equal(y[3], bias)
     assert _rel_err(y[0], ops.linear_ref(x[:1], pw, bias, out_dtype=torch.float32)[0]) < 1e-4
 
 

@@ -204,7 +204,7 @@ def reads_q16(x: torch.Tensor, pw: PackedWeight) -> bool:
 def q16_round(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the int8 x bfloat16 GEMV reads it, float32: per block of Q16_BLOCK features,
     rounded (half to even) to a multiple of 2^(e - 15), where 2^(e - 1) <= the block's max |x| < 2^e.
-    A block with a NaN or an infinity reads as NaN, an all-zero block as zeros."""
+    A block with a NaN or an infinity reads as NaN, an all-zero block (or one below 2^-101) as zeros."""
     xf = x.float()
     out = torch.empty_like(xf)
     for start in range(0, xf.shape[-1], Q16_BLOCK):
@@ -212,7 +212,7 @@ def q16_round(x: torch.Tensor) -> torch.Tensor:
         amax = block.abs().amax(-1, keepdim=True)
         _, e = torch.frexp(amax)
         step = torch.ldexp(torch.ones_like(amax), e - 15)
-        rounded = torch.where(amax > 0, torch.round(block / step) * step, torch.zeros_like(block))
+        rounded = torch.where((amax > 0) & (e >= -100), torch.round(block / step) * step, torch.zeros_like(block))
         out[..., start:start + Q16_BLOCK] = torch.where(amax.isfinite(), rounded, torch.full_like(block, float("nan")))
     return out
 
