@@ -3,9 +3,10 @@
  * Built by bestiary.core.cpu.build (gcc -O3 -fopenmp and one ISA's flags) the first time they
  * are needed, loaded with ctypes. The ISA follows from the compiler's predefined macros:
  *
- *   BST_ISA 3  AVX-512 + AVX512_BF16                 BST_ISA 2, and where both operands are
+ *   BST_ISA 3  AVX-512 + AVX512_BF16 + AVX512_VNNI   BST_ISA 2, and where both operands are
  *                                                    bfloat16 (bf16 weights x bf16 inputs,
- *                                                    bf16 q . bf16 keys) vdpbf16ps dot products
+ *                                                    bf16 q . bf16 keys) vdpbf16ps dot products;
+ *                                                    int8 weights x bf16 inputs: vpdpwssd (q16)
  *   BST_ISA 2  AVX-512 (F, BW, VL; with FMA, F16C)   16-float vectors, masked tails
  *   BST_ISA 1  AVX2 + FMA + F16C                     8-float vectors
  *   BST_ISA 0  scalar C (what the compiler makes of it for the baseline target)
@@ -40,7 +41,8 @@
 #include <string.h>
 #include <time.h>
 #include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__AVX512BF16__) \
+    && defined(__AVX512VNNI__)
 #define BST_ISA 3
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
 #define BST_ISA 2
