@@ -17,7 +17,9 @@
 
 Every op computes in float32 and rounds its output once (on the avx512bf16 build, dot products
 of two bfloat16 operands run vdpbf16ps: exact products, float32 sums; nothing is rounded that
-the other builds keep, so the same references and tolerances hold). `supports(*tensors)` says whether
+the other builds keep, so the same references and tolerances hold). One exception: int8 weights
+times bfloat16 inputs read the inputs as `q16_round(x)` on the vector builds (16-bit integer dot
+products; exact within 2^7 of each 64-feature block's largest value, `reads_q16`). `supports(*tensors)` says whether
 the compiled op can take them (CPU, float32 / bfloat16, library built); callers fall back to
 the torch reference otherwise. Tensors must be contiguous unless a docstring says otherwise.
 """
