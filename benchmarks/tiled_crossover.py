@@ -13,7 +13,7 @@ BESTIARY_CPU_ISA=avx512 / avx2 (and --no-native to time torch as a CPU without b
 --quant: the same for quantized weights as a bfloat16 W8A16 / W4A16 engine holds them (int8 in
 row tiles, int4 group 64 in the layout this build reads) against what their slot runs past
 max_kernel_tokens rows: `ops.dequantize` to bfloat16 (float32 without native bf16 GEMM), then
-F.linear. core.quant.slot.KERNEL_MAX_TOKENS comes from this table.
+F.linear. core.quant.slot.COMPILED_MAX_TOKENS comes from this table.
 
     python benchmarks/tiled_crossover.py [--rows 33 64 128 256] [--threads 2] [--layers 16] [--no-native]
     python benchmarks/tiled_crossover.py --quant --rows 8 16 24 32 48 64

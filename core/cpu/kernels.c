@@ -330,10 +330,13 @@ typedef struct {
     const float *xs;
 } tile_inputs;
 
+/* the number of Q16_BLOCK-feature blocks (scales) of an input row of k features */
+INLINE int64_t q16_blocks(int64_t k) { return (k + Q16_BLOCK - 1) / Q16_BLOCK; }
+
 /* the same inputs from row i0 on */
 INLINE tile_inputs inputs_at(tile_inputs in, int64_t i0, int64_t k) {
-    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
-    tile_inputs at = {in.xf ? in.xf + i0 * k : NULL, in.xq ? in.xq + i0 * k : NULL, in.xs ? in.xs + i0 * nb : NULL};
+    tile_inputs at = {in.xf ? in.xf + i0 * k : NULL, in.xq ? in.xq + i0 * k : NULL,
+                      in.xs ? in.xs + i0 * q16_blocks(k) : NULL};
     return at;
 }
 
@@ -506,7 +509,7 @@ INLINE int q16_fits(int wdt, int xdt, int64_t k) {
 #if BST_SIMD
 /* x [m, k] floats -> q [m, k] int16 and the block scales xs [m, ceil(k / Q16_BLOCK)] (k % 32 == 0) */
 static void q16_inputs(const float *xf, int64_t m, int64_t k, int16_t *q, float *xs) {
-    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK;
+    const int64_t nb = q16_blocks(k);
     for (int64_t i = 0; i < m; i++)
         for (int64_t b = 0; b < nb; b++) {
             const float *x = xf + i * k + b * Q16_BLOCK;
@@ -543,8 +546,8 @@ static void q16_inputs(const float *xf, int64_t m, int64_t k, int16_t *q, float 
 }
 
 /* sum_{j < 32 c} W[j] q[j] in int32 lanes, for c = 1 or 2 runs of 32 codes (w0, w1) and 32 q each */
+typedef vi q16v; /* 16-bit lanes in, int32 lanes out of the dot products */
 #if BST_AVX512
-typedef __m512i q16v;
 INLINE q16v q16_w(const int8_t *w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)); }
 INLINE q16v q16_x(const int16_t *q) { return _mm512_loadu_si512((const void *)q); }
 INLINE q16v q16_dot(q16v w, q16v x) { return _mm512_madd_epi16(w, x); }
@@ -555,14 +558,12 @@ INLINE q16v q16_dot_add(q16v acc, q16v w, q16v x) { return _mm512_add_epi32(acc,
 #endif
 #define Q16_PER 1 /* vectors per 32 codes */
 #else
-typedef __m256i q16v;
 INLINE q16v q16_w(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
 INLINE q16v q16_x(const int16_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
 INLINE q16v q16_dot(q16v w, q16v x) { return _mm256_madd_epi16(w, x); }
 INLINE q16v q16_dot_add(q16v acc, q16v w, q16v x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
 #define Q16_PER 2
 #endif
-INLINE vf q16_to_f(q16v a) { return vi_to_f(a); }
 
 /* acc[r][i] += 2^(e_b - 15) sum_{k in block b} W[row0 + r, k] q[i, k] for the block at kk (RUNS 32-code
  * runs: 2, or 1 for a last block of 32); R, M and RUNS are compile-time after inlining */
@@ -584,7 +585,7 @@ INLINE void q16_step(const int16_t *xq, const float *xs, int64_t k, int64_t nb, 
         for (int i = 0; i < M; i++) {
             q16v s = q16_dot(wv[0], xv[i][0]);
             for (int v = 1; v < RUNS * Q16_PER; v++) s = q16_dot_add(s, wv[v], xv[i][v]);
-            acc[r][i] = vfmadd(q16_to_f(s), sb[i], acc[r][i]);
+            acc[r][i] = vfmadd(vi_to_f(s), sb[i], acc[r][i]);
         }
     }
 }
@@ -594,7 +595,7 @@ INLINE void q16_block(tile_inputs in, int64_t k, const int8_t *w, int dt, int64_
                       float out[ROWS][MT]) {
     const int16_t *xq = in.xq;
     const float *xs = in.xs;
-    const int64_t nb = (k + Q16_BLOCK - 1) / Q16_BLOCK, whole = k / Q16_BLOCK;
+    const int64_t nb = q16_blocks(k), whole = k / Q16_BLOCK;
     vf acc[ROWS][MT];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) acc[r][i] = vzero();
@@ -1461,7 +1462,7 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
 #if BST_SIMD
     if (q16_fits(wdt, xdt, k)) { /* int8 weights x bfloat16 inputs: 16-bit integer dot products */
         xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k) + 64);
-        xs = (float *)malloc(sizeof(float) * (size_t)(m * ((k + Q16_BLOCK - 1) / Q16_BLOCK)));
+        xs = (float *)malloc(sizeof(float) * (size_t)(m * q16_blocks(k)));
         q16_inputs(xf, m, k, xq, xs);
     }
 #endif

@@ -86,6 +86,7 @@ class WeightOnlySlot:
         self.out_local, self.in_local = shape
         self.compute_dtype = torch.bfloat16
         self.max_kernel_tokens: int | None = None  # None: kernel_max_tokens() picks the bound
+        self._kernel_bound = DEFAULT_MAX_KERNEL_TOKENS  # prepare(): the bound of the path the layer runs
         self.layout = "checkpoint"  # "cpu" / "dot" / "tiled": the aten int4, int4 dot, int8 tiled layouts
         self.k_pad = 0  # cpu layout: zero input features appended so the group size divides K
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
@@ -204,12 +205,16 @@ class WeightOnlySlot:
         """Repack for the device the layer now lives on (idempotent)."""
         self._perm = False  # in_perm is looked at again on the next matmul
         self._packed = None
+        self._kernel_bound = DEFAULT_MAX_KERNEL_TOKENS
         if linear.weight.device.type != "cpu":
             self._to_checkpoint_layout(linear)  # the device kernels read the checkpoint layout
             return
         s = linear.weights_scaling_factor
         if self.runs_compiled(linear):
             ops = dispatch.cpu_ops()
+            if "amx_bf16" not in cpu_flags():  # with AMX, torch's bf16 GEMM wins past the aten bound
+                self._kernel_bound = COMPILED_MAX_TOKENS.get(isa_name(library()), {}).get(self.lq.bits,
+                                                                                         DEFAULT_MAX_KERNEL_TOKENS)
             if self.lq.bits == 8:
                 if self.layout == "checkpoint" and packing.int8_tiles_fit(*linear.weight.shape):  # in place
                     linear.weight = _param(packing.pack_int8_tiled(linear.weight.data))
@@ -304,11 +309,7 @@ class WeightOnlySlot:
         """Rows up to which a CPU step runs the weight-only kernel: `max_kernel_tokens` when set
         (set_max_kernel_tokens), else COMPILED_MAX_TOKENS of the compiled kernels' build (not with
         AMX), else DEFAULT_MAX_KERNEL_TOKENS."""
-        if self.max_kernel_tokens is not None:
-            return self.max_kernel_tokens
-        if self._packed is None or "amx_bf16" in cpu_flags():
-            return DEFAULT_MAX_KERNEL_TOKENS
-        return COMPILED_MAX_TOKENS.get(isa_name(library()), {}).get(self.lq.bits, DEFAULT_MAX_KERNEL_TOKENS)
+        return self._kernel_bound if self.max_kernel_tokens is None else self.max_kernel_tokens
 
     def input_perm(self, linear: nn.Module, device: torch.device) -> torch.Tensor | None:
         """Local in_perm (int64, on `device`) the input is gathered by, None when identity or absent."""
