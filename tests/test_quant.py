@@ -337,6 +337,29 @@ def test_kernel_threshold_does_not_change_results(tiny_src, tmp_path):
     assert (a - b).abs().max() < 1e-4 * a.abs().max()
 
 
+@pytest.mark.parametrize("mode,bits", [("int8", 8), ("int4_g64_zp", 4)])
+def test_kernel_bound_follows_the_kernel_build(mode, bits, tiny_src, tmp_path, monkeypatch):
+    """A layer on the compiled kernels runs its GEMV up to COMPILED_MAX_TOKENS[build][bits] rows;
+    with AMX (torch's bf16 GEMM) or without the compiled kernels, DEFAULT_MAX_KERNEL_TOKENS;
+    set_max_kernel_tokens overrides either."""
+    from bestiary.core.cpu.build import isa_name, library
+    from bestiary.core.quant import slot as slot_module
+
+    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=MODES[mode])
+    engine = Engine.load(tmp_path / "q")
+    linears = list(quantized_linears(engine.model).values())
+    compiled = [m.quant._packed is not None for m in linears]
+    default = slot_module.DEFAULT_MAX_KERNEL_TOKENS
+    table = slot_module.COMPILED_MAX_TOKENS.get(isa_name(library()), {}).get(bits, default) if any(compiled) else default
+    assert [m.quant.kernel_max_tokens() for m in linears] == [table if c else default for c in compiled]
+    monkeypatch.setattr(slot_module, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    for m in linears:
+        m.quant.prepare(m)
+    assert {m.quant.kernel_max_tokens() for m in linears} == {default}
+    set_max_kernel_tokens(engine.model, 5)
+    assert {m.quant.kernel_max_tokens() for m in linears} == {5}
+
+
 # --- refusals --------------------------------------------------------------------------------
 def test_groups_straddling_tensor_parallel_ranks_are_refused_before_writing(tmp_path):
     src = make_tiny_llama(tmp_path)  # intermediate 80: mlp.proj (row-parallel) has 40 input features per rank
