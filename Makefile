@@ -11,7 +11,7 @@ PIP = $(PYTHON) -m pip
 INSTALLED = $(VENV)/.bestiary-installed
 SAY_VENV = @echo "bestiary: using the virtualenv $(VENV)"
 
-.PHONY: install demo test test-slow test-gpu test-all bench docs mutation browser
+.PHONY: install demo test test-slow test-gpu test-all gpu-check bench docs mutation browser
 
 $(PYTHON):
 	@$(BASE_PYTHON) -m venv $(VENV) || { echo "error: $(BASE_PYTHON) -m venv $(VENV) failed (Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
@@ -47,6 +47,14 @@ test-slow: $(INSTALLED)
 test-gpu: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -m gpu tests
+
+# The whole device run on a GPU machine in one command of at most ~5 minutes (benchmarks/gpu_check.py):
+# wheels, the Triton kernels compiled, every family's parity, performance, the gpu tests. It needs no
+# virtualenv (the GPU image has torch; the wheels in .whl/ bring the rest): OUT=dir gets summary.json
+# and gpu-check.log. On a machine without a GPU: GPU_CHECK_ARGS=--dry-run.
+OUT ?= .gpu-check
+gpu-check:
+	$(BASE_PYTHON) benchmarks/gpu_check.py $(OUT) $(GPU_CHECK_ARGS)
 
 test-all: $(INSTALLED)
 	$(SAY_VENV)

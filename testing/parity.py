@@ -57,6 +57,7 @@ class EngineRunner:
     def __init__(self, engine: Engine, max_tokens: int = 512, block_size: int = 16) -> None:
         model = engine.model
         self.model, self.block_size = model, block_size
+        self.device = next(model.parameters()).device  # ids and metadata go where the weights are
         self.blocks = list(range(blocks_for(max_tokens, block_size)))
         self.kv = KVCache.for_model(model, len(self.blocks), block_size)
         self.tokens: list[int] = []
@@ -75,16 +76,21 @@ class EngineRunner:
         positions = positions + position_shift * (positions > 0)
         meta = AttentionMetadata.build(
             [len(ids)], [start], [self.blocks], self.block_size, positions=positions,
-            mask=self.model.mask_kind,
+            mask=self.model.mask_kind, device=self.device,
             prefix_lens=[self.model.prefix_len(self.tokens)] if self.model.mask_kind != "causal" else None,
         )
-        return self.model(torch.tensor(ids), meta, self.kv, all_logits=all_logits).float()
+        return self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=all_logits).float().cpu()
+
+
+def device_of(model) -> torch.device:
+    """Where a reference model computes: its `device` (transformers models), else the CPU."""
+    return torch.device(getattr(model, "device", "cpu"))
 
 
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
-    """HF logits [len(ids), V] for one sequence (fp32)."""
+    """HF logits [len(ids), V] for one sequence (fp32, on the CPU; the model may sit on any device)."""
     with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float()
+        return hf_model(torch.tensor([ids], device=device_of(hf_model))).logits[0].float().cpu()
 
 
 def prefill_and_decode_diffs(engine: Engine, hf_model, prompt: list[int], steps: int = 8,
@@ -117,7 +123,7 @@ def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], 
     """HF's greedy `generate` tokens (EOS ignored) and the first step whose top-2 logit
     margin is below 1e-3 * max|logit| (None when no step is that close to a tie)."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        out = hf_model.generate(torch.tensor([prompt], device=device_of(hf_model)), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                 do_sample=False, eos_token_id=None, pad_token_id=0,
                                 output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()

@@ -69,14 +69,27 @@ class Rotary(nn.Module):
             self._cos_sin = table
         return table
 
+    def reserve(self, device: torch.device, positions: int) -> None:
+        """Build the cos/sin table on `device` for positions 0..positions-1 now (before a graph capture)."""
+        self._table(device, positions)
+
     def step_cos_sin(self, meta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin(meta.positions)`, computed once per step for every layer with the same rotary."""
         key = ("rotary", self.rot_dim, self.base, repr(self.scaling), dtype)
         return meta.step_value(key, lambda: self.cos_sin(meta.positions, dtype))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, rot_dim/2] for `positions` [T]."""
-        table = self._table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
+        """cos, sin [T, 1, rot_dim/2] for `positions` [T].
+
+        While a CUDA graph is captured (core.runtime.cuda_graph) the table is the one `reserve` sized:
+        reading max(positions) would sync the device, and a table grown later would leave the graph
+        reading freed memory."""
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            table = self._cos_sin
+            if table is None or table.device != positions.device:
+                raise RuntimeError("rotary: the cos/sin table was not reserved on this device before the capture")
+        else:
+            table = self._table(positions.device, int(positions.max()) + 1 if positions.numel() else 1)
         cs = table.index_select(0, positions).to(dtype).unsqueeze(1)
         half = self.rot_dim // 2
         return cs[..., :half], cs[..., half:]

@@ -296,6 +296,14 @@ class DecoderLM(nn.Module):
         plan = None if all_logits else self._decode_plan(ids, meta, kv_cache)
         if plan is not None:
             return plan.run(ids, meta)  # the whole step in one compiled call (core.cpu.plan)
+        graph = self._cuda_graph(ids, meta, kv_cache) if ids.is_cuda and not all_logits else None
+        if graph is not None:
+            return graph.run(ids, meta)  # the whole step in one graph replay (core.runtime.cuda_graph)
+        return self.eager_forward(ids, meta, kv_cache, all_logits)
+
+    def eager_forward(self, ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLike,
+                      all_logits: bool = False) -> torch.Tensor:
+        """The step layer by layer from Python (what a decode plan or a CUDA graph replays in one call)."""
         x = self.embed(ids, meta)  # [T, H]
         for i, layer in enumerate(self.transformer.layers):
             x = layer(x, meta, kv_cache.k[i], kv_cache.v[i])
@@ -303,6 +311,12 @@ class DecoderLM(nn.Module):
             x = x.index_select(0, meta.last_token_index)  # [B, H]
         x = self.transformer.ln_f(x)
         return self.logits(x)
+
+    def _cuda_graph(self, ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLike):
+        """The captured CUDA graph of this decode step's batch size (core.runtime.cuda_graph), or None."""
+        from bestiary.core.runtime.cuda_graph import graph_for
+
+        return graph_for(self, ids, meta, kv_cache)
 
     def decode_plan_status(self) -> str | None:
         """None when CPU decode steps of this model can run as one compiled plan (core.cpu.plan),

@@ -8,6 +8,7 @@ two ulps, fp32 ~100 ulps of reordered sums. A "broken" variant must miss by MISS
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -17,6 +18,9 @@ from bestiary.core.layers.attention import AttentionMetadata, write_kv
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 MISS = 100.0
 ON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+# A JSON-lines file that every assert_close appends its test, dtype, max error and bound to (the GPU
+# check's kernel table, benchmarks/gpu_check.py); unset: nothing is written.
+ERRORS_FILE = os.environ.get("BESTIARY_KERNEL_ERRORS")
 
 # tl.dot on bfloat16 is wrong under the interpreter (triton issue 11584): the dot kernels
 # are checked in bf16 on a GPU only.
@@ -42,8 +46,10 @@ def diff(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     """out matches ref within the dtype's tolerance; both finite (an inf in ref made the bound inf,
     so a reference dividing by sin = 0 passed: `make mutation`, rotary apply_rotary_ref 22, 26)."""
-    assert torch.isfinite(ref).all() and torch.isfinite(out).all(), f"{dtype}: non-finite output or reference"
-    d, b = diff(out, ref), bound(ref, dtype)
+    finite = bool(torch.isfinite(ref).all() and torch.isfinite(out).all())
+    d, b = (diff(out, ref), bound(ref, dtype)) if finite else (float("nan"), float("nan"))
+    record_error(dtype, d, b)
+    assert finite, f"{dtype}: non-finite output or reference"
     assert d <= b, f"{dtype}: max |out - ref| = {d:.3g} > bound {b:.3g}"
 
 
@@ -82,3 +88,12 @@ def sequence_kv(meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Ten
     slots = tables[b, pos // bs] * bs + pos % bs
     kk, vv = k_pool.flatten(0, 1).cpu().float()[slots], v_pool.flatten(0, 1).cpu().float()[slots]  # [L, KVH, D]
     return pos, kk.repeat_interleave(heads // kk.shape[1], 1), vv.repeat_interleave(heads // vv.shape[1], 1)
+
+
+def record_error(dtype: torch.dtype, err: float, limit: float) -> None:
+    """Append {test, dtype, max_err, bound} to ERRORS_FILE (when set) for the GPU check's table."""
+    if ERRORS_FILE:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        row = {"test": test, "dtype": str(dtype).removeprefix("torch."), "max_err": err, "bound": limit}
+        with open(ERRORS_FILE, "a") as f:
+            f.write(json.dumps(row) + "\n")
