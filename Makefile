@@ -72,7 +72,7 @@ mutation: $(INSTALLED)
 	$(PIP) install --quiet mutmut
 	$(PYTHON) tests/mutation_run.py $(MODULES)
 
-# Debian's chromium for the web chat's browser test (tests/test_web_chat.py, Playwright with
+# Debian's chromium for the web chat's browser test (tests/serve/test_web_chat.py, Playwright with
 # executable_path): the system package, never a browser build that Playwright downloads. Without
 # it that test skips (under CI=true it fails; .ci/run installs it). Needs root or sudo.
 browser:

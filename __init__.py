@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "LoraRequest", "SamplingConfig", "__version__"]
 
 if TYPE_CHECKING:
-    from bestiary.core.lora.store import LoraRequest
+    from bestiary.core.lora.request import LoraRequest
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
 
@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "LoraRequest":
-        from bestiary.core.lora.store import LoraRequest
+        from bestiary.core.lora.request import LoraRequest
 
         return LoraRequest
     if name == "SamplingConfig":

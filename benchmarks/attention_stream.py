@@ -38,8 +38,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    from bestiary.core.cpu import ops
-    from bestiary.core.cpu.build import chosen_isa
+    from bestiary.core.kernels.cpu import ops
+    from bestiary.core.kernels.cpu.build import chosen_isa
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

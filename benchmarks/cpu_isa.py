@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct from the demo GGUF, per mode (fp32; bf16; W8A16 and W4A16 with bf16
 activations, round-to-nearest weights): one engine, then --repeats rounds; each round measures
-every ISA build this CPU runs (BESTIARY_CPU_ISA forced in-process, core.cpu.build.library
+every ISA build this CPU runs (BESTIARY_CPU_ISA forced in-process, core.kernels.cpu.build.library
 re-chosen) and llama.cpp on the GGUF (if llama-cpp-python is importable), in an order that
 rotates each round. Decode speed as benchmarks/quant.py measures it: (time for 1 + N tokens -
 time for 1) / N, greedy, EOS ignored; medians per cell, and each ISA's ratio to the first
@@ -48,7 +48,7 @@ def use_isa(isa: str, model=None) -> None:
     """Force the kernel build for the rest of the process (the next op loads it); `model`'s
     quantized weights are prepared again for it (int4 is held in the dot layout only on
     avx512bf16) and its decode plans rebuilt."""
-    from bestiary.core.cpu import build
+    from bestiary.core.kernels.cpu import build
 
     os.environ[build.ISA_ENV_VAR] = isa
     build.library.cache_clear()
@@ -61,7 +61,7 @@ def use_isa(isa: str, model=None) -> None:
 
 def op_cases() -> dict:
     """Op name -> a function that runs it once on SmolLM2-135M decode shapes (batch 1)."""
-    from bestiary.core.cpu import ops
+    from bestiary.core.kernels.cpu import ops
 
     gen = torch.Generator().manual_seed(0)
     hidden, inter, vocab, heads, kv_heads, d = 576, 1536, 49152, 9, 3, 64
@@ -103,7 +103,7 @@ def time_ops(isas: list[str], repeats: int) -> None:
     """Per op and ISA: microseconds per call, best of `repeats` interleaved rounds."""
     import time
 
-    from bestiary.core.cpu import build
+    from bestiary.core.kernels.cpu import build
 
     cases, best = op_cases(), {}
     for isa in isas:
@@ -131,7 +131,7 @@ def main() -> None:
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
-    from bestiary.core.cpu import build
+    from bestiary.core.kernels.cpu import build
     from bestiary.core.runtime.llm import LLM
     from transformers import AutoTokenizer
 

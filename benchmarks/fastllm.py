@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+__import__("sys_path").add()  # the tests' helpers and test modules
 
 PROMPTS = [[1, 504, 3458, 314, 5549, 30], [1, 2683, 314, 253, 1692], [1, 1978, 549, 260, 1345, 282],
            [1, 9690, 2286, 28, 3465], [1, 30, 3126, 2911, 3758, 1036]]

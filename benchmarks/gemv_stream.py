@@ -35,9 +35,9 @@ def best_seconds(fn, repeats: int) -> float:
 
 def weights(kind: str, k: int, n: int, count: int) -> list:
     """`count` random weights [n, k] of `kind` as the kernels hold them."""
-    from bestiary.core.cpu import ops
+    from bestiary.core.kernels.cpu import ops
 
-    from bestiary.core.quant import packing
+    from bestiary.core.format import packing
 
     if kind.startswith(("bf16", "fp32")):
         dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
@@ -52,7 +52,7 @@ def weights(kind: str, k: int, n: int, count: int) -> list:
 
 
 def gemv_rows(layers: int, repeats: int) -> None:
-    from bestiary.core.cpu import ops
+    from bestiary.core.kernels.cpu import ops
 
     print(f"{'kind':6s} {'K x N':>10s} {'cold GB/s':>10s} {'in cache GB/s':>14s}")
     for k, n in SHAPES:
@@ -67,7 +67,7 @@ def gemv_rows(layers: int, repeats: int) -> None:
 
 
 def attention_row(layers: int, repeats: int, batch: int, keys: int) -> None:
-    from bestiary.core.cpu import ops
+    from bestiary.core.kernels.cpu import ops
 
     heads, kv_heads, dim, block = 9, 3, 64, 32
     blocks = -(-keys // block)

@@ -167,8 +167,9 @@ def sections(work: Path, site: Path) -> list[Section]:
     return [
         Section("env", 20, [py, "-c", ENV_SCRIPT]),
         Section("install", 60, [py, str(Path(__file__).resolve()), "--install", str(site)]),
-        Section("kernels", 110, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels", f"--junitxml={junit}",
-                                 *xdist], {"BESTIARY_KERNEL_TEST_DEVICE": "cuda", "BESTIARY_KERNEL_ERRORS": str(errors)},
+        Section("kernels", 110, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
+                                 "--ignore=tests/kernels/cpu", f"--junitxml={junit}", *xdist],
+                {"BESTIARY_KERNEL_TEST_DEVICE": "cuda", "BESTIARY_KERNEL_ERRORS": str(errors)},
                 lambda: kernel_table(junit, errors)),
         Section("parity", 80, [py, "benchmarks/gpu_parity.py", str(work / "parity.json"), "--all-cases"],
                 details=lambda: {"rows": read_json(work / "parity.json")}),

@@ -12,7 +12,7 @@ Per family (the tiny random configs of the test suite; the first case of each, t
   greedy chain in bf16, except from the first step whose top-2 margin is under 0.05.
 
 The reference is transformers on the same GPU for the families it has a class for, and for
-Qwen-1 / Baichuan (remote code) the plain-torch forward transcribed in tests/test_zoo_remote.py
+Qwen-1 / Baichuan (remote code) the plain-torch forward transcribed in tests/models/test_zoo_remote.py
 (on the CPU, fp32; their bf16 chain is compared the same way). Rows are written to OUT.json as
 each case ends (a hang loses only the case in flight).
 """
@@ -65,6 +65,7 @@ def cases(all_cases: bool, only: str = "") -> list[tuple[str, str, object]]:
     """(family, case name, case) for every built-in family (or the comma-separated `only`): the first
     case each, or all."""
     sys.path.insert(0, str(REPO / "tests"))
+    __import__("sys_path").add()  # the test modules (tests/models)
     import test_zoo_hf
     import test_zoo_remote
 

@@ -92,7 +92,6 @@ def limits(device: str, small: bool) -> dict:
     x, y = torch.randn(m, m, device=device, dtype=torch.bfloat16), torch.randn(m, m, device=device, dtype=torch.bfloat16)
     x @ y
     mm_s = timed(lambda: x @ y, 10)
-    del a, b, x, y
     return {"copy_gbps": 2 * n / copy_s / 1e9, "matmul_tflops": 2 * m ** 3 / mm_s / 1e12,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else device}
 
@@ -170,7 +169,7 @@ def llm_decode(llm, batch: int, new_tokens: int) -> dict:
 
 def decode_step_ms(llm, context: int, reps: int = 50) -> dict:
     """One batch-1 decode step of the model alone (graph replay where it runs), graph and eager."""
-    from bestiary.core.layers.attention import AttentionMetadata
+    from bestiary.core.kernels.metadata import AttentionMetadata
 
     model, kv = llm.engine.model, llm.executor.kv
     device = kv.k.device
@@ -191,7 +190,7 @@ def decode_step_ms(llm, context: int, reps: int = 50) -> dict:
 
 def prefill(llm, tokens: int, matmul_tflops: float) -> dict:
     """One `tokens`-long prompt through the model (last-token logits): ms, TFLOP/s, % of the matmul rate."""
-    from bestiary.core.layers.attention import AttentionMetadata
+    from bestiary.core.kernels.metadata import AttentionMetadata
 
     model, kv = llm.engine.model, llm.executor.kv
     device, bs = kv.k.device, kv.k.shape[2]
@@ -259,7 +258,7 @@ def main() -> int:
             llm_decode(llm, args.batch, args.new_tokens)))
         res.part("prefill", lambda: prefill(llm, args.prefill, lim["matmul_tflops"]))
         llm.close()
-        del llm
+        llm = None  # the bf16 engine's memory, free before the quantized ones load
         from bestiary.core.format.config import QuantConfig
 
         for name, quant in (("w8a16", QuantConfig(quant_algo="W8A16")),

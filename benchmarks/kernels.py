@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from bestiary.core.kernels.dispatch import FAMILIES
 
 NEEDS_CUDA = "benchmarks/kernels.py needs a CUDA device (torch.cuda.is_available() is False): nothing timed."
 HIDDEN, HEADS, HEAD_DIM, FFN = 4096, 32, 128, 11008
@@ -40,7 +41,6 @@ MOE_EXPERTS, MOE_TOP_K, MOE_FFN = 8, 2, 14336
 LORA_RANKS, LORA_SEGMENT = (8, 16, 32, 64), 128
 VOCAB = 32000
 DEVICE = "cuda"  # the tests point it (and shrink the shapes above) at the CPU interpreter
-FAMILIES = ("norms", "rotary", "activations", "attention", "moe", "woq_gemm", "lora", "sampling")
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,8 @@ def activation_cases(dtype: torch.dtype, tokens: list[int], family) -> list[Case
 
 def _paged(b: int, seq: int, ctx: int, kvh: int, dtype: torch.dtype):
     """(q, k, v, meta, k_pool, v_pool) for b sequences of `seq` new tokens after `ctx` cached, shuffled blocks."""
-    from bestiary.core.layers.attention import AttentionMetadata, write_kv
+    from bestiary.core.kernels.metadata import AttentionMetadata
+    from bestiary.core.kernels.attention_ref import write_kv
 
     per_seq = -(-(ctx + seq) // BLOCK_SIZE)
     order = torch.randperm(b * per_seq).tolist()

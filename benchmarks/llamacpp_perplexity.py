@@ -1,5 +1,5 @@
 """llama.cpp's perplexity cost of its own quantizations, the outside reference of the gates in
-tests/test_quant_smollm2.py: the same tokens (that test's text, first EVAL_TOKENS tokens of the
+tests/quant/test_quant_smollm2.py: the same tokens (that test's text, first EVAL_TOKENS tokens of the
 engine's tokenizer) in the same 2048-token windows as bestiary.core.runtime.evaluate.
 
 F32 is llama.cpp's dequantization of the shipped Q4_1 GGUF (the weights the fp32 engine runs);
@@ -28,6 +28,7 @@ from bestiary.core.cli.demo import demo_model_path
 from bestiary.core.runtime.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+__import__("sys_path").add()  # the tests' helpers and test modules
 from test_quant_smollm2 import EVAL_TOKENS, eval_text  # noqa: E402
 
 FTYPES = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,

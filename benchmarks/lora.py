@@ -83,7 +83,7 @@ def main() -> None:
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
-    from bestiary.core.lora.store import LoraRequest
+    from bestiary.core.lora.request import LoraRequest
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
 

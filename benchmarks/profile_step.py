@@ -3,7 +3,7 @@
 An engine (default: SmolLM2-135M-Instruct from the demo GGUF, converted at --dtype, optionally
 --quant W8A16 / W4A16) decodes `--tokens` greedy tokens for each batch size after a `--prompt`-token prompt
 per sequence (64 by default; context grows from it). Every record of the compiled decode plan is timed
-(core.cpu.plan.DecodePlan.start_profile: one compiled call per record), and the rest of a step
+(core.runtime.cpu_plan.DecodePlan.start_profile: one compiled call per record), and the rest of a step
 (the executor, sampling, Python) is the step's wall time minus the plan's. Printed per batch size:
 ms per step for each op kind (linears by shape and weight kind), summed over the layers, and %.
 

@@ -5,7 +5,7 @@ the GGUF itself (transformers 5 keeps that packed and dequantizes per matmul).
 `bestiary bench --compare hf,llama.cpp,fastllm` measures the same decode beside every peer.
 
 For each mode: convert the demo GGUF (fp32; quantized modes with bf16 activations, the "A16",
-and round-to-nearest weights: speed is measured here, quality in tests/test_quant_smollm2.py),
+and round-to-nearest weights: speed is measured here, quality in tests/quant/test_quant_smollm2.py),
 build, then measure decode tokens/s as (time for 1 + N tokens - time for 1) / N, greedy, EOS
 ignored, median of --repeats runs alternating with HF fp32; engine size on disk; peak resident
 memory of a fresh process loading the engine and generating; greedy agreement with the fp32 engine over

@@ -13,7 +13,7 @@ and at the end that the server's resident memory grew by less than 10% from roun
 
     python benchmarks/soak.py --engine_dir ENGINE [--clients 200] [--rounds 3] [--max_tokens 32]
 
-Exit code 0 when every check holds. tests/test_serve_soak.py runs it on a tiny engine (slow suite).
+Exit code 0 when every check holds. tests/serve/test_serve_soak.py runs it on a tiny engine (slow suite).
 """
 
 from __future__ import annotations

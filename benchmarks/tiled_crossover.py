@@ -42,10 +42,10 @@ def main() -> None:
     if args.quant:
         quant_rows(args)
         return
-    from bestiary.core.cpu import ops
-    from bestiary.core.cpu.build import chosen_isa
+    from bestiary.core.kernels.cpu import ops
+    from bestiary.core.kernels.cpu.build import chosen_isa
     from bestiary.core.layers import cpu_matmul
-    from bestiary.core.quant import packing
+    from bestiary.core.format import packing
 
     torch.set_num_threads(args.threads)
     if args.no_native:
@@ -68,9 +68,9 @@ def main() -> None:
 
 def quant_rows(args) -> None:
     """The --quant table: int8 (row tiles) and int4 group 64 weights, bfloat16 inputs."""
-    from bestiary.core.cpu import ops
-    from bestiary.core.cpu.build import chosen_isa
-    from bestiary.core.cpu.malloc import keep_freed_memory
+    from bestiary.core.kernels.cpu import ops
+    from bestiary.core.kernels.cpu.build import chosen_isa
+    from bestiary.core.kernels.cpu.malloc import keep_freed_memory
 
     keep_freed_memory()  # as an engine runs: freed dequantized weights stay in the heap
     torch.set_num_threads(args.threads)

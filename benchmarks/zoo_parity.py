@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 def zoo() -> dict[str, dict]:
     """architecture -> {case name: case} from the test modules."""
     sys.path.insert(0, str(REPO / "tests"))
+    __import__("sys_path").add()  # the test modules (tests/models)
     import test_zoo_hf
     import test_zoo_remote
 

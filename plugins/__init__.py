@@ -7,6 +7,8 @@ Architecture packages import `hookimpl` from here:
     @hookimpl
     def bestiary_register_architectures(register):
         register(ArchitectureSpec(...))
+
+Layer 1 of the core (docs/architecture.md). May import: format.
 """
 
 from bestiary.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl, hookspec

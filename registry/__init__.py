@@ -1,4 +1,7 @@
-"""bestiary.registry: the architecture registry and the spec plugins register."""
+"""bestiary.registry: the architecture registry and the spec plugins register.
+
+Layer 2 of the core (docs/architecture.md). May import: format, plugins, sources, kernels.
+"""
 
 from bestiary.registry.registry import DuplicateArchitectureError, Registry, default_registry
 from bestiary.registry.spec import (

@@ -16,6 +16,9 @@ directory's pyproject.toml), `parity.py` the helpers, `plugin.py` the pytest plu
 
 Importing this package imports neither torch, transformers nor pytest (the pytest plugin loads
 it at start-up); the names below resolve on first use.
+
+Layer 7 of the core (docs/architecture.md). May import: format, plugins, sources, kernels, registry,
+layers, quant, lora, runtime, convert, bench, serve.
 """
 
 from __future__ import annotations

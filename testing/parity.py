@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from bestiary.core.convert.source_to_checkpoint import convert
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.kv_cache import KVCache, blocks_for
 from bestiary.registry import Registry

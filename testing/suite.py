@@ -182,7 +182,7 @@ def conformance(architecture: str, cases: Any, *, registry: Any = None, prompt: 
                 f"{case.name} {quant_algo}: max|diff| {diff:.3e} vs logit range {scale:.3e}")
 
         def test_cpu_decode_plan(self, case: Case) -> None:
-            from bestiary.core.cpu.build import library
+            from bestiary.core.kernels.cpu.build import library
             from bestiary.testing.parity import EngineRunner
 
             if library() is None:

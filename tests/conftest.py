@@ -5,6 +5,16 @@ import os
 from pathlib import Path
 
 import pytest
+import sys_path
+import torch
+
+sys_path.add()  # tests/helpers and the test folders: `import parity`, `from test_zoo_remote import ...`
+# The Triton kernel tests (tests/kernels) run compiled on a GPU where there is one, else under the
+# interpreter on the CPU; BESTIARY_KERNEL_TEST_DEVICE=cpu|cuda chooses. @triton.jit reads
+# TRITON_INTERPRET when a kernel module is imported, so it is set here, before any test module (of any
+# folder) imports one.
+if os.environ.setdefault("BESTIARY_KERNEL_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,17 +38,17 @@ def smollm2_gguf() -> Path:
 
 
 def _cpu_isas() -> list[str]:
-    from bestiary.core.cpu import build
+    from bestiary.core.kernels.cpu import build
 
     return list(build.ISAS)
 
 
 @pytest.fixture(params=_cpu_isas())
 def cpu_build(request, monkeypatch) -> str:
-    """A test runs once per build of the compiled CPU kernels (core.cpu.build.ISAS: avx512bf16,
-    avx512, avx2, scalar), skipped where this CPU lacks the ISA: core.cpu.ops runs the library
+    """A test runs once per build of the compiled CPU kernels (core.kernels.cpu.build.ISAS: avx512bf16,
+    avx512, avx2, scalar), skipped where this CPU lacks the ISA: core.kernels.cpu.ops runs the library
     built for that ISA during the test. Returns the ISA's name."""
-    from bestiary.core.cpu import build, ops
+    from bestiary.core.kernels.cpu import build, ops
 
     isa = request.param
     if isa not in build.supported_isas():

@@ -26,38 +26,40 @@ STAGE = ROOT / ".mutation"
 # windows, MoE, fusion, chunked prefill and TP reassembly; not the AVX2/AVX-512 decode builds (a
 # C++ compile per forked run; the scalar one stays) nor test_layout (import rules, no numerics)
 LAYER_FILES = [
-    "tests/test_llama_parity.py", "tests/test_cpu_matmul.py", "tests/test_zoo_hf.py",
-    "tests/test_decode_attention.py", "tests/test_opt.py", "tests/test_falcon.py", "tests/test_chatglm.py",
-    "tests/test_mixtral.py",
-    "tests/test_attention_window.py", "tests/test_quant_fuse.py", "tests/test_fused_qkv_hooks.py",
-    "tests/test_checkpoint.py", "tests/test_executor.py::test_mixed_workload_equals_each_alone",
-    "tests/test_mutation_kills_layers.py", "tests/test_mutation_kills_mlp_matmul.py",
-    "tests/test_mutation_kills_rotary_window.py",
+    "tests/models/test_llama_parity.py", "tests/layers/test_cpu_matmul.py", "tests/models/test_zoo_hf.py",
+    "tests/layers/test_decode_attention.py", "tests/models/test_opt.py", "tests/models/test_falcon.py", "tests/models/test_chatglm.py",
+    "tests/models/test_mixtral.py",
+    "tests/runtime/test_attention_window.py", "tests/quant/test_quant_fuse.py", "tests/convert/test_fused_qkv_hooks.py",
+    "tests/format/test_checkpoint.py", "tests/runtime/test_executor.py::test_mixed_workload_equals_each_alone",
+    "tests/layers/test_mutation_kills_layers.py", "tests/layers/test_mutation_kills_mlp_matmul.py",
+    "tests/layers/test_mutation_kills_rotary_window.py",
 ]
 LAYER_FLAGS = ["-m", "not slow", "-k", "not avx2 and not avx512"]
 LAYER_TESTS = LAYER_FILES + LAYER_FLAGS
 # the position, norm, MLP and window files of core/layers (820 of its ~2,900 mutants): what a
 # shared 2-core machine runs in under an hour; `layers` is the whole folder
 LAYERS_NUMERICS = [f"core/layers/{f}.py" for f in (
-    "rotary", "rotary_2d", "alibi", "position_embedding", "norm", "mlp", "attention_window", "cpu_matmul")]
+    "rotary", "rotary_2d", "alibi", "position_embedding", "norm", "mlp", "cpu_matmul")] + [
+    "core/kernels/attention_window.py"]
 LAYERS_ATTENTION = [f"core/layers/{f}.py" for f in (
-    "attention", "self_attention", "decoder_layer", "standard_layer", "output_norm_decoder_layer",
-    "parallel_decoder_layer", "post_norm_decoder_layer")]
+    "attention", "self_attention", "decoder_layer", "builder", "output_norm_decoder_layer",
+    "parallel_decoder_layer", "post_norm_decoder_layer")] + ["core/kernels/attention_ref.py", "core/kernels/metadata.py"]
 LAYERS_LINEAR_MOE = [f"core/layers/{f}.py" for f in ("linear", "embedding", "moe")]
 # the layer tests, and what reaches the attention paths the model parity tests never take (dense references
 # of every path, quantized KV pools, LoRA through each decoder layer)
 ATTENTION_TESTS = LAYER_FILES + [
-    "tests/test_mutation_kills_attention.py", "tests/test_quant_kv.py", "tests/test_lora.py"] + LAYER_FLAGS
+    "tests/layers/test_mutation_kills_attention.py", "tests/quant/test_quant_kv.py", "tests/lora/test_lora.py"] + LAYER_FLAGS
 # the layer tests, the LoRA rows and weight-only / activation quant linears. Not test_moe_ep.py: an engine
 # with ranks in a forked mutant run spins until its CPU limit (a "timeout" whatever the mutant), so its
 # tests run by hand, in fresh processes, on what the run leaves (docs/testing.md)
 LINEAR_TESTS = LAYER_FILES + [
-    "tests/test_mutation_kills_linear_moe.py", "tests/test_lora.py", "tests/test_lora_rows.py", "tests/test_quant.py",
-    "tests/test_quant_act.py"] + LAYER_FLAGS
+    "tests/layers/test_mutation_kills_linear_moe.py", "tests/lora/test_lora.py", "tests/lora/test_lora_rows.py", "tests/quant/test_quant.py",
+    "tests/quant/test_quant_act.py"] + LAYER_FLAGS
 # the op families (torch references and launchers; mutmut leaves the @triton.jit kernels alone),
 # not dispatch.py: its CPU branches are what the layer tests run, its CUDA ones need a GPU
 KERNEL_FAMILIES = [f"core/kernels/{f}.py" for f in (
-    "activations", "attention", "lora", "moe", "norms", "rotary", "sampling", "woq_gemm")]
+    "activations", "activations_ref", "attention", "lora", "moe", "norms", "rotary", "sampling", "sampling_ref",
+    "woq_gemm")]
 KERNEL_TESTS = [f"tests/kernels/test_kernels_{f}.py" for f in (
     "norms", "rotary", "activations", "attention", "moe", "woq_gemm", "lora", "sampling", "dispatch",
     "attention_window")] + ["tests/kernels/test_mutation_kills_kernels.py",
@@ -65,30 +67,30 @@ KERNEL_TESTS = [f"tests/kernels/test_kernels_{f}.py" for f in (
 # reassembly, strict keys, q/k/v fan-out, Falcon's self-slicing MQA hook, Qwen2-MoE's layer key
 # maps, GPT-2's buffers, non-finite weights, the streamed (row-block) convert
 LOADER_TESTS = [
-    "tests/test_checkpoint.py", "tests/test_tp_fanout.py", "tests/test_mutation_kills_loader.py",
-    "tests/test_falcon.py", "tests/test_opt.py::test_tp2_pp2_shards_reassemble_to_tp1",
-    "tests/test_opt.py::test_unknown_and_missing_source_keys_fail_with_nearest_names",
-    "tests/test_zoo_hf.py::TestQwen2Moe", "tests/test_zoo_hf.py::TestGPT2",
-    "tests/test_failures.py::test_nan_weights_are_refused_at_convert_and_at_load",
-    "tests/test_failures.py::test_fp16_overflow_at_convert_is_refused", "tests/test_convert_memory.py",
+    "tests/format/test_checkpoint.py", "tests/convert/test_tp_fanout.py", "tests/convert/test_mutation_kills_loader.py",
+    "tests/models/test_falcon.py", "tests/models/test_opt.py::test_tp2_pp2_shards_reassemble_to_tp1",
+    "tests/models/test_opt.py::test_unknown_and_missing_source_keys_fail_with_nearest_names",
+    "tests/models/test_zoo_hf.py::TestQwen2Moe", "tests/models/test_zoo_hf.py::TestGPT2",
+    "tests/cli/test_failures.py::test_nan_weights_are_refused_at_convert_and_at_load",
+    "tests/cli/test_failures.py::test_fp16_overflow_at_convert_is_refused", "tests/convert/test_convert_memory.py",
     "-m", "not slow",
 ]
 
 # name -> (module paths inside the package, the fast tests that cover them)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "sampling": (["core/runtime/sampling.py"], ["tests/test_sampling.py",
-                                                "tests/test_mutation_kills_sampling.py",
-                                                "tests/test_beam.py::test_beam_search_equals_hf_tiny"]),
-    "beam": (["core/runtime/beam.py"], ["tests/test_beam.py", "-m", "not slow"]),
-    "kv_cache": (["core/runtime/kv_cache.py"], ["tests/test_kv_pool.py", "tests/test_scheduler.py",
-                                                "tests/test_quant_kv.py",
-                                                "tests/test_mutation_kills_kv_cache.py"]),
-    "packing": (["core/quant/packing.py"], ["tests/test_quant.py", "-m", "not slow"]),
+    "sampling": (["core/runtime/sampling.py", "core/kernels/sampling_ref.py"], ["tests/runtime/test_sampling.py",
+                                                "tests/runtime/test_mutation_kills_sampling.py",
+                                                "tests/runtime/test_beam.py::test_beam_search_equals_hf_tiny"]),
+    "beam": (["core/runtime/beam.py"], ["tests/runtime/test_beam.py", "-m", "not slow"]),
+    "kv_cache": (["core/runtime/kv_cache.py"], ["tests/runtime/test_kv_pool.py", "tests/runtime/test_scheduler.py",
+                                                "tests/quant/test_quant_kv.py",
+                                                "tests/runtime/test_mutation_kills_kv_cache.py"]),
+    "packing": (["core/format/packing.py"], ["tests/quant/test_quant.py", "-m", "not slow"]),
     "loader": (["core/convert/loader.py"], LOADER_TESTS),
     "kernels": (KERNEL_FAMILIES, KERNEL_TESTS),
     "layers_numerics": (LAYERS_NUMERICS, LAYER_TESTS),
     # how float matmuls run on the CPU (row tiles, the kernel's bound per build, upcasts): its own tests
-    "cpu_matmul": (["core/layers/cpu_matmul.py"], ["tests/test_cpu_matmul.py", "tests/test_mutation_kills_mlp_matmul.py",
+    "cpu_matmul": (["core/layers/cpu_matmul.py"], ["tests/layers/test_cpu_matmul.py", "tests/layers/test_mutation_kills_mlp_matmul.py",
                                                    "-m", "not slow"]),
     # the rest of core/layers in two runs: the attention layer and the decoder layers that compose it
     # (25 min on 2 cores); the linears (TP splits, LoRA, weight-only), embeddings and MoE (over an hour:

@@ -7,6 +7,6 @@ decoding by prompt lookup pays off). Each system under test (an engine, or a pee
 transformers, llama.cpp, FastLLM; core.bench.peers) answers the same calls; a peer whose package
 or model file is missing is reported as skipped, with the reason.
 
-Imports: runtime, format, cpu, quant (its built-in text; never convert or cli); peers import their
-own packages inside functions, so importing this package needs none of them.
+Layer 6 of the core (docs/architecture.md). May import: format, plugins, sources, kernels, registry,
+layers, quant, lora, runtime, convert.
 """

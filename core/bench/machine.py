@@ -25,10 +25,10 @@ def cpu_flags() -> list[str]:
 
 
 def cpu_kernels() -> tuple[str, str]:
-    """The build of the compiled CPU kernels (core.cpu.build) the engines run: its ISA (avx512bf16,
+    """The build of the compiled CPU kernels (core.kernels.cpu.build) the engines run: its ISA (avx512bf16,
     avx512, avx2, scalar; "off" when the torch references run instead) and why. Builds the library
     if needed; BestiaryError for a BESTIARY_CPU_ISA this CPU refuses (the engines would refuse it)."""
-    from bestiary.core.cpu import build
+    from bestiary.core.kernels.cpu import build
     from bestiary.core.kernels import dispatch
 
     if dispatch.mode() != "auto":

@@ -57,7 +57,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def convert_lora_dir(args: argparse.Namespace) -> int:
-    """`convert --lora_dir`: PEFT dir <-> the seed's LoRA tensors (core.convert.lora_convert)."""
+    """`convert --lora_dir`: PEFT dir <-> TensorRT-LLM's LoRA tensors (core.convert.lora_convert)."""
     from bestiary.core.convert.lora_convert import convert_lora
 
     if not args.output_dir:
@@ -190,7 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int, bundled: list[str] = ()) -> list:
     """--lora_dir / --lora_task_uids -> one LoraRequest (or None: -1, the base model) per input; without
     --lora_dir, the uids pick the engine's bundled adapters (`bundled`: their task uids)."""
-    from bestiary.core.lora.store import LoraRequest
+    from bestiary.core.lora.request import LoraRequest
 
     if uids is not None and not dirs and bundled:
         return _bundled_requests(uids, count, bundled)
@@ -217,7 +217,7 @@ def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int, b
 
 def _bundled_requests(uids: list[str], count: int, bundled: list[str]) -> list:
     """--lora_task_uids of an engine's bundled adapters -> LoraRequest(uid) or None (-1) per input."""
-    from bestiary.core.lora.store import LoraRequest
+    from bestiary.core.lora.request import LoraRequest
 
     if len(uids) != count:
         raise BestiaryError(f"--lora_task_uids has {len(uids)} values for {count} inputs; give one per input")
@@ -259,7 +259,7 @@ def _print_stats(stats, beam_width: int = 1) -> None:
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
     from bestiary.core.runtime.evaluate import perplexity
-    from bestiary.core.runtime.step_broadcast import load_engine
+    from bestiary.core.runtime.engine import load_engine
     from bestiary.core.runtime.worker_group import check_device
 
     _threads(args.num_threads)
@@ -320,8 +320,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cpu_kernels_table() -> Table:
-    """The CPU kernels' path on this machine (core.cpu.build.describe): ISA chosen and why."""
-    from bestiary.core.cpu.build import describe
+    """The CPU kernels' path on this machine (core.kernels.cpu.build.describe): ISA chosen and why."""
+    from bestiary.core.kernels.cpu.build import describe
 
     table = Table(title="CPU kernels (this machine)")
     table.add_column("field")

@@ -126,7 +126,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir")
     p.add_argument("--model_dir", default=None,
-                   help="HF model directory or a .gguf/.flm/.safetensors file (with --lora_dir of seed LoRA tensors: "
+                   help="HF model directory or a .gguf/.flm/.safetensors file (with --lora_dir of TensorRT-LLM LoRA tensors: "
                         "the base model's checkpoint or engine dir).")
     p.add_argument("--output_dir", default=None, help="The checkpoint directory (not needed with --dry_run).")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
@@ -150,7 +150,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, metavar="FILE.json", help="With --dry_run: also write the findings as JSON.")
     lora = p.add_argument_group("LoRA adapters (docs/lora.md)")
     lora.add_argument("--lora_dir", default=None, metavar="DIR",
-                      help="Convert an adapter instead of a model: an HF PEFT dir -> the seed's LoRA tensors "
+                      help="Convert an adapter instead of a model: an HF PEFT dir -> TensorRT-LLM's LoRA tensors "
                            "(model.lora_weights.npy, model.lora_config.npy), or such a dir -> a PEFT dir.")
     lora.add_argument("--storage_type", default="float16", choices=["float32", "float16"],
                       help="dtype of the written LoRA weights tensor.")

@@ -19,7 +19,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BestiaryError(f"bestiary serve needs the serve extra ({err.name} is missing): "
                             "pip install 'bestiary[serve]'") from None
     from bestiary.core.cli.speculative_flags import speculative_from_args
-    from bestiary.core.lora.store import LoraRequest
+    from bestiary.core.lora.request import LoraRequest
     from bestiary.core.runtime.llm import LLM
 
     if not 0 <= args.port <= 65535:

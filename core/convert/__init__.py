@@ -1,28 +1,16 @@
 """bestiary.core.convert: sources -> checkpoint dir -> engine dir.
 
 - `loader`: key maps, rank slices, strict loading (and the hook markers plugins use:
-  `slices_itself`, `Target`).
-- `postprocess`: shared postprocess hooks (`transposes_source`, ...).
-- `source_to_checkpoint`: `bestiary convert` (`convert`, `instantiate`, `rank_writer`).
-- `checkpoint_to_engine`: `bestiary build` (`build_engine`).
+  `slices_itself`, `Target`); `postprocess`: shared postprocess hooks (`transposes_source`, ...).
+- `source_to_checkpoint`: `bestiary convert` (`convert`, `instantiate`, `rank_writer`);
+  `checkpoint_to_engine`: `bestiary build` (`build_engine`); `lint`: the converted checkpoint checked.
+- quantizing while converting: `quantize` (round to nearest as weights stream by),
+  `calibration` (the float model over calibration tokens: linear input statistics),
+  `quantize_calibrated` (GPTQ / AWQ / SmoothQuant with them), `tune` (end-to-end scale tuning),
+  `kv_scales` (KV cache scales), `import_prequantized` (HF AWQ / GPTQ checkpoints as they are).
+- `lora_convert`, `export_flm`, `flm_encode`, `flm_tables`: LoRA tensors and FastLLM .flm files.
+- `progress` (rich progress bars on stderr), `memory` (what a build's limits need of this host).
 
-Imports: format, sources, quant, layers, kernels, runtime.model / runtime.engine (to
-instantiate and check), registry, plugins; never cli.
-
-`from bestiary.core.convert import convert` keeps working (names resolved on first use, so
-importing `bestiary.core.convert.loader` stays light).
+Layer 5 of the core (docs/architecture.md). May import: format, plugins, sources, kernels, registry,
+layers, quant, lora, runtime.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-_EXPORTS = {"convert", "instantiate", "rank_writer"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        from bestiary.core.convert import source_to_checkpoint
-
-        return getattr(source_to_checkpoint, name)
-    raise AttributeError(f"module 'bestiary.core.convert' has no attribute {name!r}")

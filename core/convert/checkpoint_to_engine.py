@@ -15,7 +15,7 @@ from bestiary.core.format.build_config import (
 from bestiary.core.format.checkpoint import atomic_directory, rank_file, write_json
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
-from bestiary.core.format.memory import check_build_memory
+from bestiary.core.convert.memory import check_build_memory
 from bestiary.core.format.output_dir import check_output_dir
 
 __all__ = ["FORMAT_VERSION", "BuildConfig", "build_engine", "finalize_build_config"]
@@ -26,7 +26,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
                  lora_target_modules: list[str] | None = None) -> Path:
     """Write an engine dir: config.json {format_version, pretrained_config, build_config}, rank files, tokenizer.
 
-    `check_memory`: refuse limits whose KV pool and weights exceed this host's RAM (core.format.memory).
+    `check_memory`: refuse limits whose KV pool and weights exceed this host's RAM (core.convert.memory).
     `lora_dirs`: PEFT adapters bundled as task uids 0, 1, ... (config.json "lora", lora/: core.lora.bundle),
     each checked against `max_lora_rank` and `lora_target_modules` (TensorRT-LLM's build flags)."""
     checkpoint_dir = Path(checkpoint_dir)

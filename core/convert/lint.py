@@ -179,7 +179,7 @@ def hf_reference(source: ModelSource):
 def run_with_layers(spec: ArchitectureSpec, config: PretrainedConfig, weights: dict,
                     ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(each decoder layer's output [T, H], logits [T, V]) of the model holding `weights`."""
-    from bestiary.core.quant.activations import chunk_logits
+    from bestiary.core.convert.calibration import chunk_logits
 
     model = ready_model(spec, config, weights)
     outs: list[torch.Tensor] = []

@@ -195,7 +195,7 @@ class WeightsLoader:
 
     # --- 2 + 3. load and postprocess -----------------------------------------------------
     def prepend_hooks(self, hooks: dict) -> None:
-        """Postprocess hooks {glob: fn} tried before the architecture's (core.quant.import_hf's in_perm)."""
+        """Postprocess hooks {glob: fn} tried before the architecture's (core.convert.import_prequantized's in_perm)."""
         self._hooks = {**hooks, **self._hooks}
 
     def hook_for(self, key: str):

@@ -1,4 +1,4 @@
-"""`bestiary convert --lora_dir` (PEFT dir <-> the seed's LoRA tensors) and `bestiary build --lora_dir`
+"""`bestiary convert --lora_dir` (PEFT dir <-> TensorRT-LLM's LoRA tensors) and `bestiary build --lora_dir`
 (adapters bundled in the engine, core.lora.bundle).
 
 convert: a PEFT dir becomes hf_lora_convert.py's two .npy files (architecture from --architecture
@@ -7,7 +7,7 @@ or from the adapter's module paths); a dir of those files becomes a PEFT dir, wi
 
 build: every --lora_dir adapter is read, checked against the model (placed on a meta-device
 rank: every shape and target), against --max_lora_rank and --lora_target_modules, and stored
-as lora/<uid>.safetensors (the seed's tensors in the checkpoint's dtype).
+as lora/<uid>.safetensors (TensorRT-LLM's LoRA tensors in the checkpoint's dtype).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
-from bestiary.core.lora import seed_convert, seed_tensors
+from bestiary.core.lora import trtllm_convert, trtllm_tensors
 from bestiary.core.lora.adapter import LoraSource, module_dims, place, read_peft
 from bestiary.core.lora.bundle import LORA_DIR, BundledAdapter, LoraBuildConfig
 from bestiary.core.lora.modules import MODULE_IDS
@@ -41,25 +41,25 @@ def meta_model(directory: str | Path, registry: Registry):
 def convert_lora(lora_dir: str | Path, output_dir: str | Path, storage_type: str = "float16",
                  architecture: str | None = None, model_dir: str | Path | None = None,
                  registry: Registry | None = None) -> Path:
-    """PEFT dir -> seed .npy files, or seed .npy files -> PEFT dir (the module docstring)."""
+    """PEFT dir -> TensorRT-LLM .npy files, or TensorRT-LLM .npy files -> PEFT dir (the module docstring)."""
     registry = registry or default_registry()
     lora_dir = Path(lora_dir)
-    if seed_tensors.is_seed_dir(lora_dir):
+    if trtllm_tensors.is_trtllm_dir(lora_dir):
         if model_dir is None:
-            raise BestiaryError(f"--lora_dir {lora_dir}: seed LoRA tensors; give the base model's checkpoint or "
+            raise BestiaryError(f"--lora_dir {lora_dir}: TensorRT-LLM LoRA tensors; give the base model's checkpoint or "
                                 "engine dir with --model_dir (their shapes and module names)")
         model = meta_model(model_dir, registry)
-        weights, config = seed_tensors.load(lora_dir)
-        source = seed_tensors.read_rows(weights, config, lambda m, i: module_dims(model, m, i), lora_dir.name)
+        weights, config = trtllm_tensors.load(lora_dir)
+        source = trtllm_tensors.read_rows(weights, config, lambda m, i: module_dims(model, m, i), lora_dir.name)
         place(source, model, registry)  # every row checked against the model
         spec = registry.get(model.config.architecture)
-        return seed_convert.write_peft(Path(output_dir), *seed_convert.seed_to_peft(source, spec))
-    if storage_type not in seed_tensors.STORAGE_DTYPES:
-        raise BestiaryError(f"--storage_type {storage_type}: expected one of {', '.join(seed_tensors.STORAGE_DTYPES)} "
+        return trtllm_convert.write_peft(Path(output_dir), *trtllm_convert.trtllm_to_peft(source, spec))
+    if storage_type not in trtllm_tensors.STORAGE_DTYPES:
+        raise BestiaryError(f"--storage_type {storage_type}: expected one of {', '.join(trtllm_tensors.STORAGE_DTYPES)} "
                             "(numpy has no bfloat16)")
-    spec = registry.get(architecture) if architecture else seed_convert.guess_architecture(lora_dir, registry)
-    weights, config = seed_convert.peft_to_seed(lora_dir, spec, registry, seed_tensors.STORAGE_DTYPES[storage_type])
-    return seed_convert.write_seed(Path(output_dir), weights, config)
+    spec = registry.get(architecture) if architecture else trtllm_convert.guess_architecture(lora_dir, registry)
+    weights, config = trtllm_convert.peft_to_trtllm(lora_dir, spec, registry, trtllm_tensors.STORAGE_DTYPES[storage_type])
+    return trtllm_convert.write_trtllm(Path(output_dir), weights, config)
 
 
 def bundle_adapters(checkpoint_dir: Path, out: Path, lora_dirs: list[str], max_lora_rank: int | None,
@@ -80,7 +80,7 @@ def bundle_adapters(checkpoint_dir: Path, out: Path, lora_dirs: list[str], max_l
     for uid, (directory, source) in enumerate(zip(lora_dirs, sources)):
         _check_limits(directory, source, max_rank, allowed)
         place(source, model, registry)  # shapes against the model
-        weights, config = seed_tensors.pack_rows(seed_convert.source_rows(source), dtype)
+        weights, config = trtllm_tensors.pack_rows(trtllm_convert.source_rows(source), dtype)
         file = f"{LORA_DIR}/{uid}.safetensors"
         save_file({"lora_weights": weights, "lora_config": config}, str(out / file))
         modules = sorted({m for w in source.modules for m in w.modules}, key=MODULE_IDS.__getitem__)

@@ -22,9 +22,9 @@ from bestiary.core.format.checkpoint import (
 )
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig
 from bestiary.core.format.errors import BestiaryError, ConfigError
-from bestiary.core.format.memory import freed_memory_returned
+from bestiary.core.convert.memory import freed_memory_returned
 from bestiary.core.format.output_dir import check_output_dir
-from bestiary.core.format.progress import progress
+from bestiary.core.convert.progress import progress
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry, resolve
 from bestiary.registry.capabilities import check_supported
@@ -124,7 +124,7 @@ def plan_ranks(
     loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig, prequantized: bool = False
 ) -> list[RankPlan]:
     """Targets and source keys of every rank; fails on a missing or unused source tensor."""
-    from bestiary.core.quant.convert import loader_targets
+    from bestiary.core.convert.quantize import loader_targets
 
     plans = []
     for rank in range(config.mapping.world_size):
@@ -164,8 +164,8 @@ def convert(
     `quantization` (see core.quant.options for the CLI flags) quantizes the linear weights
     and/or selects a quantized KV cache (scales calibrated on `calib_text`, or a built-in text);
     the section is written to config.json. `weight_quantizer`: "rtn" or "gptq" (default: gptq for
-    int4 weights, calibrated on `calib_text` or the built-in texts; core.quant.calibrated).
-    `tune_steps`: steps of end-to-end scale tuning after GPTQ (default core.quant.tune.DEFAULT_STEPS
+    int4 weights, calibrated on `calib_text` or the built-in texts; core.convert.quantize_calibrated).
+    `tune_steps`: steps of end-to-end scale tuning after GPTQ (default core.convert.tune.DEFAULT_STEPS
     for GPTQ int4, 0 = none). `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot).
     A source tensor with NaN or inf values is refused unless `allow_nonfinite`. `output_dir` must
     be new, empty or an earlier checkpoint (core.format.output_dir), never the source.
@@ -189,15 +189,15 @@ def convert(
             raise BestiaryError(f"--embedding_sharding_dim {embedding_sharding_dim}: expected 0 (vocab) or 1 (hidden)")
         config.use_parallel_embedding, config.embedding_sharding_dim = True, embedding_sharding_dim
     check_tokenizer(source)
-    from bestiary.core.quant import import_hf  # AWQ / GPTQ sources: imported, not quantized
+    from bestiary.core.convert import import_prequantized  # AWQ / GPTQ sources: imported, not quantized
 
-    hf_quant = import_hf.read_hf_quant(source)
+    hf_quant = import_prequantized.read_hf_quant(source)
     if hf_quant is not None:
-        quantization = import_hf.import_quant_config(hf_quant, quantization)
+        quantization = import_prequantized.import_quant_config(hf_quant, quantization)
     if quantization is not None:
         config.quantization = quantization
     check_supported(spec, tp_size, pp_size, config.quantization.quant_algo, config.quantization.kv_cache_quant_algo)
-    from bestiary.core.quant.calibrated import (
+    from bestiary.core.convert.quantize_calibrated import (
         check_tune_steps,
         check_weight_quantizer,
         needs_activation_stats,
@@ -208,23 +208,23 @@ def convert(
     calibrated = needs_activation_stats(quantization, method)  # tp / pp ranks: quantized once at tp 1, then cut
     if config.num_hidden_layers < pp_size:
         raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
-    weights = source.weights if hf_quant is None else import_hf.prequantized_weights(source, hf_quant)
+    weights = source.weights if hf_quant is None else import_prequantized.prequantized_weights(source, hf_quant)
     loader = WeightsLoader(weights, spec, config, customized_key_dict, label=str(source.path),
                            source_model_type=source.hf_config.get("model_type"), allow_nonfinite=allow_nonfinite)
     if hf_quant is not None:
-        import_hf.prepare_loader(loader, resolve(spec.model_class), config)
+        import_prequantized.prepare_loader(loader, resolve(spec.model_class), config)
     plans = plan_ranks(loader, spec, config, prequantized=hf_quant is not None)
     if smoothquant_alpha is not None:  # W8A8_SQ_PER_CHANNEL's migration strength (default 0.5)
         from bestiary.core.quant.act_slot import set_smoothquant_alpha
 
         set_smoothquant_alpha([s for p in plans for s in (p.quantizers or {}).values()], smoothquant_alpha)
     if hf_quant is not None:
-        import_hf.check_plans(plans, loader, config)
+        import_prequantized.check_plans(plans, loader, config)
     with atomic_directory(Path(output_dir), "checkpoint", [model_dir]) as tmp, progress(show_progress) as bar:
         task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
         whole = None  # calibrated on tp ranks: the tp 1 checkpoint they are cut from
-        if calibrated and config.mapping.world_size > 1:  # quantize once on the whole model, then shard (core.quant.calibrated)
-            from bestiary.core.quant.calibrated import write_sharded_rank
+        if calibrated and config.mapping.world_size > 1:  # quantize once on the whole model, then shard (core.convert.quantize_calibrated)
+            from bestiary.core.convert.quantize_calibrated import write_sharded_rank
 
             bar.update(task, visible=False)
             bar.stop()  # the tp 1 convert shows its own bars
@@ -236,7 +236,7 @@ def convert(
             for plan in plans:
                 write_sharded_rank(tmp, plan, whole, config, resolve(spec.model_class), bar, task)
         elif calibrated:
-            from bestiary.core.quant.calibrated import weight_calibration_ids, write_calibrated_rank
+            from bestiary.core.convert.quantize_calibrated import weight_calibration_ids, write_calibrated_rank
 
             ids = weight_calibration_ids(source.tokenizer, config.vocab_size, calib_text)
             write_calibrated_rank(tmp, plans[0], loader, config, resolve(spec.model_class), ids, method, bar, task,
@@ -246,7 +246,7 @@ def convert(
         if whole is not None:
             shutil.rmtree(whole)  # its KV scales, calibrated on the whole model, were cut with the rest
         elif config.quantization.kv_cache_quant_algo and config.mapping.world_size > 1:  # calibrated on the whole model
-            from bestiary.core.quant.calibrate import copy_kv_scales
+            from bestiary.core.convert.kv_scales import copy_kv_scales
 
             tp1 = convert(model_dir, tmp / "kv_calibration_tp1", dtype, 1, 1, architecture, customized_key_dict,
                           registry, False, quantization, calib_text, weight_quantizer, smoothquant_alpha,
@@ -254,7 +254,8 @@ def convert(
             copy_kv_scales(tp1, tmp, config)
             shutil.rmtree(tp1)
         elif config.quantization.kv_cache_quant_algo:
-            from bestiary.core.quant.calibrate import calibrate_kv_scales, calibration_ids
+            from bestiary.core.convert.kv_scales import calibrate_kv_scales
+            from bestiary.core.convert.calibration import calibration_ids
 
             ids = calibration_ids(source.tokenizer, config.vocab_size, calib_text,
                                   config.max_position_embeddings)
@@ -268,7 +269,7 @@ def convert(
 
 def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: PretrainedConfig, bar, task) -> None:
     """Stream rank `plan.rank`'s tensors into rank{N}.safetensors."""
-    from bestiary.core.quant.convert import needs_row_amax, quantize_loaded
+    from bestiary.core.convert.quantize import needs_row_amax, quantize_loaded
     from bestiary.core.runtime.model import torch_dtype
 
     scale_dtype: torch.dtype = torch_dtype(config.dtype)
@@ -301,7 +302,7 @@ def stream_rows(loader: WeightsLoader, target, sources: list[str], blocks: int, 
     rows copied into the target tensor, or rounded by `slot` (quantize_rows) and their packed rows
     concatenated. Equal to the whole-tensor path bit for bit; holds one float block instead of the
     whole float32 tensor (SmolLM2's 49152 x 576 embedding: 113 MiB)."""
-    from bestiary.core.quant.convert import checkpoint_names
+    from bestiary.core.convert.quantize import checkpoint_names
 
     if slot is None:
         out = torch.empty(target.shape, dtype=target.dtype)

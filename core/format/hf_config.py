@@ -113,7 +113,7 @@ LayerType = Literal["sliding_attention", "full_attention"]
 
 
 class WindowFields(DecoderConfig):
-    """DecoderConfig + a sliding window on some layers (core.layers.attention_window.layer_window):
+    """DecoderConfig + a sliding window on some layers (core.kernels.attention_window.layer_window):
     `sliding_window` W and, per layer, whether it attends through it (None: every layer does)."""
 
     sliding_window: int | None = Field(None, ge=1, description="Attention window W (None: no window layers).")

@@ -18,20 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from bestiary.core.format.errors import ConfigError
-from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS
-
-# --- torch references (the CPU path: core.layers.mlp's ACTIVATIONS table) ------------------
-
-
-def act_and_mul_ref(f: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor:
-    """act(f) * g in f's dtype: f, g [T, I] -> [T, I]."""
-    return ACTIVATIONS[act](f) * g
-
-
-def activation_ref(x: torch.Tensor, act: str) -> torch.Tensor:
-    """act(x) in x's dtype."""
-    return ACTIVATIONS[act](x)
-
+from bestiary.core.kernels.activations_ref import ACT_CODES, act_and_mul_ref, activation_ref  # noqa: F401 (references)
 
 # --- Triton kernel -------------------------------------------------------------------------
 

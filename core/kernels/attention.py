@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: packed variable-length prefill and batched decode.
 
-Layout (core.layers.attention): queries of all sequences packed as q [T, H, D]; K and V
+Layout (core.kernels.metadata): queries of all sequences packed as q [T, H, D]; K and V
 pools [num_blocks, block_size, KVH, D]; key j of sequence b lives in block
 block_tables[b, j // block_size] at offset j % block_size. The new keys are already in
 the pool (PagedAttention writes them first). Sequence b has n_b new queries at positions
@@ -10,7 +10,7 @@ ctx_b .. ctx_b + n_b - 1. For query i and key j of a sequence, head h, kv head h
     visible(i, j) = j <= i  or  j < prefix_len          (prefix_lm; causal: prefix_len = 0)
     out_i = sum_j softmax_j(s_ij over visible j) v_j    -> [T, H * D]
 
-With a window (W_b, S_b) (core.layers.attention_window) visible(i, j) also needs
+With a window (W_b, S_b) (core.kernels.attention_window) visible(i, j) also needs
 j < S_b or i - j < W_b - S_b; the key loop then visits the sink tiles and the tiles from the
 first query's window start only, and loads only keys some query of the tile may see (the
 blocks before that are released: never read).
@@ -21,7 +21,7 @@ gathering each key's slot from the block table, so BLOCK_N and block_size are un
 Prefill: one program per (sequence, head, BLOCK_M queries). Decode: one program per
 (sequence, kv head) computing all H/KVH query heads of the group in one tile (GQA/MQA).
 
-The torch reference is core.layers.attention's prefill_attention / decode_attention.
+The torch reference is core.kernels.attention_ref's prefill_attention / decode_attention.
 """
 
 from __future__ import annotations
@@ -31,16 +31,12 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from bestiary.core.layers.attention import (
-    AttentionMetadata,
-    decode_attention,
-    prefill_attention,
-    windowed_attention,
-)
+from bestiary.core.kernels.metadata import AttentionMetadata
+from bestiary.core.kernels.attention_ref import decode_attention, prefill_attention, windowed_attention
 
 Bounds = tuple[list[int], list[int]]  # per-sequence (windows, sinks) of one layer, AttentionMetadata.window_bounds
 
-# --- torch reference (the CPU path: core.layers.attention, unchanged) -----------------------
+# --- torch reference (the CPU path: core.kernels.attention_ref) ----------------------------
 
 
 def paged_attention_ref(

@@ -2,13 +2,13 @@
 
 Mode, read once from the environment variable BESTIARY_KERNELS (default "auto"):
 
-    auto    Triton for CUDA tensors; on the CPU the compiled C kernels (core.cpu) for the ops
+    auto    Triton for CUDA tensors; on the CPU the compiled C kernels (core.kernels.cpu) for the ops
             they have (float32 / bfloat16 tensors, library built), else the torch reference
     triton  Triton always (CPU tensors then need TRITON_INTERPRET=1: the kernel tests)
     torch   the torch reference always
 
 `set_mode(m)` changes it for the process and `kernels_mode(m)` for a `with` block (tests).
-`LoraBatch` is the step's batched LoRA delta the linear layers call (meta.lora), on lora_sgmv.
+`LoraWeights` is one linear module's adapters in lora_sgmv's layout (core.lora.batch builds them).
 Each op costs one mode/device check on top of the implementation it picks; the torch
 references are the exact tensor ops the layers ran before dispatch existed.
 
@@ -31,9 +31,13 @@ import torch
 from bestiary.core.format.errors import ConfigError
 
 if TYPE_CHECKING:
-    from bestiary.core.layers.attention import AttentionMetadata
+    from bestiary.core.kernels.metadata import AttentionMetadata
 
 MODES = ("auto", "triton", "torch")
+# The Triton family modules (bestiary.core.kernels.<name>); each imports triton, so `family` loads it
+# on first use. The rest of core.kernels is triton-free: metadata, attention_window, the *_ref torch
+# references, kv_codes, cpu (the compiled CPU kernels).
+FAMILIES = ("norms", "rotary", "activations", "attention", "moe", "woq_gemm", "lora", "sampling")
 ENV_VAR = "BESTIARY_KERNELS"
 
 
@@ -75,7 +79,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def use_cpu_kernels(*tensors: torch.Tensor) -> bool:
-    """True when an op on these CPU tensors runs the compiled kernels of core.cpu (mode auto)."""
+    """True when an op on these CPU tensors runs the compiled kernels of core.kernels.cpu (mode auto)."""
     return _mode == "auto" and tensors[0].device.type == "cpu" and cpu_ops().supports(*tensors)
 
 
@@ -91,10 +95,10 @@ def reads_kv_codes(q: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tenso
 
 
 def cpu_ops() -> ModuleType:
-    """bestiary.core.cpu.ops (compiled CPU kernels + their torch references), imported on first use."""
+    """bestiary.core.kernels.cpu.ops (compiled CPU kernels + their torch references), imported on first use."""
     module = _families.get("cpu")
     if module is None:
-        module = _families["cpu"] = importlib.import_module("bestiary.core.cpu.ops")
+        module = _families["cpu"] = importlib.import_module("bestiary.core.kernels.cpu.ops")
     return module
 
 
@@ -204,7 +208,7 @@ def paged_attention(
 
     `kv_scales` (s_k, s_v): the pools hold INT8/FP8 codes, only where `reads_kv_codes` said so.
     `window`: the layer's sliding window (0: none), narrowed per sequence by meta.windows / meta.sinks
-    (core.layers.attention_window)."""
+    (core.kernels.attention_window)."""
     m = family("attention")
     bounds = meta.window_bounds(window)  # None: plain causal attention
     if kv_scales is not None or (_cpu_decode_step(q, meta, key_bias) and use_cpu_kernels(k_pool)):
@@ -285,44 +289,6 @@ class LoraWeights:
     lora_b: torch.Tensor
     ranks: torch.Tensor
     scalings: torch.Tensor
-
-
-@dataclass
-class LoraBatch:
-    """One step's batched LoRA: the `LoraDelta` that core.layers.linear.Linear calls (meta.lora).
-
-    Sequence s of the packed batch covers rows seg_starts[s] .. seg_starts[s+1] - 1 and uses adapter
-    seg_adapters[s] (-1: none) of every module named in `modules` (keyed by Linear.name):
-
-        delta(module, x) = lora_sgmv(x, modules[module.name], seg_starts, seg_adapters)   x [T, K] -> [T, N]
-    """
-
-    modules: dict[str, LoraWeights]
-    seg_starts: torch.Tensor  # [B + 1] int32
-    seg_adapters: torch.Tensor  # [B] int32
-    max_seg_len: int
-
-    @classmethod
-    def build(
-        cls, modules: dict[str, LoraWeights], seq_lens: list[int], adapters: list[int],
-        device: torch.device | str = "cpu",
-    ) -> LoraBatch:
-        """The step's segments from its per-sequence new-token counts and adapter indices (-1: none)."""
-        if len(seq_lens) != len(adapters):
-            raise ValueError(f"LoRA batch: {len(seq_lens)} sequences but {len(adapters)} adapter indices")
-        starts = [0]
-        for n in seq_lens:
-            starts.append(starts[-1] + n)
-        as_int = {"dtype": torch.int32, "device": device}
-        return cls(modules, torch.tensor(starts, **as_int), torch.tensor(adapters, **as_int), max(seq_lens, default=0))
-
-    def __call__(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """The delta [T, N] for `module` on x [T, K], or None when no adapter touches the module."""
-        w = self.modules.get(getattr(module, "name", ""))
-        if w is None:
-            return None
-        return lora_sgmv(x, w.lora_a, w.lora_b, self.seg_starts, self.seg_adapters, w.ranks, w.scalings,
-                         self.max_seg_len)
 
 
 # --- sampling ------------------------------------------------------------------------------

@@ -19,16 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from bestiary.core.runtime.sampling import filter_logits as _filter_row
-
-# --- torch reference -----------------------------------------------------------------------
-
-
-def filter_logits_ref(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> filtered [B, V], row by row with core.runtime.sampling.filter_logits."""
-    rows = [_filter_row(row, int(k), float(p)) for row, k, p in zip(logits, top_k.tolist(), top_p.tolist())]
-    return torch.stack(rows) if rows else logits.clone()
-
+from bestiary.core.kernels.sampling_ref import filter_logits_ref  # noqa: F401 (the reference)
 
 # --- Triton kernel -------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 A Linear's weight W is [N, K] (out, in). On the CPU:
 
 - bfloat16 / float32 weights with N % 8 == 0 and K % 32 / 16 == 0, where the compiled kernels are
-  built: `hold_tiled` repacks the parameter in place into row tiles (core.quant.packing.pack_float_tiled:
+  built: `hold_tiled` repacks the parameter in place into row tiles (core.format.packing.pack_float_tiled:
   per 8 rows, per 64 bytes of features, the rows' blocks in turn), which the compiled GEMV reads as one
   sequential stream per tile: cache-cold, 2 threads, 29-37 GB/s against 22-24 for W^T (SmolLM2
   shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it up to
@@ -32,9 +32,9 @@ from __future__ import annotations
 import threading
 
 import torch
-from bestiary.core.cpu.build import cpu_flags, isa_name, library
+from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
 from bestiary.core.kernels import dispatch
-from bestiary.core.quant import packing
+from bestiary.core.format import packing
 from torch import nn
 
 HALF_GEMV_MAX_TOKENS = 8
@@ -169,7 +169,7 @@ def upcast_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 def matmul_t(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ wt + b: x [T, K], wt [K, N] (a CPU weight held transposed) -> [T, N] in x's dtype.
 
-    bfloat16 weights at <= KERNEL_MAX_TOKENS rows run the compiled GEMV (core.cpu), which
+    bfloat16 weights at <= KERNEL_MAX_TOKENS rows run the compiled GEMV (core.kernels.cpu), which
     reads them ~2x faster than torch's bf16 GEMV here; float32 ones stay with torch (MKL)."""
     x2 = x.reshape(-1, x.shape[-1])
     if (wt.dtype == torch.bfloat16 and x2.dtype == wt.dtype and x2.shape[0] <= KERNEL_MAX_TOKENS

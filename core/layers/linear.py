@@ -13,17 +13,14 @@ argument of `forward`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from bestiary.core.kernels.metadata import LoraDelta
 from bestiary.core.layers import cpu_matmul
 from torch import nn
-
-if TYPE_CHECKING:
-    from bestiary.core.quant.slot import WeightOnlySlot
 
 
 class Parallel(str, Enum):
@@ -34,15 +31,19 @@ class Parallel(str, Enum):
     REPLICATED = "replicated"
 
 
-class LoraDelta(Protocol):
-    """Per-step batched LoRA (core.lora.batch.StepLora): the delta y_lora [T, out] for input x [T, in]
-    of `module`, None when no adapter of the step touches it."""
+class QuantSlot(Protocol):
+    """What core.quant installs as `Linear.quant` (core.quant.slot.WeightOnlySlot, act_slot.ActQuantSlot):
+    the packed weight's layout, its tp slicing and its matmul."""
 
-    def __call__(self, module: Linear, x: torch.Tensor) -> torch.Tensor | None: ...
+    lq: Any  # the layer's core.quant.modes.LinearQuant
 
-    def concat(self, modules: Sequence[Linear], x: torch.Tensor) -> torch.Tensor | None:
-        """The deltas of linears reading the same x, side by side [T, sum out] (a fused fc + gate)."""
-        ...
+    def tp_dim(self, name: str, weight_dim: int, is_column: bool) -> int: ...
+
+    def prepare(self, linear: nn.Module) -> None: ...
+
+    def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def fuse(self, members: list[nn.Module]) -> nn.Module | None: ...
 
 
 def tp_dim_of(parallel: Parallel, is_weight: bool) -> int:
@@ -91,7 +92,7 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_local, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.name = ""
-        self.quant: WeightOnlySlot | None = None  # packed weights + scales when quantized
+        self.quant: QuantSlot | None = None  # packed weights + scales when quantized
         self._wt: torch.Tensor | None = None  # CPU float weights: W^T [in_local, out_local], weight is its view
         self._tiles: torch.Tensor | None = None  # CPU bf16 weights in row tiles [out_local, in_local]: weight's data
 

@@ -7,36 +7,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.cpu import malloc
+from bestiary.core.kernels.cpu import malloc
 from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.activations_ref import activation
 from bestiary.core.layers import cpu_matmul
-from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
-from bestiary.core.quant import packing
+from bestiary.core.layers.linear import Linear, Parallel
+from bestiary.core.kernels.metadata import LoraDelta
+from bestiary.core.format import packing
 from torch import nn
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swiglu": F.silu,
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-# Activation name -> the code the kernels (Triton: core.kernels.activations, C: core.cpu) use.
-ACT_CODES = {"silu": 0, "swiglu": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3}
-
-
-def activation(name: str):
-    """The activation function called `name` (HF names)."""
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"hidden_act {name!r} is not supported; expected one of {sorted(ACTIVATIONS)}") from None
-
 
 def heap_chunks(x: torch.Tensor, width: int) -> int:
     """How many pieces to cut x's rows (tokens) into so that a [rows, width] activation in x's dtype stays
-    under glibc's largest mmap threshold (core.cpu.malloc.MMAP_BYTES, 32 MiB); 1 off the CPU.
+    under glibc's largest mmap threshold (core.kernels.cpu.malloc.MMAP_BYTES, 32 MiB); 1 off the CPU.
 
     A block at or above it is mapped afresh and returned on free, so every layer of a long prefill
     faulted its [T, 2I] activation in again: ~12,000 page faults a layer for SmolLM2's 50 MB at 8,192
@@ -70,10 +52,9 @@ class GatedMLP(nn.Module):
     def fuse(self) -> None:
         """Pack fc and gate weights into one [2 * I_local, H] tensor (inference speed)."""
         if self.fc.quant is not None or self.gate.quant is not None:
-            from bestiary.core.quant.fuse import fuse_quantized
-
             # quantized: one layer over both packed weights (not a submodule: the state dict is unchanged)
-            self.__dict__["_fused_q"] = fuse_quantized([self.fc, self.gate])
+            slot = self.fc.quant or self.gate.quant
+            self.__dict__["_fused_q"] = slot.fuse([self.fc, self.gate])
             return
         inter = self.fc.weight.shape[0]
         self._fused = torch.cat([self.fc.weight, self.gate.weight])

@@ -43,8 +43,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers.linear import Linear, LoraDelta, Parallel
-from bestiary.core.layers.mlp import GatedMLP, activation
+from bestiary.core.layers.linear import Linear, Parallel
+from bestiary.core.kernels.metadata import LoraDelta
+from bestiary.core.layers.mlp import GatedMLP
+from bestiary.core.kernels.activations_ref import activation
 from torch import nn
 
 

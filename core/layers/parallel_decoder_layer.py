@@ -11,7 +11,7 @@ input_layernorm(x) too; with two (Falcon-40B/180B's ln_attn, ln_mlp) each branch
 from __future__ import annotations
 
 import torch
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.kernels.metadata import AttentionMetadata
 from torch import nn
 
 

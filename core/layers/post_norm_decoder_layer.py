@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import torch
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.layers.decoder_layer import add_and_norm
 from torch import nn
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from bestiary.core.layers.attention import AttentionMetadata, KeyBias, PagedAttention
+from bestiary.core.kernels.metadata import AttentionMetadata, KeyBias
+from bestiary.core.layers.attention import PagedAttention
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.rotary import Rotary
 from torch import nn

@@ -9,13 +9,13 @@
   `StepLora`, the `LoraDelta` the linear layers call (meta.lora).
 - `store`: `LoraRequest(name, path=, weights=, config=)`: a request's adapter (task id) and what
   its first request brings.
-- `seed_tensors`: the seed's per-request LoraWeights [M, D*Hi + Ho*D] / LoraConfig [M, 3] tensors.
-- `seed_convert`: PEFT dir <-> seed tensors (`bestiary convert --lora_dir`).
+- `trtllm_tensors`: TensorRT-LLM's per-request LoraWeights [M, D*Hi + Ho*D] / LoraConfig [M, 3] tensors.
+- `trtllm_convert`: PEFT dir <-> TensorRT-LLM LoRA tensors (`bestiary convert --lora_dir`).
 - `cache`: the two-level (host / device) LoRA cache with byte budgets and LRU eviction of
   adapters no request holds.
 - `bundle`: adapters bundled in an engine dir (`bestiary build --lora_dir`).
 - `ranks`: a tp > 1 step's adapters sent to and placed on every rank.
 
-Imports: format, layers, kernels, registry; never convert, runtime or cli. `modules` and
-`peft_config` import no torch.
+Layer 3 of the core (docs/architecture.md). May import: format, plugins, sources, kernels, registry,
+layers.
 """

@@ -16,7 +16,7 @@ two dense matmuls for the whole packed batch, whatever the mix of adapters and r
 Python loop over requests. On the CPU a half-precision model's sites are held and computed in
 float32 (these skinny matmuls run ~3x faster than in bf16 here) and the delta rounded once. On CUDA a site goes through the SGMV/BGMV kernels instead
 (core.kernels.lora: the same pieces padded to the largest rank, B pre-scaled). The compiled CPU
-decode plan reads a site's `rows` (core.cpu.ops.LoraRows, in the model's dtype): each row only
+decode plan reads a site's `rows` (core.kernels.cpu.ops.LoraRows, in the model's dtype): each row only
 its own adapter's A and B, and only the columns a piece's B reaches,
 
     delta[t] = sum over pieces p of a_t:  ((x[t] A_p^T) * s_p) B_p^T   (in B_p's columns)
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.cpu import ops as cpu_ops
+from bestiary.core.kernels.cpu import ops as cpu_ops
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Parallel
 from bestiary.core.lora.adapter import LoraAdapter

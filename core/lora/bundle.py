@@ -4,7 +4,7 @@
                            "adapters": [{"task_uid": "0", "name": ..., "file": "lora/0.safetensors",
                                          "modules": [...], "max_rank": r}, ...]}
     lora/<uid>.safetensors   "lora_weights" [M, W] (the engine's dtype), "lora_config" [M, 3] int32:
-                             the seed's tensors (core.lora.seed_tensors), every rank's weights
+                             TensorRT-LLM's LoRA tensors (core.lora.trtllm_tensors), every rank's weights
 
 Task uid i is the i-th --lora_dir; `LoraRequest(i)` (or `bestiary run --lora_task_uids i`) runs it,
 the runtime reading it on first use like any adapter (core.lora.cache). Adapters given at run
@@ -27,7 +27,7 @@ class BundledAdapter(BaseModel):
 
     task_uid: str = Field(description="The task id requests give (the index of its --lora_dir).")
     name: str = Field(description="The adapter directory's name.")
-    file: str = Field(description="Its seed tensors, relative to the engine dir.")
+    file: str = Field(description="Its TensorRT-LLM LoRA tensors, relative to the engine dir.")
     modules: list[str] = Field(description="The LoRA modules it adapts.")
     max_rank: int = Field(description="Its largest rank.")
 
@@ -53,7 +53,7 @@ def engine_lora(engine_dir: str | Path) -> LoraBuildConfig | None:
 
 
 def bundled_adapters(engine_dir: str | Path) -> dict[str, Path]:
-    """task uid -> seed tensor file of the adapters an engine dir bundles (none: {})."""
+    """task uid -> TensorRT-LLM LoRA tensor file of the adapters an engine dir bundles (none: {})."""
     engine_dir = Path(engine_dir)
     lora = engine_lora(engine_dir)
     out = {}

@@ -1,4 +1,4 @@
-"""The two-level LoRA cache of one model rank (seeds/trtllm-lora.txt, "LoraCache configuration").
+"""The two-level LoRA cache of one model rank (TensorRT-LLM, "LoraCache configuration").
 
     host level    task id -> LoraSource: the adapter as its first request brought it (every
                   rank's weights, in the model's dtype), within host_cache_size bytes;
@@ -7,7 +7,7 @@
                   bytes, or on CUDA by default device_cache_percent of the free memory after load.
 
 `take(request)`, when a request arrives:
-  1. an id not cached whose request brings weights (a PEFT dir, or the seed's weights + config)
+  1. an id not cached whose request brings weights (a PEFT dir, or TensorRT-LLM's weights + config)
      or that the engine bundles: read and check them, insert the source in the host level;
   2. an id alone that is not cached (nor bundled): a one-line error for this request only;
   3. place the source on the rank unless the device level has it, insert it there;
@@ -29,8 +29,8 @@ import torch
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora.adapter import LoraAdapter, LoraSource, module_dims, place, read_peft
 from bestiary.core.lora.bundle import LoraBuildConfig
-from bestiary.core.lora.seed_tensors import read_rows
-from bestiary.core.lora.store import LoraRequest
+from bestiary.core.lora.trtllm_tensors import read_rows
+from bestiary.core.lora.request import LoraRequest
 from bestiary.registry import Registry, default_registry
 from pydantic import BaseModel, Field
 
@@ -95,7 +95,7 @@ class _Level:
 
 
 class LoraCache:
-    """The two levels for `model` (one rank); `bundled`: task id -> an engine's seed tensor file;
+    """The two levels for `model` (one rank); `bundled`: task id -> an engine's TensorRT-LLM LoRA tensor file;
     `limits`: the engine's --max_lora_rank / --lora_target_modules, which every adapter must keep to."""
 
     def __init__(self, model, registry: Registry | None = None, config: LoraCacheConfig | None = None,
@@ -192,7 +192,7 @@ class LoraCache:
             source = read_peft(request.path, spec, self.registry, model.config.num_hidden_layers, key)
         elif request.weights is not None or request.config is not None:
             if request.weights is None or request.config is None:
-                raise BestiaryError(f"LoRA task {key!r}: give both weights and config (the seed's LoRA tensors)")
+                raise BestiaryError(f"LoRA task {key!r}: give both weights and config (TensorRT-LLM's LoRA tensors)")
             source = read_rows(request.weights, request.config, lambda m, i: module_dims(model, m, i), key)
         elif key in self.bundled:
             source = self._read_bundled(key)

@@ -1,4 +1,4 @@
-"""The LoRA module names and ids of TensorRT-LLM (seeds/trtllm-lora.txt), and where each one lands.
+"""The LoRA module names and ids of TensorRT-LLM (TensorRT-LLM), and where each one lands.
 
 A module name says which linear of a decoder layer an adapter adapts; the id is its number in
 LoraConfig tensors. Each name lands on a canonical linear of layer i (`transformer.layers.{i}.` +

@@ -10,7 +10,7 @@ with adapters sends, next to the step's token counts, a `LoraStep`:
 
 and each rank places a new source on its own shard (core.lora.adapter.place: a column-parallel
 linear keeps its rows of B and the whole A, a row-parallel one its columns of A and the whole
-B, the seed's TP rule), stacks the step's adapters and runs the same StepLora as rank 0, so
+B, TensorRT-LLM's TP rule), stacks the step's adapters and runs the same StepLora as rank 0, so
 
     column-parallel:  y_r = W_r x + s B_r (A x)        (rank r's rows of the output)
     row-parallel:     y = sum_r (W_r x_r + s B (A_r x_r))   (the linear's all-reduce sums the parts)

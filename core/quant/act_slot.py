@@ -28,7 +28,7 @@ Unlike TensorRT-LLM's W4A8 kernel, no second per-tensor weight scale
 (weights_scaling_factor_2) is stored: the group scales are full precision.
 
 Quantizing at convert (`quantize(w, scale_dtype, stats)`, stats: the layer's input statistics,
-core.quant.activations.LinearInputStats with absmax [K] = max_t |x[t, k]|):
+core.quant.input_stats.LinearInputStats with absmax [K] = max_t |x[t, k]|):
 
     FP8:         s_w = max|W| / 448,  s_a = max_k absmax_k / 448
     SmoothQuant: per input channel j, s_j = absmax_j^alpha / max_n |W[n, j]|^(1 - alpha);
@@ -53,8 +53,8 @@ Outputs are cast back to x's dtype.
 from __future__ import annotations
 
 import torch
-from bestiary.core.quant import packing
-from bestiary.core.quant.activations import LinearInputStats
+from bestiary.core.format import packing
+from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.awq import awq_scale, search_awq_scale
 from bestiary.core.quant.modes import LinearQuant, check_linear
 from bestiary.core.quant.slot import install_int_weight
@@ -226,6 +226,10 @@ class ActQuantSlot:
     def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
         """Recorded only: these layers accumulate in float32 / int32 whatever is asked (exact codes)."""
         self.compute_dtype = dtype
+
+    def fuse(self, members: list[nn.Module]) -> None:
+        """Activation-quantized linears are not fused (each quantizes its own input)."""
+        return None
 
     def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> y [..., N] in x's dtype (see the module doc for the arithmetic)."""

@@ -8,7 +8,7 @@ leaves y = x W^T unchanged, (x / s) (W diag(s))^T, but changes how W rounds: sal
     alpha*   = argmin over alpha in {0, 1/G, ..., (G-1)/G} of
                trace(dW H dW^T),   dW = quantize(W diag(s)) diag(s)^-1 - W
 
-where H = sum_t x_t x_t^T (core.quant.activations), so the output error over the calibration
+where H = sum_t x_t x_t^T (core.quant.input_stats), so the output error over the calibration
 tokens is exact without keeping them. alpha = 0 is s = 1 (plain quantization), so the search
 never does worse than no scaling on the calibration data. The caller stores W diag(s)
 quantized and multiplies the activations by 1/s (pre_quant_scale / prequant_scaling_factor).
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from bestiary.core.quant.activations import LinearInputStats
+from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.gptq import hessian_error
 
 GRID = 20

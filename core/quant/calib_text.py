@@ -1,6 +1,6 @@
 """Built-in calibration texts for the quantizers, shipped as package data (core/quant/data/).
 
-`data/weight_calibration.txt` (the weight quantizers, core.quant.calibrated): written for
+`data/weight_calibration.txt` (the weight quantizers, core.convert.quantize_calibrated): written for
 bestiary: a mix of narrative prose, a short story and a poem, encyclopedia-style science and
 history, worked maths, a news report, how-to instructions and recipes, letters and emails, a
 product review, FAQs, terms of use, a travel guide, a forum thread, dialogue, numbers and tables,
@@ -9,9 +9,9 @@ documentation with source code (a manual page, a REST API reference, a C header 
 Makefile, a Go package with its test, a backup shell script, a configuration-format
 specification, a README and changelog, a Java class, and a question-and-answer post about a Rust
 compiler error), so the layers see the kinds of input a small general model meets. It is
-independent of the evaluation text of tests/test_quant_smollm2.py (Python standard-library
+independent of the evaluation text of tests/quant/test_quant_smollm2.py (Python standard-library
 docstrings). The KV cache scales' shorter text (`data/kv_calibration.txt`,
-core.quant.calibrate.BUILTIN_TEXT) is appended.
+core.convert.kv_scales.BUILTIN_TEXT) is appended.
 """
 
 from __future__ import annotations

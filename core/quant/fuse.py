@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from bestiary.core.layers.linear import Linear
-from bestiary.core.quant.packing import CPU_INT4_BLOCK_N, TILE_ROWS
+from bestiary.core.format.packing import CPU_INT4_BLOCK_N, TILE_ROWS
 from bestiary.core.quant.slot import WeightOnlySlot
 from torch import nn
 

@@ -40,7 +40,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from bestiary.core.quant import packing
+from bestiary.core.format import packing
 
 DEFAULT_DAMP = 0.1  # 0.01 (the paper's) overfits a few thousand calibration tokens: docs/quantization.md
 BLOCK = 128  # a multiple of every group size (32, 64, 128): groups never straddle a block

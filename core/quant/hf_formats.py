@@ -20,7 +20,7 @@ GPTQ (AutoGPTQ, GPTQModel, optimum):
     A v1 zero of 0 is stored as 15 and reads back as 16, as in the reference kernels; the
     canonical layout holds zeros as floats, so (q - 16) * s is kept exactly.
 
-Canonical form (core.quant.packing, W4A16 with zero points): codes [N, K] with groups of
+Canonical form (core.format.packing, W4A16 with zero points): codes [N, K] with groups of
 G_c contiguous in-features. Act-order is made group-contiguous by a permutation of the
 in-features: perm = the stable argsort of g_idx, codes[:, j] = q[perm[j], :], so that
 canonical feature j is source feature perm[j] and its group is j // G. The layer then

@@ -9,7 +9,7 @@ int8 step would waste most of the values' range). A pool holds
     FP8:   q = float8_e4m3fn(clamp(x / s, -448, 448))           x ~ q * s
 
 and s = amax / qmax over a calibration pass of the converted model (amax of |K| and |V|
-per layer, qmax 127 or 448); values beyond the calibrated range are clamped.
+per layer, qmax 127 or 448; core.convert.kv_scales); values beyond the calibrated range are clamped.
 
 Attention itself is unchanged: `PagedAttention` quantizes the step's new K/V into the
 pools (`write_kv(..., scales)`), then dequantizes the blocks this step reads into a float
@@ -22,9 +22,8 @@ one float layer.
 from __future__ import annotations
 
 import torch
+from bestiary.core.kernels.kv_codes import KV_DTYPES, QMAX, as_bytes, dequantize_kv
 
-KV_DTYPES = {"INT8": torch.int8, "FP8": torch.float8_e4m3fn}
-QMAX = {"INT8": 127.0, "FP8": 448.0}
 SCALE_NAME = "kv_cache_scaling_factor"
 
 
@@ -32,24 +31,6 @@ def kv_cache_dtype(config, default: torch.dtype) -> torch.dtype:
     """Pool dtype: int8 / float8_e4m3fn under kv_cache_quant_algo INT8 / FP8, else `default`."""
     algo = config.quantization.kv_cache_quant_algo
     return KV_DTYPES[algo] if algo else default
-
-
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [..] float -> codes of `dtype` with x ~ codes * scale (scale: a 0-d or [1] tensor)."""
-    y = x.float() / scale.float()
-    if dtype == torch.int8:
-        return torch.round(y).clamp_(-127, 127).to(torch.int8)
-    return y.clamp_(-QMAX["FP8"], QMAX["FP8"]).to(dtype)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """float8 tensors viewed as uint8 (the CPU has no index_copy_/index_select for float8)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes int8/fp8 -> codes * scale in `dtype`."""
-    return (codes.float() * scale.float()).to(dtype)
 
 
 _scratch: dict[str, torch.Tensor] = {}
@@ -115,15 +96,6 @@ def install_kv_quant(model: torch.nn.Module, algo: str) -> None:
             device = next((p.device for p in module.parameters()), None)
             setattr(module, SCALE_NAME, torch.nn.Parameter(torch.ones(2, device=device), requires_grad=False))
             attn.kv_quant = KVQuant(algo, module)
-
-
-@torch.inference_mode()
-def calibrate_kv_amax(model: torch.nn.Module, ids: list[int], block_size: int = 32) -> list[tuple[float, float]]:
-    """(amax |K|, amax |V|) per local layer of `model` (float KV cache) over one pass of `ids`."""
-    from bestiary.core.quant.activations import run_sequence
-
-    _, kv = run_sequence(model, ids, all_logits=False, block_size=block_size)
-    return [(kv.k[i].abs().amax().item(), kv.v[i].abs().amax().item()) for i in range(kv.k.shape[0])]
 
 
 def scales_from_amax(amax: tuple[float, float], algo: str) -> torch.Tensor:

@@ -15,7 +15,7 @@ tricks), and sums the codes after that. The last group of a row may be shorter (
 (its compute dtype), as FastLLM scales its integer dot.
 
 With this, ftllm 1.9.0's int4 (per row, grouped) and int8 CPU matmuls compute what the engine
-computes up to float32 rounding (tests/test_flm_fastllm.py). Not up to the bit: a code whose
+computes up to float32 rounding (tests/sources/test_flm_fastllm.py). Not up to the bit: a code whose
 x / s + z + 0.5 lies within float32 rounding of an integer can land one step apart in the two
 runtimes, and on a trained model such a step grows through the following layers (docs/fastllm.md).
 """

@@ -9,7 +9,7 @@
     --int8_kv_cache / --fp8_kv_cache                    -> kv_cache_quant_algo INT8 / FP8
     --weight_quantizer rtn|gptq                         -> how the weights are rounded (default: gptq for
                                                            weight-only int4; checked by
-                                                           core.quant.calibrated.check_weight_quantizer)
+                                                           core.convert.quantize_calibrated.check_weight_quantizer)
     --exclude_modules NAME ...                          -> exclude_modules (globs over module names)
 
 Flag combinations that make no sense are refused here with a one-line ConfigError, before

@@ -2,12 +2,12 @@
 
 `WeightOnlySlot.install(linear, lq)` swaps the layer's float `weight` for the packed one
 and adds `weights_scaling_factor` (and `zeros`) parameters, so the checkpoint names and
-`load_state_dict` work unchanged (layouts in core.quant.packing).
+`load_state_dict` work unchanged (layouts in core.format.packing).
 
 After loading, `prepare(linear)` repacks for the device that will run it:
 
-    CPU with the compiled kernels (core.cpu): the checkpoint layout as it is, scales as
-                float32 (a core.cpu.ops.PackedWeight); an int8 weight with N % 8 == 0 and
+    CPU with the compiled kernels (core.kernels.cpu): the checkpoint layout as it is, scales as
+                float32 (a core.kernels.cpu.ops.PackedWeight); an int8 weight with N % 8 == 0 and
                 K % 16 == 0 is repacked in place into row tiles (packing.pack_int8_tiled: one
                 sequential stream per tile); on the avx512bf16 build an int4 weight with
                 K % 64 == 0 of a bfloat16 layer into the dot layout its vdpbf16ps GEMV reads
@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.cpu.build import cpu_flags, isa_name, library
+from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
-from bestiary.core.quant import online_act, packing
+from bestiary.core.format import packing
+from bestiary.core.quant import online_act
 from bestiary.core.quant.modes import LinearQuant, check_linear
-from bestiary.core.quant.packing import Int4Codes
+from bestiary.core.format.packing import Int4Codes
 from torch import nn
 
 # Steps with more tokens than this dequantize to bf16 and run a dense matmul on the CPU
@@ -54,7 +55,7 @@ COMPILED_MAX_TOKENS = {"avx512bf16": {8: 24, 4: 16}, "avx512": {8: 128, 4: 32}, 
 SCALE_NAMES = ("weights_scaling_factor", "zeros", "in_perm")
 # W4A16_GPTQ layers hold `in_perm` int32 [K_local]: the layer computes x[..., in_perm] W^T, so
 # act-order (GPTQ desc_act) weights are stored with group-contiguous in-features
-# (core.quant.import_hf). Indices count the layer's full in-features; identity when trivial.
+# (core.convert.import_prequantized). Indices count the layer's full in-features; identity when trivial.
 PERMUTED_ALGOS = ("W4A16_GPTQ",)
 
 
@@ -64,7 +65,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 def install_int_weight(linear: nn.Module, bits: int, group_size: int) -> None:
     """Give `linear` (weight [N, K]) empty packed-integer parameters in the checkpoint layout
-    (core.quant.packing): bits 8 -> weight int8 [N, K], weights_scaling_factor [N]; bits 4 ->
+    (core.format.packing): bits 8 -> weight int8 [N, K], weights_scaling_factor [N]; bits 4 ->
     weight uint8 [N, K/2], weights_scaling_factor [N, ceil(K / group_size)]. Scales keep the
     layer's dtype."""
     n, k = linear.weight.shape
@@ -92,7 +93,7 @@ class WeightOnlySlot:
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
         self.in_offset = 0  # in_perm: first in-feature of this rank (row-parallel on tp ranks)
         self._perm: torch.Tensor | None | bool = False  # False: not looked at yet; None: identity
-        self._packed = None  # core.cpu.ops.PackedWeight when the compiled CPU kernels run this layer
+        self._packed = None  # core.kernels.cpu.ops.PackedWeight when the compiled CPU kernels run this layer
 
     # --- building the layer ------------------------------------------------------------------
     @classmethod
@@ -128,7 +129,7 @@ class WeightOnlySlot:
                  row_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Float weight [N, K] -> {parameter name: tensor} in the checkpoint layout.
 
-        Round to nearest, or, int4 with `stats` (core.quant.activations.LinearInputStats
+        Round to nearest, or, int4 with `stats` (core.quant.input_stats.LinearInputStats
         holding the input Hessian), GPTQ (core.quant.gptq). int8 `row_amax` [N]: the whole rows'
         max |w| of a row-parallel rank (its per-channel scales are replicated: tp_dim -1)."""
         if tuple(w.shape) != (self.out_local, self.in_local):
@@ -258,7 +259,7 @@ class WeightOnlySlot:
         self.layout = "checkpoint"
 
     def runs_compiled(self, linear: nn.Module) -> bool:
-        """True when the compiled CPU kernels (core.cpu) run this layer (checkpoint or dot layout)."""
+        """True when the compiled CPU kernels (core.kernels.cpu) run this layer (checkpoint or dot layout)."""
         kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
         return (self.layout in ("checkpoint", "dot", "tiled") and kernel_group
                 and dispatch.use_cpu_kernels(linear.weights_scaling_factor))
@@ -267,6 +268,13 @@ class WeightOnlySlot:
         """Run the matmuls in `dtype` (float32 makes the layer exact to fp32 rounding: tests)."""
         self.compute_dtype = dtype
         self.prepare(linear)
+
+    def fuse(self, members: list[nn.Module]) -> nn.Module | None:
+        """One quantized Linear computing [x W1^T, x W2^T, ...] for `members` (this slot's linear first;
+        core.quant.fuse), or None when their layouts cannot be stacked."""
+        from bestiary.core.quant.fuse import fuse_quantized
+
+        return fuse_quantized(members)
 
     def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
@@ -296,7 +304,7 @@ class WeightOnlySlot:
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _compiled_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """The compiled kernels (core.cpu): GEMV at <= kernel_max_tokens() rows, else the weight
+        """The compiled kernels (core.kernels.cpu): GEMV at <= kernel_max_tokens() rows, else the weight
         dequantized (float32 without native bf16 GEMMs) and one dense matmul. x2 [T, K] -> [T, N]."""
         ops = dispatch.cpu_ops()
         if x2.shape[0] <= self.kernel_max_tokens():

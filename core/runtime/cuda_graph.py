@@ -29,7 +29,8 @@ import os
 
 import torch
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers.attention import AttentionMetadata, PagedAttention
+from bestiary.core.kernels.metadata import AttentionMetadata
+from bestiary.core.layers.attention import PagedAttention
 from bestiary.core.layers.rotary import Rotary
 
 ENV_VAR = "BESTIARY_CUDA_GRAPHS"  # "0" turns graphs off

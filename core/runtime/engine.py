@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bestiary.core.cpu.malloc import keep_freed_memory
+from bestiary.core.kernels.cpu.malloc import keep_freed_memory
 from bestiary.core.format.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import PretrainedConfig, read_json, validate_config
@@ -28,7 +28,7 @@ def validate_model_config(data: dict, source: str, registry: Registry | None = N
 
 def check_world(directory: Path, config: PretrainedConfig) -> None:
     """A multi-rank engine loads inside a torch.distributed world of its size (LLM, `bestiary run`
-    and step_broadcast.load_engine start one)."""
+    and engine.load_engine start one)."""
     m = config.mapping
     if m.world_size == 1:
         return
@@ -63,7 +63,7 @@ class Engine:
         if not directory.is_dir():
             raise BestiaryError(f"{directory}: no such engine directory")
         if device == "cpu":
-            keep_freed_memory()  # prefill's large activations reuse freed heap (core.cpu.malloc)
+            keep_freed_memory()  # prefill's large activations reuse freed heap (core.kernels.cpu.malloc)
         data = read_json(directory / "config.json")
         if "pretrained_config" in data:
             version = data.get("format_version")
@@ -100,3 +100,22 @@ class Engine:
         model.eval()
         model.prepare_for_inference()
         return cls(directory, config, build, model, Tokenizer.from_dir(directory))
+
+
+def engine_ranks(directory: str | Path) -> tuple[int, int]:
+    """(tp_size, pp_size) of an engine or checkpoint dir (1, 1 when config.json says nothing)."""
+    data = read_json(Path(directory) / "config.json")
+    mapping = data.get("pretrained_config", data).get("mapping") or {}
+    return int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
+
+
+def load_engine(directory: str | Path, device: str = "cpu", registry: Registry | None = None,
+                allow_nonfinite: bool = False, num_threads: int | None = None) -> Engine:
+    """The Engine of `directory` for this process, the entry point of LLM and the CLI: loaded here alone
+    (one rank), or as rank 0 of its worker group (tp_size * pp_size > 1: core.runtime.step_broadcast)."""
+    tp, pp = engine_ranks(directory)
+    if tp * pp == 1:
+        return Engine.load(directory, device=device, registry=registry, allow_nonfinite=allow_nonfinite)
+    from bestiary.core.runtime.step_broadcast import load_ranked
+
+    return load_ranked(directory, tp * pp, device, registry, allow_nonfinite, num_threads)

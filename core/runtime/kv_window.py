@@ -1,7 +1,7 @@
 """Attention windows in the paged KV cache: which window a request runs under, and releasing the
 blocks that fall out of it.
 
-A request's window (core.layers.attention_window) comes from its SamplingConfig, else the
+A request's window (core.kernels.attention_window) comes from its SamplingConfig, else the
 engine's BuildConfig (`max_attention_window`, `sink_token_length`); each layer narrows it to its
 own sliding window. A block can go back to the pool once no later query of any layer can see it:
 it lies wholly past the sinks and before the first key the widest layer window still shows the
@@ -19,7 +19,7 @@ A request under window W then holds, during a step of c new tokens, at most
 from __future__ import annotations
 
 from bestiary.core.format.errors import BestiaryError
-from bestiary.core.layers.attention_window import FULL, check_sinks, effective_window, releasable_blocks
+from bestiary.core.kernels.attention_window import FULL, check_sinks, effective_window, releasable_blocks
 from bestiary.core.runtime.kv_cache import BlockAllocator
 
 RELEASED = -1  # block table entry of a block released out of the window

@@ -26,12 +26,13 @@ from bestiary.core.format.output_dir import config_kind
 from bestiary.core.lora.adapter import LoraAdapter
 from bestiary.core.lora.bundle import bundled_adapters, engine_lora
 from bestiary.core.lora.cache import LoraCache, LoraCacheConfig
-from bestiary.core.lora.store import LoraRequest
+from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.executor import Executor, Request
 from bestiary.core.runtime.kv_cache import KvCacheConfig
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, speculative_config
-from bestiary.core.runtime.step_broadcast import load_engine, release
+from bestiary.core.runtime.engine import load_engine
+from bestiary.core.runtime.step_broadcast import release
 from bestiary.core.runtime.text_deltas import TextDeltas
 from bestiary.core.runtime.worker_group import check_device
 

@@ -22,7 +22,7 @@ import torch
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.moe import ExpertLinear
@@ -97,8 +97,8 @@ class DecoderLM(nn.Module):
     def attention_window(self, layer_idx: int) -> int:
         """Sliding window of global layer `layer_idx` (0: full attention): by default the config's
         `sliding_window`, on the layers its `layer_types` marks "sliding_attention" when it has that
-        list (core.layers.attention_window.layer_window). Override for another rule."""
-        from bestiary.core.layers.attention_window import layer_window
+        list (core.kernels.attention_window.layer_window). Override for another rule."""
+        from bestiary.core.kernels.attention_window import layer_window
 
         return layer_window(self.config, layer_idx)
 
@@ -295,7 +295,7 @@ class DecoderLM(nn.Module):
             return pipeline_forward(self, ids, meta, kv_cache, all_logits)
         plan = None if all_logits else self._decode_plan(ids, meta, kv_cache)
         if plan is not None:
-            return plan.run(ids, meta)  # the whole step in one compiled call (core.cpu.plan)
+            return plan.run(ids, meta)  # the whole step in one compiled call (core.runtime.cpu_plan)
         graph = self._cuda_graph(ids, meta, kv_cache) if ids.is_cuda and not all_logits else None
         if graph is not None:
             return graph.run(ids, meta)  # the whole step in one graph replay (core.runtime.cuda_graph)
@@ -319,14 +319,14 @@ class DecoderLM(nn.Module):
         return graph_for(self, ids, meta, kv_cache)
 
     def decode_plan_status(self) -> str | None:
-        """None when CPU decode steps of this model can run as one compiled plan (core.cpu.plan),
+        """None when CPU decode steps of this model can run as one compiled plan (core.runtime.cpu_plan),
         else why they run eagerly (an override, a top-level module, a layer the plan lacks, ...)."""
-        from bestiary.core.cpu.plan import refusal
+        from bestiary.core.runtime.cpu_plan import refusal
 
         return refusal(self) or self.__dict__.get("decode_plan_refusal")
 
     def _decode_plan(self, ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLike):
-        """The compiled CPU plan for this decode step (core.cpu.plan), built once per batch size
+        """The compiled CPU plan for this decode step (core.runtime.cpu_plan), built once per batch size
         and KV cache; None when the step or the model is not one a plan runs, or the kernel
         dispatch mode is not "auto" (checked every step: kernels_mode("torch") runs eagerly)."""
         if not meta.is_decode or ids.device.type != "cpu" or dispatch.mode() != "auto":
@@ -334,7 +334,7 @@ class DecoderLM(nn.Module):
         plans = self.__dict__.setdefault("_decode_plans", {})  # batch -> DecodePlan | None
         b = len(meta.seq_lens)
         if b not in plans or (plans[b] is not None and not plans[b].same_pools(kv_cache.k, kv_cache.v)):
-            from bestiary.core.cpu.plan import plan_for
+            from bestiary.core.runtime.cpu_plan import plan_for
 
             like = max((p for p in plans.values() if p is not None), key=lambda p: p.batch, default=None)
             plans[b] = plan_for(self, b, list(kv_cache.k), list(kv_cache.v), like=like)  # like resized if it can be

@@ -22,7 +22,7 @@ M + P - 1 slots and each stage idles in P - 1 of them:
 
     bubble = (P - 1) / (M + P - 1)        (P 2, M 4: 20%;  M 1, a batch-1 decode: 50%)
 
-Decode micro-batches run as each stage's compiled CPU plan (core.cpu.plan: no embedding after
+Decode micro-batches run as each stage's compiled CPU plan (core.runtime.cpu_plan: no embedding after
 stage 0, no logits before the last). A decode step cannot overlap with the next one (its tokens are sampled from this step's
 logits), so the bubble is paid every step; more micro-batches shrink it but make each
 stage's matmuls narrower and repeat each layer's fixed overhead: M = min(B, 2 * P, T // 64) for a
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from bestiary.core.format.errors import BestiaryError
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 _STAGE_GROUPS: dict[tuple, list] = {}  # (world group, tp, pp) -> the tp group of each stage
 

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.sampling_ref import filter_logits
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -68,7 +69,7 @@ class SamplingConfig(BaseModel):
                                                            "probs at each step (0 = off).")
     output_context_logits: bool = Field(False, description="Return the logits of every prompt position.")
     output_generation_logits: bool = Field(False, description="Return the raw logits of every generated step.")
-    # --- attention window (core.layers.attention_window)
+    # --- attention window (core.kernels.attention_window)
     max_attention_window: int | None = Field(
         None, ge=1, description="Attend to at most this many recent keys (sinks included); default: the engine's "
                                 "max_attention_window; at most that.")
@@ -147,25 +148,6 @@ def make_generator(seed: int | None) -> torch.Generator:
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token id drawn from probs [V] (any device) with a CPU generator."""
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] with everything outside top-k / top-p set to -inf.
-
-    top-k keeps logits >= the k-th largest; top-p then drops every token whose sorted
-    probability mass strictly before it is already >= top_p (so one token always stays).
-    """
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-        drop_sorted = before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 def sample(logits: torch.Tensor, params: list[SamplingConfig], generators: list[torch.Generator]) -> list[int]:

@@ -21,7 +21,7 @@ class SpeculativeConfig(BaseModel):
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram prompt lookup matches.")
     max_verify_rows: int | None = Field(
         None, ge=1, description="Most rows (sequences + drafts) a verification step grows to. Default: the "
-        "compiled CPU decode plan's batch limit (core.cpu.plan.MAX_BATCH), whose rows compute exactly as batch-1 "
+        "compiled CPU decode plan's batch limit (core.runtime.cpu_plan.MAX_BATCH), whose rows compute exactly as batch-1 "
         "steps do; steps of more rows run other kernels, whose rounding can change a near-tie greedy token in bf16.")
 
     @model_validator(mode="after")

@@ -33,10 +33,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.lora.ranks import LoraReceiver, LoraSender, LoraStep
 from bestiary.core.runtime.kv_cache import KVCache
 from bestiary.core.runtime.pipeline import micro_batch_count
@@ -105,25 +104,13 @@ def receive(control) -> object:
     return box[0]
 
 
-def engine_ranks(directory: str | Path) -> tuple[int, int]:
-    """(tp_size, pp_size) of an engine or checkpoint dir (1, 1 when config.json says nothing)."""
-    data = read_json(Path(directory) / "config.json")
-    mapping = data.get("pretrained_config", data).get("mapping") or {}
-    return int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
-
-
-def load_engine(directory: str | Path, device: str = "cpu", registry=None, allow_nonfinite: bool = False,
+def load_ranked(directory: str | Path, ranks: int, device: str = "cpu", registry=None, allow_nonfinite: bool = False,
                 num_threads: int | None = None):
-    """The Engine of `directory` for this process: loaded here alone (one rank), or as rank 0 of
-    its worker group (tp_size * pp_size > 1; ranks spawned, or torchrun's). Under torchrun a rank other
-    than 0 serves the driver's steps here and exits when it is done (SystemExit)."""
-    from bestiary.core.runtime.engine import Engine
-
-    tp, pp = engine_ranks(directory)
-    if tp * pp == 1:
-        return Engine.load(directory, device=device, registry=registry, allow_nonfinite=allow_nonfinite)
+    """A `ranks`-rank engine (core.runtime.engine.load_engine): rank 0's Engine here, the other ranks
+    spawned (or torchrun's). Under torchrun a rank other than 0 serves the driver's steps here and exits
+    when it is done (SystemExit)."""
     if registry is not None and registry is not _default_registry():
-        raise BestiaryError(f"{directory}: a {tp * pp}-rank engine loads its architecture from the installed plugins "
+        raise BestiaryError(f"{directory}: a {ranks}-rank engine loads its architecture from the installed plugins "
                             f"on every rank; install the plugin instead of passing a registry")
     env = torchrun_env()
     if env is not None and env[0] != 0:
@@ -134,7 +121,7 @@ def load_engine(directory: str | Path, device: str = "cpu", registry=None, allow
         except Exception as err:  # noqa: BLE001 - one line; torchrun stops the other ranks
             report_and_exit(rank, err)
         raise SystemExit(0)
-    group = worker_group(tp * pp, device, num_threads)
+    group = worker_group(ranks, device, num_threads)
     return load_on_ranks(group, directory, allow_nonfinite)
 
 

@@ -5,6 +5,8 @@ ids through the chat template), `metrics` (Prometheus), `generation` (running on
 prompts and samples), `app` (the FastAPI app: routes, auth, errors), `web` (the chat page at /,
 whose HTML, JS and CSS are the package data in static/).
 
-Needs the `serve` extra (fastapi, uvicorn, prometheus_client).
-Imports: format, runtime, lora (LoraRequest); never convert or cli. Nothing but cli imports serve.
+Needs the `serve` extra (fastapi, uvicorn, prometheus_client). Nothing but cli imports serve.
+
+Layer 6 of the core (docs/architecture.md). May import: format, plugins, sources, kernels, registry,
+layers, quant, lora, runtime, convert.
 """

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 
 from bestiary.core.format.errors import BestiaryError
-from bestiary.core.lora.store import LoraRequest
+from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.serve.generation import Formatter, choice_deltas, collect, sse_events
 from bestiary.core.serve.metrics import RequestTimer, ServerMetrics

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-from bestiary.core.lora.store import LoraRequest
+from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.llm import LLM, Delta
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.speculative import AcceptanceStats

@@ -2,8 +2,7 @@
 
 `open_source(path)` detects the format and returns a `ModelSource`.
 
-Imports: format, sources, and quant.packing (packed int8/int4 codes are a data format); never
-convert, runtime, cli, layers or models.
+Layer 1 of the core (docs/architecture.md). May import: format.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 - an HF-style config dict: the model info (every value was str()-ed) parsed back to numbers,
   booleans, lists and dicts (`rope_scaling.type` -> rope_scaling {"type": ...}); when the linears
   are quantized, a `quantization_config` {"quant_method": "fastllm", "bits", "group_size"} that
-  makes `bestiary convert` import the codes as they are (core.quant.import_hf) through
+  makes `bestiary convert` import the codes as they are (core.convert.import_prequantized) through
   `FlmWeights.prequantized`:
       int8 (per row, any zero point)         -> W8A16 with zero points: weight int8 = q - 128,
                                                  zeros = z - 128, weights_scaling_factor = s
@@ -141,7 +141,7 @@ def canonical_int8(flm: FlmFile, t: FlmTensor) -> dict[str, torch.Tensor]:
 
 def canonical_int4(flm: FlmFile, t: FlmTensor, group: int) -> dict[str, torch.Tensor]:
     """W4A16 + zero points, groups of `group`: each FastLLM (s, z) repeated over the groups it covers."""
-    from bestiary.core.quant.packing import num_groups, pack_int4
+    from bestiary.core.format.packing import num_groups, pack_int4
 
     n, k = t.dims
     s, z = grid_of(flm, t)
@@ -156,7 +156,7 @@ def canonical_int4(flm: FlmFile, t: FlmTensor, group: int) -> dict[str, torch.Te
 
 def requantize(flm: FlmFile, t: FlmTensor, bits: int, group: int) -> dict[str, torch.Tensor]:
     """Re-quantize FastLLM's values of `t` into the file's bestiary layout; prints the error it adds."""
-    from bestiary.core.quant import packing
+    from bestiary.core.format import packing
 
     w = dequantize(flm, t)
     if bits == 8:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.alibi import rank_alibi_slopes
-from bestiary.core.layers.standard_layer import rms_norm, standard_layer
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 from pydantic import Field
 from torch import nn

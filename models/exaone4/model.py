@@ -6,7 +6,7 @@
 Hybrid attention: with a sliding_window, "sliding_attention" layers use RoPE over a local window
 and "full_attention" layers use no positions at all (NoPE); without one every layer uses RoPE.
 The sliding layers attend through the window (DecoderLM.attention_window reads sliding_window
-and layer_types: core.layers.attention_window); sequences are not capped at it.
+and layer_types: core.kernels.attention_window); sequences are not capped at it.
 """
 
 from __future__ import annotations

@@ -36,10 +36,9 @@ class FalconConfig(PretrainedConfig):
     @field_validator("hidden_act")
     @classmethod
     def _known_activation(cls, value: str) -> str:
-        from bestiary.core.layers.mlp import ACTIVATIONS
+        from bestiary.core.layers.mlp import activation
 
-        if value not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation; expected one of {sorted(ACTIVATIONS)}")
+        activation(value)  # a ValueError naming the supported ones
         return value
 
     @model_validator(mode="after")

@@ -1,7 +1,7 @@
 """The Mistral architecture plugin: LLaMA's layout (the loader's default key map) with a sliding window.
 
 HF MistralForCausalLM checkpoints use LLaMA's tensor names. `sliding_window` is the attention
-window of every layer (core.layers.attention_window); it does not cap the sequence length.
+window of every layer (core.kernels.attention_window); it does not cap the sequence length.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Mistral's config and model: the shared RMSNorm / RoPE / GQA / SwiGLU layer (core.layers.standard_layer)."""
+"""Mistral's config and model: the shared RMSNorm / RoPE / GQA / SwiGLU layer (core.layers.builder)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from bestiary.core.format.hf_config import DecoderConfig, first_present, hf_config_reader
-from bestiary.core.layers.standard_layer import rms_norm, standard_layer
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 from pydantic import Field
 from torch import nn
@@ -24,7 +24,7 @@ class MistralConfig(DecoderConfig):
 
 def max_positions(hf: dict) -> int:
     """max_position_embeddings (not capped by sliding_window: attention runs through the window,
-    core.layers.attention_window)."""
+    core.kernels.attention_window)."""
     return first_present(hf, ("max_position_embeddings",)) or MAX_POSITIONS
 
 

@@ -43,7 +43,7 @@ class MixtralConfig(PretrainedConfig):
     tie_word_embeddings: bool = Field(False, description="lm_head shares the input embedding.")
     sliding_window: int | None = Field(
         None, ge=1, description="HF sliding_window: each query attends to at most this many keys, its own "
-                                "included (core.layers.attention_window); null: full attention."
+                                "included (core.kernels.attention_window); null: full attention."
     )
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from bestiary.core.format.hf_config import DecoderConfig, first_present, hf_config_reader
 from bestiary.core.layers.attention import AttentionMetadata, PagedAttention
-from bestiary.core.layers.standard_layer import rms_norm, standard_layer
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 from pydantic import Field
 from torch import nn

@@ -5,7 +5,7 @@
 
 Sliding window (HF `use_sliding_window: true`): the layers HF's config marks "sliding_attention"
 attend to the last `sliding_window` keys (query included), the others to every key
-(DecoderLM.attention_window reads sliding_window and layer_types: core.layers.attention_window).
+(DecoderLM.attention_window reads sliding_window and layer_types: core.kernels.attention_window).
 Without an explicit `layer_types`, transformers' Qwen2Config windows layer i when
 i >= max_window_layers (default 28); Qwen2-MoE has its own rule (models.qwen2_moe.model).
 Without use_sliding_window, `sliding_window` is ignored (HF sets it to None), as in every
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Literal
 
 from bestiary.core.format.hf_config import WindowFields, hf_config_reader, window_layer_types
-from bestiary.core.layers.standard_layer import rms_norm, standard_layer
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 from torch import nn
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 from bestiary.core.format.hf_config import WindowFields, hf_config_reader, window_layer_types
 from bestiary.core.layers.moe import SharedExpertMoE
-from bestiary.core.layers.standard_layer import rms_norm, standard_layer
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.models.qwen2.model import max_window_layers, sliding_window
 from pydantic import Field

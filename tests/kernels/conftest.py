@@ -1,10 +1,10 @@
 """Kernel tests: every Triton kernel against its torch reference on small, odd shapes.
 
-By default they run on the CPU through the Triton interpreter. `@triton.jit` reads
-TRITON_INTERPRET when it decorates a kernel, i.e. when a kernel module is imported, so it
-is set here, at collection, before any test module of this folder imports one (layers
-import bestiary.core.kernels.dispatch only, which loads kernel modules on first use).
-BESTIARY_KERNEL_TEST_DEVICE=cuda runs the same tests compiled on a GPU instead.
+Compiled on a GPU where there is one, else on the CPU through the Triton interpreter
+(BESTIARY_KERNEL_TEST_DEVICE=cpu|cuda chooses; tests/conftest.py sets TRITON_INTERPRET=1 for the
+CPU before any test module imports a kernel module, since `@triton.jit` reads it when it decorates a
+kernel). This conftest sets it too and refuses kernel modules imported before it, for a run of this
+folder alone in a process that already imported some (mutmut's).
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ if DEVICE == "cpu":
     # process, as mutmut runs them): kernel modules imported before now were built for it.
     _was_set = os.environ.get("TRITON_INTERPRET") == "1"
     os.environ["TRITON_INTERPRET"] = "1"
-    _early = sorted(m for m in sys.modules if m.startswith("bestiary.core.kernels.") and not m.endswith(".dispatch"))
+    # Modules that imported triton hold @triton.jit kernels; the triton-free ones (dispatch, metadata,
+    # the *_ref references, kernels.cpu) may load earlier.
+    _early = sorted(m for m, mod in list(sys.modules.items())
+                    if m.startswith("bestiary.core.kernels.") and getattr(mod, "triton", None) is not None)
     if _early and not _was_set:
         raise RuntimeError(
             f"kernel modules {_early} were imported before TRITON_INTERPRET=1 was set: "

@@ -6,7 +6,8 @@ import pytest
 import torch
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers.mlp import ACT_CODES, ACTIVATIONS, MLP, GatedMLP
+from bestiary.core.kernels.activations_ref import ACT_CODES, ACTIVATIONS
+from bestiary.core.layers.mlp import MLP, GatedMLP
 from kernel_helpers import ALL_DTYPES, assert_close, assert_far
 
 acts = dispatch.family("activations")

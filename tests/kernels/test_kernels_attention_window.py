@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers.attention import AttentionMetadata
-from bestiary.core.layers.attention_window import releasable_blocks
+from bestiary.core.kernels.metadata import AttentionMetadata
+from bestiary.core.kernels.attention_window import releasable_blocks
 from kernel_helpers import assert_close, paged_inputs
 
 attention = dispatch.family("attention")

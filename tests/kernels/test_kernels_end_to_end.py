@@ -17,7 +17,7 @@ import pytest
 import torch
 from bestiary.core.format.config import validate_config
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers.attention import AttentionMetadata
+from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.runtime.kv_cache import KVCache
 from bestiary.registry import default_registry, resolve
 from kernel_helpers import MISS

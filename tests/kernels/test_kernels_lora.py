@@ -49,36 +49,6 @@ def test_broken_variant_misses(device):
     assert_far(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("mode", ["triton", "torch"])
-def test_lora_batch_through_a_linear_layer(mode, device):
-    """LoraBatch as the Linear layer's LoraDelta: y = x W^T + s_a B_a (A_a x) per sequence, either path."""
-    a, b, ranks, scalings = _adapters(torch.float32, device)
-    layer = Linear(K, N, dtype=torch.float32).to(device)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(N, K) / K**0.5)
-    layer.name = "transformer.layers.0.attention.qkv"
-    batch = dispatch.LoraBatch.build({layer.name: dispatch.LoraWeights(a, b, ranks, scalings)}, [2, 1, 3], [2, -1, 0],
-                                     device=device)
-    x = torch.randn(6, K).to(device)
-    with dispatch.kernels_mode(mode):
-        y = layer(x, batch)
-    base = x @ layer.weight.t()
-    want = base.clone()
-    for rows, ad in ((slice(0, 2), 2), (slice(3, 6), 0)):
-        r = int(ranks[ad])
-        want[rows] += float(scalings[ad]) * (x[rows] @ a[ad, :r].t()) @ b[ad, :, :r].t()
-    assert_close(y, want, torch.float32)
-    assert_far(y, base, torch.float32)  # the delta is really there
-    other = Linear(K, N, dtype=torch.float32).to(device)
-    other.name = "transformer.layers.0.mlp.fc"
-    assert batch(other, x) is None, "a module without adapters gets no delta"
-
-
-def test_lora_batch_checks_its_lengths():
-    with pytest.raises(ValueError, match="3 sequences but 2 adapter indices"):
-        dispatch.LoraBatch.build({}, [1, 1, 1], [0, 1])
-
-
 def test_step_lora_sgmv_equals_the_masked_dense_path(device):
     """core.lora's StepLora: the SGMV kernels (B pre-scaled, adapters padded to the largest rank) and the
     CPU path (rank-concatenated A / B and a per-token scale mask) give the same deltas, for a site of two

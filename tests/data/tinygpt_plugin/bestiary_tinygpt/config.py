@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from bestiary.core.config import Mapping, PretrainedConfig, validate_config
+from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
 from pydantic import Field
 
 

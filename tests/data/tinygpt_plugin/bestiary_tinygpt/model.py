@@ -12,7 +12,7 @@ from bestiary.core.layers.mlp import MLP
 from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.layers.rotary import Rotary
 from bestiary.core.layers.self_attention import SelfAttention
-from bestiary.core.model import DecoderLM
+from bestiary.core.runtime.model import DecoderLM
 from torch import nn
 
 from bestiary_tinygpt.config import TinyGPTConfig

@@ -1,0 +1,125 @@
+"""Running the float model over calibration tokens at convert.
+
+Calibration tokens (`calibration_ids`): `--calib_text FILE` through the source's tokenizer, else a
+built-in text (core.quant.calib_text), else (no tokenizer) seeded random token ids.
+
+The runs: each chunk of at most `chunk` tokens is one sequence from position 0 through a private
+float KV cache (`run_sequence`, `chunk_logits`, `run_chunks`). `collect_linear_inputs` records every
+Linear's input statistics (core.quant.input_stats) with forward pre-hooks, keyed by the Linear's
+canonical `name`; every token also goes through lm_head (all_logits). The model must be unfused
+(no `prepare_for_inference`), so fused fc/gate matmuls still go through their `Linear`s.
+Users: weight quantizers (core.convert.quantize_calibrated), scale tuning (core.convert.tune), KV
+cache scales (core.convert.kv_scales), the converted checkpoint's lint (core.convert.lint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from bestiary.core.format.config import read_text_file
+from bestiary.core.format.errors import BestiaryError
+from bestiary.core.layers.linear import Linear
+from bestiary.core.quant.calib_text import builtin_text
+from bestiary.core.quant.input_stats import LinearInputStats, _Accumulator
+from bestiary.core.runtime.kv_cache import KVCache, blocks_for
+from bestiary.core.runtime.model import sequence_metadata
+from torch import nn
+
+DEFAULT_CHUNK = 512
+CALIB_TOKENS = 512  # KV scale calibration's tokens at most
+BUILTIN_TEXT = builtin_text("kv_calibration.txt")  # a short general text (package data)
+
+
+def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_positions: int | None,
+                    limit: int | None = None, builtin: str = BUILTIN_TEXT) -> list[int]:
+    """The calibration token ids (see the module docstring); `files`: the source's TokenizerFiles or None.
+
+    `limit`: at most this many tokens instead (callers that run them in chunks, e.g.
+    core.convert.quantize_calibrated), with `builtin` as the text when no file is given."""
+    from bestiary.core.runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(files.tokenizer_json, files.tokenizer_config) if files is not None else None
+    if limit is None:
+        limit = min(CALIB_TOKENS, max_positions or CALIB_TOKENS)
+    if text_file is not None:
+        path = Path(text_file)
+        if not path.is_file():
+            raise BestiaryError(f"--calib_text {path}: no such file")
+        if tokenizer is None:
+            raise BestiaryError(f"--calib_text {path}: the source has no tokenizer to read it with")
+        ids = tokenizer.encode(read_text_file(path, "--calib_text"))
+        if len(ids) < 16:
+            raise BestiaryError(f"--calib_text {path}: {len(ids)} tokens, expected at least 16")
+        return ids[:limit]
+    if tokenizer is not None:
+        return tokenizer.encode(builtin)[:limit]
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (limit,), generator=gen).tolist()
+
+
+def run_sequence(model: nn.Module, ids: list[int], all_logits: bool, block_size: int = 32):
+    """Run `ids` as one sequence from position 0 through a private, zeroed float KV cache; returns
+    (logits [len(ids), V] with `all_logits`, else [1, V]; the KVCache holding the sequence's K and V)."""
+    blocks = list(range(blocks_for(len(ids), block_size)))
+    kv = KVCache.for_model(model, len(blocks), block_size)
+    kv.k.zero_()
+    kv.v.zero_()
+    meta = sequence_metadata(model, ids, 0, len(ids), blocks, block_size)
+    return model(torch.tensor(ids), meta, kv, all_logits=all_logits), kv
+
+
+def chunk_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of `ids` as one sequence from position 0, through a private float KV cache."""
+    return run_sequence(model, ids, all_logits=True)[0]
+
+
+def calibration_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK) -> list[list[int]]:
+    """`ids` cut into sequences of at most `chunk` tokens (and the model's max_position_embeddings)."""
+    limit = getattr(model.config, "max_position_embeddings", None) or chunk
+    chunk = max(1, min(chunk, limit))
+    return [ids[start:start + chunk] for start in range(0, len(ids), chunk)]
+
+
+def run_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK,
+               on_chunk: Callable[[], None] | None = None,
+               on_logits: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Run `model` (float KV cache) over `ids` in sequences of at most `chunk` tokens (all logits);
+    `on_logits(logits [T, V])` sees each sequence's logits."""
+    for part in calibration_chunks(model, ids, chunk):
+        logits = chunk_logits(model, part)
+        if on_logits is not None:
+            on_logits(logits)
+        if on_chunk is not None:
+            on_chunk()
+
+
+@torch.inference_mode()
+def collect_linear_inputs(
+    model: nn.Module,
+    ids: list[int],
+    hessian: bool,
+    names: set[str] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    on_chunk: Callable[[], None] | None = None,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, LinearInputStats]:
+    """linear.name -> LinearInputStats of every Linear of `model` (or those in `names`) over `ids`.
+
+    `hessian`: also accumulate sum_t x_t x_t^T (float32 [K, K] per layer); `on_logits`: sees each
+    calibration sequence's logits [T, V] (the float model's, e.g. as a distillation target)."""
+    accs: dict[str, _Accumulator] = {}
+    handles = []
+    for path, module in model.named_modules():
+        name = (module.name or path) if isinstance(module, Linear) else None
+        if name is None or (names is not None and name not in names):
+            continue
+        acc = accs[name] = _Accumulator(hessian)
+        handles.append(module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0])))
+    try:
+        run_chunks(model, ids, chunk, on_chunk, on_logits)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: acc.stats() for name, acc in accs.items() if acc.tokens}

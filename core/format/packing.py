@@ -1,0 +1,309 @@
+"""Weight quantizers and packed layouts (pure torch, no kernels).
+
+Checkpoint layouts (weights keep the checkpoint's (out_features N, in_features K) orientation):
+
+int8 per output channel (W8A16, and the weights of W8A8_SQ_PER_CHANNEL):
+    weight int8 [N, K];  weights_scaling_factor [N];  W8A16 imported asymmetric: zeros [N], w ~ (q - z) * s
+    s[n] = max_k |w[n, k]| / 127,   q = clamp(round(w / s), -127, 127),   w ~ q[n, k] * s[n]
+
+int4 group-wise (W4A16 and the AWQ/GPTQ imports), group size G, groups = ceil(K / G) (a
+K that G does not divide has a shorter last group, as GPTQ's g_idx = k // G allows):
+    weight uint8 [N, K / 2], two 4-bit codes per byte, low nibble first (the layout of
+        core.kernels.woq_gemm):  weight[n, j] = q[n, 2j] | (q[n, 2j + 1] << 4),  q in 0..15
+    weights_scaling_factor [N, groups];  zeros [N, groups] or absent
+    w ~ (q[n, k] - z[n, k // G]) * s[n, k // G]
+    symmetric (no zero point): z = 8,  s = max|w| / 7 over the group,  q = clamp(round(w / s), -8, 7) + 8
+    asymmetric: s = (max w - min w) / 15,  z = clamp(round(-min w / s), 0, 15) (an integer, stored as float;
+                tuned scales make it any float, core.convert.tune),  q = clamp(round(w / s) + z, 0, 15)
+
+fp8 per tensor (FP8): weight float8_e4m3fn [N, K];  weights_scaling_factor [] (scalar)
+    s = max|w| / 448,   q = fp8(w / s),   w ~ q * s
+
+The CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`) wants its own layout; `pack_int4_cpu`
+/ `unpack_int4_cpu` convert codes to and from it (see their docstrings), and
+`int4_cpu_scale_zeros` builds its [K / G, N, 2] (scale, offset) table.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+INT8_MAX = 127
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+CPU_INT4_BLOCK_N = 64  # rows per block of the aten CPU int4 layout
+
+
+# --- int8 per channel --------------------------------------------------------------------
+
+
+QUANT_ROWS = 4096  # rows rounded at a time: the float32 temporaries of a 49152-row lm_head stay small
+
+
+def by_rows(quantize):
+    """`quantize(w [N, K], ...)` run on blocks of QUANT_ROWS rows, its tensor arguments with N rows (a
+    per-row amax) cut the same way, and its outputs (tensors with N rows, or None) concatenated: the
+    same values (rows are rounded independently), with temporaries the size of a block."""
+
+    @functools.wraps(quantize)
+    def blocked(w: torch.Tensor, *args, **kwargs):
+        n = w.shape[0]
+        if n <= QUANT_ROWS:
+            return quantize(w, *args, **kwargs)
+
+        def rows(a, i):
+            return a[i:i + QUANT_ROWS] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n else a
+
+        parts = [quantize(w[i:i + QUANT_ROWS], *(rows(a, i) for a in args), **{k: rows(a, i) for k, a in kwargs.items()})
+                 for i in range(0, n, QUANT_ROWS)]
+        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+
+    return blocked
+
+
+@by_rows
+def quantize_int8_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int8 [N, K], s float32 [N]) with w ~ q * s[:, None], s = amax / 127.
+
+    amax [N]: max |w| of each whole row, when w is a row-parallel rank's columns (its scales are
+    then the tp 1 scales, the same on every rank); default w's own."""
+    w = w.float()
+    amax = w.abs().amax(dim=1) if amax is None else amax.float()
+    s = amax.clamp(min=1e-12) / INT8_MAX  # [N]
+    q = torch.round(w / s[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, s
+
+
+def dequantize_int8(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    """q int8 [N, K], s [N], z [N] or None (0) -> w float32 [N, K] = (q - z) * s."""
+    if z is None:
+        return q.float() * s.float()[:, None]
+    return (q.float() - z.float()[:, None]) * s.float()[:, None]
+
+
+TILE_ROWS, TILE_K = 8, 32  # the int8 tiled layout: rows per tile, features per block
+FLOAT_TILE_BYTES = 64  # the float (bfloat16 / float32) row tiles: a row's bytes per block, a cache line
+
+
+def int8_tiles_fit(n: int, k: int) -> bool:
+    """True when an int8 weight [n, k] can be held in the tiled layout (pack_int8_tiled)."""
+    return n % TILE_ROWS == 0 and k % TILE_K == 0
+
+
+def pack_int8_tiled(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the same codes in the tiled layout [N, K] the compiled GEMV reads (core.kernels.cpu):
+    per tile of 8 rows, per block of 32 features, the 8 rows' 32 codes one after another, so a
+    tile is one sequential stream (N % 8 == 0, K % 32 == 0)."""
+    return row_tiles(q, TILE_ROWS, TILE_K, to_tiles=True)
+
+
+def unpack_int8_tiled(t: torch.Tensor) -> torch.Tensor:
+    """The tiled layout [N, K] -> int8 [N, K] row-major (inverse of pack_int8_tiled)."""
+    return row_tiles(t, TILE_ROWS, TILE_K, to_tiles=False)
+
+
+def float_tile_k(dtype: torch.dtype) -> int:
+    """Features per block of the float row tiles: 32 bfloat16, 16 float32 (64 bytes)."""
+    return FLOAT_TILE_BYTES // torch.empty(0, dtype=dtype).element_size()
+
+
+def float_tiles_fit(n: int, k: int, dtype: torch.dtype) -> bool:
+    """True when a bfloat16 / float32 weight [n, k] can be held in row tiles (pack_float_tiled)."""
+    return dtype in (torch.bfloat16, torch.float32) and n % TILE_ROWS == 0 and k % float_tile_k(dtype) == 0
+
+
+def pack_float_tiled(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 / float32 W [N, K] -> the same values in row tiles [N, K] (core.kernels.cpu's DT_BF16T /
+    DT_F32T): per tile of 8 rows, per block of 64 bytes of features (32 bfloat16, 16 float32),
+    the 8 rows' blocks one after another."""
+    return row_tiles(w, TILE_ROWS, float_tile_k(w.dtype), to_tiles=True)
+
+
+def unpack_float_tiled(t: torch.Tensor) -> torch.Tensor:
+    """Row tiles [N, K] -> W [N, K] row-major (inverse of pack_float_tiled)."""
+    return row_tiles(t, TILE_ROWS, float_tile_k(t.dtype), to_tiles=False)
+
+
+def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, C] with rows in order <-> rows in tiles of `rows` (the last one N % rows): per tile, per
+    block of `unit` columns, its rows' blocks one after another (C % unit == 0). The int8 tiles
+    (8 rows, 32 codes), the float tiles (8 rows, 64 bytes), the int4 dot layout's codes (4 rows,
+    32 bytes) and scales (4 rows, 1). Written into `out` ([N, C] contiguous, any float dtype for
+    float `t`) if given, else a new tensor; one strided copy per tile size."""
+    n, width = t.shape
+    whole = n - n % rows
+    out = torch.empty_like(t) if out is None else out
+    for start, stop, tile in ((0, whole, rows), (whole, n, n % rows)):  # the whole tiles, the short one
+        if stop == start:
+            continue
+        in_order, tiled = (-1, tile, width // unit, unit), (-1, width // unit, tile, unit)
+        src, dst = (in_order, tiled) if to_tiles else (tiled, in_order)
+        out[start:stop].view(dst).copy_(t[start:stop].reshape(src).transpose(1, 2))
+    return out
+
+
+# --- int4 group-wise ---------------------------------------------------------------------
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] integers in 0..15 -> uint8 [N, K/2], low nibble = even k."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+DOT_BLOCK, DOT_ROWS = 64, 4  # the int4 dot layout: features per block of 32 bytes, rows per tile
+
+
+def pack_int4_dot(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] (pack_int4's layout) -> the same codes in the dot layout [N, K/2] that the
+    compiled vdpbf16ps GEMV reads (core.kernels.cpu): per block of 64 features, byte j = code(j) |
+    code(32 + j) << 4, so each nibble plane holds 32 consecutive features (K % 64 == 0); rows in
+    tiles of 4 (the last one N % 4), per tile the rows' 32 bytes of a block one after another."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    codes = unpack_int4(packed).view(n, k // DOT_BLOCK, 2, DOT_BLOCK // 2)  # [N, blocks, plane, 32]
+    return row_tiles((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2), DOT_ROWS, 32, to_tiles=True)
+
+
+def unpack_int4_dot(weight: torch.Tensor) -> torch.Tensor:
+    """The dot layout [N, K/2] -> codes uint8 [N, K] (inverse of pack_int4_dot before packing)."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    blocks = row_tiles(weight, DOT_ROWS, 32, to_tiles=False).reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
+    return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, k)  # [N, blocks, plane, 32] -> [N, K]
+
+
+@dataclass
+class Int4Codes:
+    """One int4 linear before packing: codes uint8 [N, K] (0..15), s and z float32 [N, groups] (z None: 8)."""
+
+    codes: torch.Tensor
+    s: torch.Tensor
+    z: torch.Tensor | None
+    group_size: int
+
+
+def num_groups(k: int, group_size: int) -> int:
+    """Groups of `group_size` input features covering k (the last one may be shorter)."""
+    return -(-k // group_size)
+
+
+def int4_grid(g: torch.Tensor, zero_point: bool, ratio: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Groups g [..., G] -> (s [...], z [...] or None): the min/max grid of the group's range shrunk by
+    `ratio` (1.0: the whole range). Symmetric s = max|w| r / 7 (z = 8 implied: None); asymmetric
+    s = (max w - min w) r / 15, z = round(-min w r / s) (the range always includes 0)."""
+    if zero_point:
+        lo = g.amin(dim=-1).clamp(max=0.0) * ratio
+        hi = g.amax(dim=-1).clamp(min=0.0) * ratio
+        s = ((hi - lo) / 15).clamp(min=1e-12)
+        return s, torch.round(-lo / s).clamp(0, 15)
+    return (g.abs().amax(dim=-1) * ratio / 7).clamp(min=1e-12), None
+
+
+@by_rows
+def quantize_int4_groupwise(
+    w: torch.Tensor, group_size: int, zero_point: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """w [N, K] -> (codes uint8 [N, K] in 0..15, s float32 [N, groups], z float32 [N, groups] or None).
+
+    Round to nearest on `int4_grid`'s min/max grid per group.
+    (A per-group clip-ratio search for the least squared weight error was measured: 8-15% less
+    weight error but a worse SmolLM2 perplexity, so round to nearest does not clip; GPTQ clips by
+    the output error instead, core.quant.gptq.) A short last group is padded with zeros, which
+    every grid holds exactly."""
+    n, k = w.shape
+    groups = num_groups(k, group_size)
+    padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))
+    g = padded.reshape(n, groups, group_size)  # [N, groups, G]
+    s, z = int4_grid(g, zero_point)  # [N, groups]
+    if zero_point:
+        q = torch.round(g / s[..., None]) + z[..., None]
+        return q.clamp(0, 15).to(torch.uint8).reshape(n, -1)[:, :k], s, z
+    q = torch.round(g / s[..., None]).clamp(-8, 7) + 8
+    return q.to(torch.uint8).reshape(n, -1)[:, :k], s, None
+
+
+def int4_roundtrip(w: torch.Tensor, group_size: int, zero_point: bool) -> torch.Tensor:
+    """w [N, K] -> its round-to-nearest int4 quantized-then-dequantized float32 [N, K]."""
+    codes, s, z = quantize_int4_groupwise(w, group_size, zero_point)
+    return dequantize_int4(codes, s, z, group_size)
+
+
+def dequantize_int4(
+    codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """codes [N, K] (0..15), s/z [N, groups] -> w float32 [N, K] = (q - z[k // G]) * s[k // G] (z None: 8)."""
+    q = codes.float()
+    k = q.shape[1]
+    scale = s.float().repeat_interleave(group_size, dim=1)[:, :k]
+    zero = z.float().repeat_interleave(group_size, dim=1)[:, :k] if z is not None else 8.0
+    return (q - zero) * scale
+
+
+# --- the aten CPU int4 layout ------------------------------------------------------------
+
+
+def _cpu_int4_check(n: int, k: int) -> None:
+    if n % 16 or k % 2:
+        raise ValueError(f"the CPU int4 layout needs out_features % 16 == 0 and even in_features, got [{n}, {k}]")
+
+
+def pack_int4_cpu(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0..15, N % 16 == 0) -> uint8 [N, K/2] in the layout of
+    `aten._convert_weight_to_int4pack_for_cpu`:
+
+    rows in blocks of 64, then one block of the remaining R = N % 64 rows, each block stored
+    k-major. Full block, for each k, 32 bytes: byte j = row j (low nibble) | row j + 32 (high).
+    Remainder block, for each k, R/2 bytes: byte j = row 2j (low) | row 2j + 1 (high).
+    """
+    n, k = codes.shape
+    _cpu_int4_check(n, k)
+    c = codes.to(torch.uint8)
+    full = n // CPU_INT4_BLOCK_N * CPU_INT4_BLOCK_N
+    blocks = c[:full].reshape(-1, CPU_INT4_BLOCK_N, k).transpose(1, 2)  # [nb, K, 64]
+    head = blocks[..., :32] | (blocks[..., 32:] << 4)  # [nb, K, 32]
+    rest = c[full:].t()  # [K, R]
+    tail = rest[:, 0::2] | (rest[:, 1::2] << 4)  # [K, R/2]
+    return torch.cat([head.reshape(-1), tail.reshape(-1)]).view(n, k // 2)
+
+
+def unpack_int4_cpu(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] in the aten CPU layout -> codes uint8 [N, K] (inverse of pack_int4_cpu)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    _cpu_int4_check(n, k)
+    flat = packed.reshape(-1)
+    full = n // CPU_INT4_BLOCK_N * CPU_INT4_BLOCK_N
+    head = flat[: full * k // 2].view(-1, k, 32)  # [nb, K, 32]
+    blocks = torch.cat([head & 0xF, head >> 4], dim=-1)  # [nb, K, 64]
+    tail = flat[full * k // 2 :].view(k, -1)  # [K, R/2]
+    rest = torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, -1)  # [K, R]
+    return torch.cat([blocks.transpose(1, 2).reshape(full, k), rest.t()])
+
+
+def int4_cpu_scale_zeros(s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """s, z [N, K/G] -> the aten CPU kernel's table [K/G, N, 2] of (scale, offset), in `dtype`.
+
+    The kernel computes w = (q - 8) * scale + offset, so offset = (8 - z) * s (0 when symmetric).
+    """
+    offset = (8.0 - z.float()) * s.float() if z is not None else torch.zeros_like(s, dtype=torch.float32)
+    return torch.stack([s.float().t(), offset.t()], dim=-1).to(dtype).contiguous()
+
+
+# --- fp8 per tensor ----------------------------------------------------------------------
+
+
+def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w -> (q float8_e4m3fn, s float32 scalar) with w ~ q * s."""
+    s = (w.float().abs().amax().clamp(min=1e-12) / FP8_MAX)
+    q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def dequantize_fp8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q float8 [...], s scalar -> float32 q * s."""
+    return q.float() * s.float()

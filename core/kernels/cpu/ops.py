@@ -1,0 +1,524 @@
+"""The compiled CPU ops (kernels.c) as torch functions, each with its torch reference beside it.
+
+    linear          y = x W^T (* s) + b for a small batch of rows (decode), W float32 /
+                    bfloat16 / int8 per-channel / int4 group-wise (checkpoint layouts)
+    dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
+    decode_attention one query token per sequence over the paged KV pool (no gather); float
+                    pools or INT8 / FP8 codes with their scales; per-sequence attention
+                    windows and sinks (only the keys in the window are read)
+    prefill_attention causal attention of a sequence's new queries over its keys (bfloat16,
+                    the avx512bf16 build; elsewhere torch's SDPA runs)
+    kv_write        new keys and values into the pool's slots (as codes for INT8 / FP8 pools)
+    rms_norm        y = rms_norm(x [+ residual]) (and the sum)
+    rotary          RoPE in place with the step's cos / sin
+    act_and_mul     act(fg[:, :I]) * fg[:, I:] for the fused gated-MLP output
+    lora_rows_      out[t] += row t's own LoRA adapter's update (x A_a^T * s) B_a^T, in place
+                    (the compiled decode plan's LoRA record; a row without adapter is left alone)
+
+Every op computes in float32 and rounds its output once (on the avx512bf16 build, dot products
+of two bfloat16 operands run vdpbf16ps: exact products, float32 sums; nothing is rounded that
+the other builds keep, so the same references and tolerances hold). One exception: int8 weights
+times bfloat16 inputs read the inputs as `q16_round(x)` on the vector builds (16-bit integer dot
+products; exact within 2^7 of each 64-feature block's largest value, `reads_q16`). `supports(*tensors)` says whether
+the compiled op can take them (CPU, float32 / bfloat16, library built); callers fall back to
+the torch reference otherwise. Tensors must be contiguous unless a docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from bestiary.core.kernels.cpu.build import isa_name, library
+from bestiary.core.kernels.activations_ref import ACT_CODES, ACTIVATIONS
+from bestiary.core.format import packing
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale
+MAX_HEAD_DIM = 512  # decode_attention keeps a head's q, output and one K/V row in stack buffers
+KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D, KIND_I8T, KIND_BF16T, KIND_F32T = 0, 1, 2, 3, 5, 6, 7, 8
+TILED_KINDS = {torch.bfloat16: KIND_BF16T, torch.float32: KIND_F32T}  # float weights in row tiles
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """True when the compiled ops can run on these (CPU, float32/bfloat16) tensors."""
+    return all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors) and library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# --- linear ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedWeight:
+    """A Linear's weight W [n, k] as the kernels read it (contiguous).
+
+    kind KIND_F32 / KIND_BF16: weight = W^T [k, n] float (as the CPU Linear holds it).
+    kind KIND_BF16T / KIND_F32T: weight = W [n, k] bfloat16 / float32 in row tiles
+    (`packing.pack_float_tiled`, n % 8 == 0, k % 32 / 16 == 0): as KIND_I8T, one sequential
+    stream per tile (~1.5x the transposed layout cache-cold).
+    kind KIND_I8: weight int8 [n, k], W = q * scale[:, None], scale float32 [n].
+    kind KIND_I8T: the same codes in the tiled layout (`packing.pack_int8_tiled`, n % 8 == 0,
+    k % 16 == 0): each 8-row tile's GEMV reads one sequential stream (~1.9x the row-major one).
+    kind KIND_I4: weight uint8 [n, k/2] (low nibble = even k), W[:, j] = q * s - s * z with
+    s = scale [n, groups], s * z = scale_zero [n, groups] (float32), groups of `group` features.
+    kind KIND_I4D: the same codes in the dot layout the AVX-512 + BF16 build reads with vdpbf16ps
+    (`int4` packs it there when k % 64 == 0): per row, blocks of 64 features in 32 bytes, byte j
+    of block b = code(64 b + j) | code(64 b + 32 + j) << 4, rows in tiles of 4 (`packing.pack_int4_dot`);
+    scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.row_tiles`).
+    """
+
+    kind: int
+    weight: torch.Tensor
+    n: int
+    k: int
+    scale: torch.Tensor | None = None
+    scale_zero: torch.Tensor | None = None
+    group: int = 0
+
+    @classmethod
+    def transposed(cls, wt: torch.Tensor) -> PackedWeight:
+        """A float32 / bfloat16 weight held transposed, wt = W^T [k, n] (contiguous)."""
+        if not wt.is_contiguous():
+            raise ValueError("PackedWeight.transposed: W^T must be contiguous")
+        return cls(DTYPES[wt.dtype], wt, wt.shape[1], wt.shape[0])
+
+    @classmethod
+    def tiled(cls, tiles: torch.Tensor) -> PackedWeight:
+        """A bfloat16 / float32 weight W [n, k] already in row tiles (`packing.pack_float_tiled`)."""
+        n, k = tiles.shape
+        if not tiles.is_contiguous() or not packing.float_tiles_fit(n, k, tiles.dtype):
+            raise ValueError(f"PackedWeight.tiled: a contiguous bfloat16 [N % 8 == 0, K % 32 == 0] or float32 "
+                             f"[N % 8 == 0, K % 16 == 0], not {tiles.dtype} {list(tiles.shape)}")
+        return cls(TILED_KINDS[tiles.dtype], tiles, n, k)
+
+    @classmethod
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor, tiled: bool | None = None) -> PackedWeight:
+        """int8 q [n, k] with per-row scale [n]. tiled: True, `q` already is in the tiled layout;
+        False, it is row-major and stays so; None, a copy is repacked into the tiled layout where
+        `packing.int8_tiles_fit`."""
+        n, k = q.shape
+        if tiled is None:
+            tiled = packing.int8_tiles_fit(n, k)
+            q = packing.pack_int8_tiled(q) if tiled else q
+        return cls(KIND_I8T if tiled else KIND_I8, q.contiguous(), n, k, scale.float().contiguous())
+
+    @classmethod
+    def int4(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int,
+             dot: bool | None = None) -> PackedWeight:
+        """uint8 packed [n, k/2], scale [n, groups], zeros [n, groups] or None (symmetric: 8);
+        group a multiple of 32 (the kernel's block). dot: True, `packed` already is in the dot
+        layout; False, it is in the checkpoint layout and stays there; None, a copy is repacked
+        into the dot layout where `dot_layout_fits`."""
+        if group % 32:
+            raise ValueError(f"int4 group size {group}: the compiled kernel needs a multiple of 32")
+        s = scale.float().contiguous()
+        z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
+        n, k = packed.shape[0], packed.shape[1] * 2
+        if dot is None:
+            dot = dot_layout_fits(k)  # vdpbf16ps: ~1.5x the GEMV
+            packed = packing.pack_int4_dot(packed) if dot else packed
+        sz = s * z
+        if dot:  # the scales of a tile's rows side by side
+            s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
+        return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.scale_zero) if t is not None)
+
+
+def dot_layout_fits(k: int) -> bool:
+    """True when this build packs int4 weights of K input features in the dot layout (KIND_I4D)."""
+    lib = library()
+    return isa_name(lib) == "avx512bf16" and k % packing.DOT_BLOCK == 0
+
+
+def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x W^T + b: x [M, K] -> [M, N] in out_dtype (default x's). bias float32 [N] or None."""
+    return _linear(x, pw.kind, pw.weight, pw.n, pw.k, pw.scale, pw.scale_zero, pw.group, bias, out_dtype)
+
+
+def linear_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """y = x W^T for a float weight held transposed, wt = W^T [K, N] contiguous: x [M, K] -> [M, N]."""
+    return _linear(x, DTYPES[wt.dtype], wt, wt.shape[1], wt.shape[0], None, None, 0, None, None)
+
+
+def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torch.Tensor:
+    if kind == KIND_I4D and isa_name(library()) != "avx512bf16":
+        raise ValueError("an int4 weight in the dot layout needs the avx512bf16 kernel build (prepare it again)")
+    x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype)
+    library().bst_linear(x.data_ptr(), DTYPES[x.dtype], m, k, w.data_ptr(), kind, n, _ptr(scale), _ptr(scale_zero),
+                         group, _ptr(bias), out.data_ptr(), DTYPES[out.dtype], _threads())
+    return out
+
+
+def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The int8 / int4 weight W [N, K] in `dtype` (float32 / bfloat16)."""
+    if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D):
+        raise ValueError("dequantize: only int8 / int4 weights")
+    out = torch.empty(pw.n, pw.k, dtype=dtype)
+    library().bst_dequantize(pw.weight.data_ptr(), pw.kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
+                             pw.group, out.data_ptr(), DTYPES[dtype], _threads())
+    return out
+
+
+def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
+    """Torch reference of `dequantize`: W [N, K] float32."""
+    w = pw.weight
+    if pw.kind in (KIND_F32, KIND_BF16):
+        return w.float().t()
+    if pw.kind in (KIND_BF16T, KIND_F32T):
+        return packing.unpack_float_tiled(w).float()
+    if pw.kind in (KIND_I8, KIND_I8T):
+        q = packing.unpack_int8_tiled(w) if pw.kind == KIND_I8T else w
+        return q.float() * pw.scale[:, None]
+    s, sz = pw.scale, pw.scale_zero  # [N, groups]
+    if pw.kind == KIND_I4D:
+        s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=False) for t in (s, sz))
+    codes = (packing.unpack_int4_dot(w) if pw.kind == KIND_I4D else packing.unpack_int4(w)).float()  # [N, K]
+    s = s.repeat_interleave(pw.group, dim=1)[:, : pw.k]
+    sz = sz.repeat_interleave(pw.group, dim=1)[:, : pw.k]
+    return codes * s - sz
+
+
+Q16_BLOCK = 64  # kernels.c: int8 weights x bfloat16 inputs read the inputs per block of 64 features
+
+
+def reads_q16(x: torch.Tensor, pw: PackedWeight) -> bool:
+    """True when `linear` reads x in 16-bit integers (kernels.c q16: int8 weights, bfloat16 x, a
+    vector build); x then counts as `q16_round(x)`."""
+    return (x.dtype == torch.bfloat16 and isa_name(library()) != "scalar"
+            and (pw.kind == KIND_I8T or (pw.kind == KIND_I8 and pw.k % 32 == 0)))
+
+
+def q16_round(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 x bfloat16 GEMV reads it, float32: per block of Q16_BLOCK features,
+    rounded (half to even) to a multiple of 2^(e - 15), where 2^(e - 1) <= the block's max |x| < 2^e.
+    A block with a NaN or an infinity reads as NaN, an all-zero block (or one below 2^-101) as zeros."""
+    xf = x.float()
+    out = torch.empty_like(xf)
+    for start in range(0, xf.shape[-1], Q16_BLOCK):
+        block = xf[..., start:start + Q16_BLOCK]
+        amax = block.abs().amax(-1, keepdim=True)
+        _, e = torch.frexp(amax)
+        step = torch.ldexp(torch.ones_like(amax), e - 15)
+        rounded = torch.where((amax > 0) & (e >= -100), torch.round(block / step) * step, torch.zeros_like(block))
+        out[..., start:start + Q16_BLOCK] = torch.where(amax.isfinite(), rounded, torch.full_like(block, float("nan")))
+    return out
+
+
+def linear_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch reference of `linear`, in float32: x [M, K] -> [M, N]."""
+    return F.linear(x.float(), dequantize_ref(pw), bias).to(out_dtype or x.dtype)
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None,
+                     kv_scales: torch.Tensor | None = None,
+                     bounds: tuple[list[int], list[int]] | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """softmax(q K^T * scale + slope_h (j - (L_b - 1))) V per sequence b over its kv_lens[b] keys.
+
+    q [B, H, D]; pools [blocks, block_size, KVH, D]; tables int64 [B, max_blocks]; kv_lens int64 [B];
+    slopes float32 [H] or None -> [B, H * D] in out_dtype (default q's). INT8 / FP8 pools (core.quant.kv) hold
+    codes with K = code * kv_scales[0], V = code * kv_scales[1]. bounds: per-sequence (windows, sinks)
+    (core.kernels.attention_window): only the keys in each window are read."""
+    b, h, d = q.shape
+    _, bs, kvh, _ = k_pool.shape
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d}: the compiled decode attention takes at most {MAX_HEAD_DIM}")
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()  # rows may be strided (q heads of a qkv tensor), heads must not
+    tables, kv_lens = tables.contiguous(), kv_lens.contiguous()
+    out = torch.empty(b, h * d, dtype=out_dtype or q.dtype)
+    slopes = None if slopes is None else slopes.float().contiguous()
+    kv_dt = kv_dtype_code(k_pool, kv_scales)
+    kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
+    windows = None if bounds is None else torch.tensor(bounds, dtype=torch.int64)  # [2, B]
+    library().bst_decode_attention(
+        q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_dt,
+        tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
+        out.data_ptr(), DTYPES[out.dtype], _ptr(kv_scales), _ptr(windows), _threads())
+    return out
+
+
+PREFILL_MAX_HEAD_DIM = 256  # bst_prefill_attention keeps a block of rows of each head in stack buffers
+
+
+def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when `prefill_attention` takes these: bfloat16 CPU tensors on the avx512bf16 build
+    (vdpbf16ps), head_dim % 32 == 0 and <= PREFILL_MAX_HEAD_DIM, heads and dims contiguous."""
+    d = q.shape[-1]
+    return (isa_name(library()) == "avx512bf16" and d % 32 == 0
+            and d <= PREFILL_MAX_HEAD_DIM and all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
+                                                 and t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v)))
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of n new queries over L >= n keys: q [n, H, D], k / v [L, KVH, D] (rows may be
+    strided) -> [n, H * D]; query i sits at position L - n + i and sees keys j <= L - n + i.
+
+    out[i, h] = softmax_j(q[i, h] . k[j, h / G] * scale) v[j, h / G], G = H / KVH: q . k products
+    exact, float32 sums and softmax; p rounded to bfloat16 for p v (vdpbf16ps, float32 sums), as
+    torch's bf16 SDPA does; the output rounded once (`prefill_attention_fits`)."""
+    n, h, d = q.shape
+    length, kvh, _ = k.shape
+    if length < n or h % kvh or v.shape != k.shape:
+        raise ValueError(f"prefill_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    out = torch.empty(n, h * d, dtype=q.dtype)
+    library().bst_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                    out.data_ptr(), n, length, h, kvh, d, scale, _threads())
+    return out
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference of `prefill_attention`, in float32."""
+    n, h, d = q.shape
+    length = k.shape[0]
+    visible = torch.ones(n, length, dtype=torch.bool).tril(length - n)  # [n, L]: key j <= L - n + i
+    qf, kf, vf = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, rows, D]
+    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=visible, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(n, h * d).to(q.dtype)
+
+
+def kv_dtype_code(pool: torch.Tensor, kv_scales: torch.Tensor | None) -> int:
+    """kernels.c's dtype code of a KV pool: float32 / bfloat16 (no kv_scales), or int8 / e4m3fn codes
+    (with kv_scales); ValueError for any other pool or a mismatch."""
+    if (pool.dtype in KV_CODES) != (kv_scales is not None):
+        raise ValueError(f"a {pool.dtype} KV pool {'needs' if kv_scales is None else 'takes no'} kv_scales")
+    code = KV_CODES.get(pool.dtype, DTYPES.get(pool.dtype))
+    if code is None:
+        raise ValueError(f"KV pool dtype {pool.dtype}: expected float32, bfloat16, int8 or float8_e4m3fn")
+    return code
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+             kv_scales: torch.Tensor | None = None) -> None:
+    """Write k, v rows [T, KVH, D] into the pools' slots (int64 [T]; slot = block * block_size + offset),
+    as codes of core.kernels.kv_codes.quantize_kv for INT8 / FP8 pools (kv_scales (s_k, s_v))."""
+    t = k.shape[0]
+    width = k_pool.shape[2] * k_pool.shape[3]
+    k2, v2 = k.reshape(t, width), v.reshape(t, width)
+    if k2.stride(1) != 1 or v2.stride(0) != k2.stride(0) or v2.dtype != k2.dtype:
+        k2, v2 = k2.contiguous(), v2.contiguous().to(k2.dtype)  # rows of one stride, one dtype
+    slots = slots.to(torch.int64).contiguous()
+    kv_dt = kv_dtype_code(k_pool, kv_scales)
+    kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
+    library().bst_kv_write(k2.data_ptr(), v2.data_ptr(), DTYPES[k2.dtype], k2.stride(0), k_pool.data_ptr(),
+                           v_pool.data_ptr(), kv_dt, slots.data_ptr(), t, width, _ptr(kv_scales))
+
+
+def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                         kv_lens: torch.Tensor, scale: float, slopes: torch.Tensor | None = None,
+                         kv_scales: torch.Tensor | None = None,
+                         bounds: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """Torch reference of `decode_attention`, in float32."""
+    from bestiary.core.kernels.attention_window import visible_keys
+
+    b, h, d = q.shape
+    bs, kvh = k_pool.shape[1], k_pool.shape[2]
+    s_k, s_v = (1.0, 1.0) if kv_scales is None else (kv_scales[0].float(), kv_scales[1].float())
+    outs = []
+    for i in range(b):
+        length = int(kv_lens[i])
+        window, sinks = (0, 0) if bounds is None else (bounds[0][i], bounds[1][i])
+        j = visible_keys(length - 1, length - 1, window, sinks)  # [L] key positions the query sees
+        slots = tables[i, j // bs] * bs + j % bs
+        k = k_pool.flatten(0, 1)[slots].float() * s_k  # [L, KVH, D]
+        v = v_pool.flatten(0, 1)[slots].float() * s_v
+        k, v = k.repeat_interleave(h // kvh, dim=1), v.repeat_interleave(h // kvh, dim=1)  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * scale  # [H, L]
+        if slopes is not None:
+            scores = scores + slopes.float()[:, None] * (j - (length - 1)).float()
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v).reshape(h * d))
+    return torch.stack(outs).to(q.dtype)
+
+
+# --- elementwise -----------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y = h / sqrt(mean(h^2) + eps) * w over the last dim, h = x (+ residual, rounded to x's dtype).
+
+    x [..., H] -> y, or (y, h) when residual is given."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    h = None if residual is None else torch.empty_like(x)
+    res = None if residual is None else residual.contiguous()
+    t, hidden = x.numel() // x.shape[-1], x.shape[-1]
+    library().bst_rms_norm(x.data_ptr(), _ptr(res), _ptr(h), y.data_ptr(), DTYPES[x.dtype], weight.data_ptr(),
+                           DTYPES[weight.dtype], t, hidden, eps, _threads())
+    return y if residual is None else (y, h)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `rms_norm`."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+def rotary_layout_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """True when `rotary` can take these views (heads and dims of x contiguous, cos / sin rows
+    with a unit last stride and one row stride)."""
+    return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.stride(-1) == 1
+            and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0) and cos.dtype == sin.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
+    """Rotate the first rot_dim dims of x [T, n, D] in place (rows may be strided: the q|k heads
+    of a qkv tensor; heads and dims contiguous) with cos / sin [T, 1, rot_dim/2] (rows may be
+    strided: halves of one cos|sin tensor)."""
+    t, n, d = x.shape
+    shape = [t, 1, rot_dim // 2]  # the kernel reads exactly these: a smaller cos / sin would be read past its end
+    if rot_dim % 2 or not 0 < rot_dim <= d or list(cos.shape) != shape or list(sin.shape) != shape:
+        raise ValueError(f"rotary: cos and sin must be {shape} for x {list(x.shape)} and rot_dim {rot_dim}, "
+                         f"got {list(cos.shape)} and {list(sin.shape)}")
+    if not rotary_layout_ok(x, cos, sin):
+        raise ValueError("rotary: heads and dims of x, and the last dim of cos / sin, must be contiguous")
+    library().bst_rotary(x.data_ptr(), DTYPES[x.dtype], t, n, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                         cos.stride(0), DTYPES[cos.dtype], rot_dim, int(style == "gptj"))
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
+    """Torch reference of `rotary`: core.kernels.rotary's reference in float32, rounded once."""
+    from bestiary.core.kernels.rotary import apply_rotary_ref
+
+    xf = x.float()
+    apply_rotary_ref(xf, cos.float(), sin.float(), rot_dim, style)
+    x.copy_(xf)
+
+
+def act_and_mul(fg: torch.Tensor, act: str) -> torch.Tensor:
+    """act(f) * g for fg [T, 2I] = [f | g] -> [T, I] (act(f) rounded to fg's dtype first, as the
+    torch reference computes it in that dtype)."""
+    fg = fg.contiguous()
+    t, i2 = fg.shape
+    y = torch.empty(t, i2 // 2, dtype=fg.dtype)
+    library().bst_act_and_mul(fg.data_ptr(), y.data_ptr(), DTYPES[fg.dtype], t, i2 // 2, ACT_CODES[act], _threads())
+    return y
+
+
+def act_and_mul_ref(fg: torch.Tensor, act: str) -> torch.Tensor:
+    """Torch reference of `act_and_mul`."""
+    f, g = fg.chunk(2, dim=-1)
+    return ACTIVATIONS[act](f) * g
+
+
+# --- LoRA rows -------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraRows:
+    """One linear site's adapters as bst_lora_rows reads them: per adapter, pieces each with its
+    rank rows of `a` [R, K] and `scale` [R] (float32), its output columns n0 .. n0 + rows, and
+    its B^T [rank, rows] at b_off of the flat `b`. `layout` int64: adapters + 1 piece starts,
+    then (r0, rank, n0, rows, b_off) per piece. A piece keeps only the columns its B reaches
+    (the zero rows of a q / k / v piece in a fused qkv are dropped); an adapter's pieces whose
+    columns overlap are merged, so its pieces cover disjoint columns."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+    layout: torch.Tensor
+    adapters: int
+    k: int
+    n: int
+
+    @classmethod
+    def build(cls, per_adapter: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], k: int, n: int,
+              dtype: torch.dtype) -> LoraRows:
+        """From each adapter's pieces (a [r, K], b [N, r] in the site's columns, scale [r]);
+        weights held in `dtype` (float32 / bfloat16)."""
+        a_rows, b_flat, scales, starts, pieces = [], [], [], [0], []
+        r0 = b_off = 0
+        for adapter_pieces in per_adapter:
+            spans = []  # [lo, hi, [a], [b], [scale]] per piece with a nonzero B row (NaN counts)
+            for a, b, s in adapter_pieces:
+                hit = (b != 0).any(dim=1).nonzero().flatten()
+                if hit.numel():
+                    spans.append([int(hit[0]), int(hit[-1]) + 1, [a], [b], [s]])
+            merged: list[list] = []
+            for span in sorted(spans, key=lambda sp: sp[0]):
+                if merged and span[0] < merged[-1][1]:  # overlapping columns: one piece
+                    last = merged[-1]
+                    last[1] = max(last[1], span[1])
+                    for j in (2, 3, 4):
+                        last[j] += span[j]
+                else:
+                    merged.append(span)
+            for lo, hi, a_l, b_l, s_l in merged:
+                a = torch.cat(a_l)
+                bt = torch.cat(b_l, dim=1)[lo:hi].t().contiguous()  # [rank, rows]
+                pieces.append((r0, a.shape[0], lo, hi - lo, b_off))
+                a_rows.append(a)
+                b_flat.append(bt.flatten())
+                scales.append(torch.cat(s_l))
+                r0, b_off = r0 + a.shape[0], b_off + bt.numel()
+            starts.append(len(pieces))
+        layout = torch.tensor(starts + [v for piece in pieces for v in piece], dtype=torch.int64)
+        return cls(_cat(a_rows, (0, k)).to(dtype).contiguous(), _cat(b_flat, (0,)).to(dtype).contiguous(),
+                   _cat(scales, (0,)).float().contiguous(), layout, len(per_adapter), k, n)
+
+    def pieces(self, adapter: int) -> list[tuple[int, ...]]:
+        """(r0, rank, n0, rows, b_off) of each piece of `adapter`."""
+        lay, first = self.layout.tolist(), self.adapters + 1
+        return [tuple(lay[first + 5 * p : first + 5 * p + 5]) for p in range(lay[adapter], lay[adapter + 1])]
+
+
+def _cat(tensors: list[torch.Tensor], empty: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(empty)
+
+
+def lora_rows_(x: torch.Tensor, rows: LoraRows, idx: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, N] += row t's adapter idx[t]'s update on x [T, K] (none for idx < 0), in place:
+    out[t, n0:n0+rows] += ((x[t] A[r0:r0+rank]^T) * scale[r0:r0+rank]) B_p^T per piece, float32
+    sums rounded once. idx int64 [T]. The torch reference: lora_rows_ref (and, from the adapters
+    themselves, core.lora.batch.StepLora.add_)."""
+    library().bst_lora_rows(x.data_ptr(), DTYPES[x.dtype], x.shape[0], x.shape[1], rows.a.data_ptr(),
+                            rows.b.data_ptr(), DTYPES[rows.a.dtype], rows.scale.data_ptr(),
+                            rows.layout.data_ptr(), rows.adapters, idx.data_ptr(), out.data_ptr(),
+                            DTYPES[out.dtype], out.shape[1], _threads())
+
+
+def lora_rows_ref(x: torch.Tensor, rows: LoraRows, idx: torch.Tensor, out: torch.Tensor) -> None:
+    """lora_rows_ in torch, row by row."""
+    for t, adapter in enumerate(idx.tolist()):
+        if not 0 <= adapter < rows.adapters:
+            continue
+        delta = torch.zeros(out.shape[1])
+        for r0, rank, n0, width, b_off in rows.pieces(adapter):
+            v = (rows.a[r0 : r0 + rank].float() @ x[t].float()) * rows.scale[r0 : r0 + rank]  # [rank]
+            delta[n0 : n0 + width] += v @ rows.b[b_off : b_off + rank * width].float().view(rank, width)
+        out[t] = (out[t].float() + delta).to(out.dtype)
+
+
+# --- greedy sampling -------------------------------------------------------------------------
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of float32 x [B, V] -> int64 [B] (first index of the maximum; a NaN
+    counts as the maximum). ~10x faster than torch's on a vocabulary row."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library().bst_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _threads())
+    return out
