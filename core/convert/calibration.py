@@ -14,7 +14,10 @@ cache scales (core.convert.kv_scales), the converted checkpoint's lint (core.con
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -123,3 +126,73 @@ def collect_linear_inputs(
         for h in handles:
             h.remove()
     return {name: acc.stats() for name, acc in accs.items() if acc.tokens}
+
+
+# --- one calibration run shared by several converts (opt-in) -----------------------------------
+
+_shared: dict[str, tuple[dict[str, LinearInputStats], list]] | None = None  # key -> (stats, targets)
+
+
+@contextmanager
+def shared_calibration() -> Iterator[None]:
+    """Inside this block, calibrated converts of the same float weights, config and tokens run the
+    float model over the calibration tokens once: the first computes the statistics of every
+    Linear with Hessians, and the teacher targets (core.convert.tune), and the others take copies.
+    What a convert reads of them is what it would have computed alone (hooks only observe; a mode
+    needing no Hessian ignores it). For callers that convert one source in several modes (the
+    quantization quality tests); memory: one run's statistics, kept until the block ends."""
+    global _shared
+    outer, _shared = _shared, {} if _shared is None else _shared
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
+def shared_calibration_active() -> bool:
+    """True inside shared_calibration()."""
+    return _shared is not None
+
+
+def fingerprint(tensors: dict[str, torch.Tensor], config_json: str, ids: list[int]) -> str:
+    """A digest of the float weights (names, shapes, dtypes, bytes), the config and the tokens."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(config_json.encode())
+    h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def calibrate_linears(model: nn.Module, ids: list[int], hessian: bool, names: set[str], targets: bool,
+                      key: str | None = None, on_chunk: Callable[[], None] | None = None,
+                      ) -> tuple[dict[str, LinearInputStats], list]:
+    """(linear name -> LinearInputStats for `names`, the float model's TeacherTargets per calibration
+    sequence when `targets`, else []), from one run of `model` over `ids` (collect_linear_inputs), or
+    from the run shared under `key` inside shared_calibration()."""
+    from bestiary.core.convert.tune import TeacherTargets
+
+    if _shared is None or key is None:
+        found: list = []
+        stats = collect_linear_inputs(model, ids, hessian=hessian, names=names, on_chunk=on_chunk,
+                                      on_logits=(lambda x: found.append(TeacherTargets.from_logits(x))) if targets else None)
+        return stats, found
+    if key not in _shared:
+        found = []
+        stats = collect_linear_inputs(model, ids, hessian=True, names=None, on_chunk=on_chunk,
+                                      on_logits=lambda x: found.append(TeacherTargets.from_logits(x)))
+        _shared[key] = (stats, found)
+    elif on_chunk is not None:
+        for _ in calibration_chunks(model, ids):
+            on_chunk()
+    stats, found = _shared[key]
+    mine = {n: _copy(s, hessian) for n, s in stats.items() if n in names}
+    return mine, [replace(t) for t in found] if targets else []
+
+
+def _copy(s: LinearInputStats, hessian: bool) -> LinearInputStats:
+    """A private copy (a convert's AWQ folds replace statistics; GPTQ reads the Hessian)."""
+    h = s.hessian.clone() if hessian and s.hessian is not None else None
+    return LinearInputStats(s.absmax.clone(), s.amax, h, s.tokens)

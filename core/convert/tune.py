@@ -82,7 +82,14 @@ class GroupScaled(nn.Module):
     def __init__(self, layer: Int4Codes, dtype: torch.dtype) -> None:
         super().__init__()
         self.group_size, self.dtype = layer.group_size, dtype
-        self.register_buffer("q", layer.codes, persistent=False)  # uint8 [N, K]: widened per step
+        n, k = layer.codes.shape
+        groups = packing.num_groups(k, layer.group_size)
+        self.k = k
+        self.register_buffer("q", layer.codes, persistent=False)  # uint8 [N, K]
+        # the codes widened once, by group (a short last group padded): [N, groups, G] float32, so a step's
+        # weight is one broadcast (q - z) * s with no per-step widening or [N, K] copies of s and z
+        widened = torch.nn.functional.pad(layer.codes.float(), (0, groups * layer.group_size - k))
+        self.register_buffer("q_grouped", widened.view(n, groups, layer.group_size), persistent=False)
         self.register_buffer("s0", layer.s.float(), persistent=False)  # [N, groups]
         self.u = nn.Parameter(torch.zeros_like(self.s0))
         self.z = None if layer.z is None else nn.Parameter(layer.z.float().clone())
@@ -92,8 +99,11 @@ class GroupScaled(nn.Module):
         return self.s0 * self.u.exp()
 
     def forward(self, _weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] = packing.dequantize_int4 of the codes with the current scales (differentiable in u, z)."""
-        return packing.dequantize_int4(self.q, self.scales(), self.z, self.group_size).to(self.dtype)
+        """[N, K] = (q - z[k // G]) * s[k // G], packing.dequantize_int4's formula with the current scales
+        (differentiable in u, z), computed per group by broadcasting."""
+        z = self.z[..., None] if self.z is not None else 8.0  # [N, groups, 1]
+        w = (self.q_grouped - z) * self.scales()[..., None]  # [N, groups, G]
+        return w.flatten(1)[:, : self.k].to(self.dtype)
 
     def tuned(self) -> Int4Codes:
         z = None if self.z is None else self.z.detach().clone()

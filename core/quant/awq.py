@@ -23,6 +23,7 @@ from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.gptq import hessian_error
 
 GRID = 20
+REFINE = 0.01  # float32 errors within 1% of the best go to the float64 comparison
 
 
 def awq_scale(absmax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -53,12 +54,31 @@ def search_shared_scale(
     grid: int = GRID,
 ) -> torch.Tensor:
     """One s [K] for weights [N_i, K] that read the same input (Hessian [K, K]): s = awq_scale(salience,
-    alpha) with alpha minimising the summed output error sum_i trace(dW_i H dW_i^T) (alpha = 0: s = 1)."""
+    alpha) with alpha minimising the summed output error sum_i trace(dW_i H dW_i^T) (alpha = 0: s = 1).
+
+    The errors are compared in float64 (hessian_error), as the search always did, but only for the
+    candidates a float32 pass finds within REFINE of its best: a float32 error is off by far less
+    than that, so the float64 winner is among them and the choice is the all-float64 one, at a few
+    float64 [N, K] x [K, K] products per layer instead of `grid`."""
     weights = [w.float() for w in weights]
+    h32, h64 = hessian.float(), hessian.double()
+    scales = [awq_scale(salience, i / grid) for i in range(grid)]  # [K] each
+
+    def delta(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # dW [N, K] of candidate s
+        return quantize(w * s[None, :]) / s[None, :] - w
+
+    rough = [sum(_error32(delta(w, s), h32) for w in weights) for s in scales]
+    best_rough = min(rough)
     best_s, best_err = torch.ones(weights[0].shape[1]), float("inf")
-    for i in range(grid):
-        s = awq_scale(salience, i / grid)  # [K]
-        err = sum(hessian_error(quantize(w * s[None, :]) / s[None, :] - w, hessian) for w in weights)
+    for s, r in zip(scales, rough):
+        if r > best_rough * (1 + REFINE):
+            continue
+        err = sum(hessian_error(delta(w, s), h64) for w in weights)
         if err < best_err:
             best_s, best_err = s, err
     return best_s
+
+
+def _error32(dw: torch.Tensor, h: torch.Tensor) -> float:
+    """hessian_error with the product in float32 (the candidates' first pass)."""
+    return float(((dw @ h) * dw).sum(dtype=torch.float64))

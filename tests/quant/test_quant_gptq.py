@@ -181,6 +181,40 @@ def test_awq_search_protects_salient_channels():
         search_awq_scale(w, LinearInputStats(stats.absmax, stats.amax, None, 512), quantize)
 
 
+def _search_all_float64(weights, hessian, salience, quantize, grid=20):
+    """search_shared_scale as it was: every candidate's error in float64, the first smallest wins."""
+    best_s, best_err = torch.ones(weights[0].shape[1]), float("inf")
+    for i in range(grid):
+        s = awq_scale(salience, i / grid)
+        err = sum(hessian_error(quantize(w.float() * s) / s - w.float(), hessian) for w in weights)
+        if err < best_err:
+            best_s, best_err = s, err
+    return best_s
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_awq_search_picks_the_all_float64_choice(seed):
+    """The float32 first pass only narrows the candidates: the scale chosen is the one the all-float64
+    search chooses (two weights sharing one input, salient channels of several strengths)."""
+    from bestiary.core.quant.awq import search_shared_scale
+
+    g = torch.Generator().manual_seed(seed)
+    k = 96
+    x = correlated_inputs(256, k)
+    x[:, torch.randint(0, k, (6,), generator=g)] *= 1 + 30 * torch.rand(1, generator=g).item()
+    h = x.t() @ x
+    weights = [torch.randn(40, k, generator=g), torch.randn(24, k, generator=g) * 3]
+    salience = x.abs().amax(0)
+
+    def quantize(m):
+        return rtn(m, 32, seed % 2 == 0)
+
+    chosen = search_shared_scale(weights, h, salience, quantize)
+    assert torch.equal(chosen, _search_all_float64(weights, h, salience, quantize))
+    if seed == 0:
+        assert not torch.equal(chosen, torch.ones(k))  # a case where scaling wins
+
+
 # --- statistics on a model -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory):
@@ -348,3 +382,32 @@ def test_builtin_weight_calibration_text_is_long_and_read_whole():
     every = Tokenizer(files.tokenizer_json, files.tokenizer_config).encode(WEIGHT_CALIB_TEXT)
     assert 16384 <= len(every) <= WEIGHT_CALIB_TOKENS
     assert weight_calibration_ids(files, 49152, None) == every
+
+
+def test_shared_calibration_runs_the_float_model_once_and_changes_nothing(tiny_src, tmp_path, monkeypatch):
+    """Under shared_calibration(), GPTQ int4 (g32 and g64, tuned) and SmoothQuant converts of one source
+    calibrate once, and write the tensors each writes alone."""
+    from bestiary.core.convert import calibration
+    from bestiary.core.format.checkpoint import load_rank_weights
+
+    modes = {"g32": dict(quantization=QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True),
+                         tune_steps=2),
+             "g64": dict(quantization=QuantConfig(quant_algo="W4A16", group_size=64), tune_steps=2),
+             "sq": dict(quantization=QuantConfig(quant_algo="W8A8_SQ_PER_CHANNEL", pre_quant_scale=True))}
+    alone = {m: load_rank_weights(convert(tiny_src, tmp_path / f"alone-{m}", show_progress=False, **kw), 0)
+             for m, kw in modes.items()}
+    runs = []
+    real = calibration.collect_linear_inputs
+    monkeypatch.setattr(calibration, "collect_linear_inputs", lambda *a, **k: runs.append(1) or real(*a, **k))
+    with calibration.shared_calibration():
+        shared = {m: load_rank_weights(convert(tiny_src, tmp_path / f"shared-{m}", show_progress=False, **kw), 0)
+                  for m, kw in modes.items()}
+    assert len(runs) == 1 and not calibration.shared_calibration_active()
+    for m in modes:
+        assert sorted(shared[m]) == sorted(alone[m])
+        assert all(torch.equal(shared[m][k], alone[m][k]) for k in alone[m]), m
+    with calibration.shared_calibration():  # another source (other weights): its own run
+        other = make_tiny_llama(tmp_path / "other", seed=1, intermediate_size=128)
+        convert(other, tmp_path / "other-ckpt", show_progress=False, **modes["sq"])
+        convert(tiny_src, tmp_path / "again", show_progress=False, **modes["sq"])
+    assert len(runs) == 3

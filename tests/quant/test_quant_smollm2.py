@@ -15,6 +15,7 @@ import inspect
 import pytest
 import torch
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+from bestiary.core.convert.calibration import shared_calibration
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig
@@ -80,6 +81,15 @@ def eval_text() -> str:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, smollm2_gguf):
     return tmp_path_factory.mktemp("quant_smollm2"), smollm2_gguf
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_calibration_run():
+    """The calibrated modes (W4A16 g64 / g128, FP8, SmoothQuant, W4A8) convert one source on the same
+    tokens: the float model runs over them once (core.convert.calibration.shared_calibration; each
+    convert's tensors are what it writes alone: tests/quant/test_quant_gptq.py)."""
+    with shared_calibration():
+        yield
 
 
 MEASURED: dict[str, float] = {}  # mode -> our perplexity: a mode two tests use is built and measured once

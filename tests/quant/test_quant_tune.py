@@ -72,6 +72,25 @@ def test_group_scaled_starts_at_the_dequantized_weight(zero):
     assert torch.allclose(layer(w), packing.dequantize_int4(codes, tuned.s, tuned.z, 32))
 
 
+@pytest.mark.parametrize("zero", [False, True])
+def test_group_scaled_gradients_are_the_dequantize_formulas(zero):
+    """The per-group broadcast (q - z) * s0 exp(u) has the gradients of packing.dequantize_int4's [N, K]
+    form in u and z (80 features: a short last group)."""
+    g = torch.Generator().manual_seed(2)
+    w, r = torch.randn(24, 80, generator=g), torch.randn(24, 80, generator=g)
+    codes, s, z = packing.quantize_int4_groupwise(w, 32, zero)
+    layer = GroupScaled(Int4Codes(codes, s, z, 32), torch.float32)
+    with torch.no_grad():
+        layer.u.copy_(0.05 * torch.randn(layer.u.shape, generator=g))
+    (layer(w) * r).sum().backward()
+    u = layer.u.detach().clone().requires_grad_()
+    z_ref = None if z is None else layer.z.detach().clone().requires_grad_()
+    (packing.dequantize_int4(codes, s.float() * u.exp(), z_ref, 32) * r).sum().backward()
+    torch.testing.assert_close(layer.u.grad, u.grad, rtol=1e-5, atol=1e-6)
+    if zero:
+        torch.testing.assert_close(layer.z.grad, z_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 # --- tuning a model ------------------------------------------------------------------------------
 def test_tuning_lowers_the_loss_keeps_the_codes_and_reaches_every_layer(tiny_src, tmp_path):
     model, names, tensors, config = _float_model(tiny_src, tmp_path)
