@@ -80,6 +80,7 @@ LOADER_TESTS = [
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "sampling": (["core/runtime/sampling.py", "core/kernels/sampling_ref.py"], ["tests/runtime/test_sampling.py",
                                                 "tests/runtime/test_mutation_kills_sampling.py",
+                                                "tests/kernels/test_kernels_sampling.py",  # filter_logits_ref
                                                 "tests/runtime/test_beam.py::test_beam_search_equals_hf_tiny"]),
     "beam": (["core/runtime/beam.py"], ["tests/runtime/test_beam.py", "-m", "not slow"]),
     "kv_cache": (["core/runtime/kv_cache.py"], ["tests/runtime/test_kv_pool.py", "tests/runtime/test_scheduler.py",
