@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,22 +76,16 @@ def cases(all_cases: bool, only: str = "") -> list[tuple[str, str, object]]:
     return first + rest if all_cases else first  # every family before any second case
 
 
-def reference_on(case, device: str, dtype: torch.dtype, workdir: Path) -> tuple[Path, Callable[[list[int]], torch.Tensor]]:
-    """(the saved fp32 source dir, logits(ids) -> [T, V] float32 on the CPU) of the reference in `dtype`:
-    transformers on `device`, or a FunctionReference on the CPU."""
+def reference_on(case, device: str, dtype: torch.dtype, workdir: Path):
+    """(the saved fp32 source dir, the reference in `dtype`): transformers on `device`, or a
+    FunctionReference on the CPU; its `logits(ids)` is [T, V] float32 on the CPU."""
     from bestiary.testing.references import HFReference, as_reference
 
     ref = as_reference(case)
     source = ref.save(workdir / "source")
-    if not isinstance(ref, HFReference):
-        return source, ref.logits
-    model = ref.model.to(device=device, dtype=dtype)
-
-    def logits(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return model(torch.tensor([ids], device=device)).logits[0].float().cpu()
-
-    return source, logits
+    if isinstance(ref, HFReference):
+        ref.model.to(device=device, dtype=dtype)  # hf_logits feeds the ids on the model's device
+    return source, ref
 
 
 def fp32_row(case, device: str, workdir: Path) -> dict:
@@ -102,22 +95,11 @@ def fp32_row(case, device: str, workdir: Path) -> dict:
     from bestiary.testing.parity import reference_diffs
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    source, logits = reference_on(case, device, torch.float32, workdir)
+    source, ref = reference_on(case, device, torch.float32, workdir)
     engine = Engine.load(convert(source, workdir / "fp32", dtype="float32", show_progress=False), device=device)
-    diff, scale = reference_diffs(engine, logits, PROMPT, DECODE_STEPS)
+    diff, scale = reference_diffs(engine, ref.logits, PROMPT, DECODE_STEPS)
     bound = FP32_BOUND * max(1.0, scale)
     return {"fp32_diff": diff, "fp32_bound": bound, "fp32_pass": diff <= bound, **graph_state(engine.model)}
-
-
-def greedy_chain(logits: Callable[[list[int]], torch.Tensor], prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-    """The reference's greedy tokens and each step's top-2 margin."""
-    seq, margins = list(prompt), []
-    for _ in range(steps):
-        last = logits(seq)[-1]
-        top2 = last.topk(2).values
-        margins.append((top2[0] - top2[1]).item())
-        seq.append(int(last.argmax()))
-    return seq[len(prompt):], margins
 
 
 def bf16_row(case, device: str, workdir: Path) -> dict:
@@ -125,17 +107,19 @@ def bf16_row(case, device: str, workdir: Path) -> dict:
     from bestiary.core.convert.source_to_checkpoint import convert
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
+    from bestiary.testing.suite import reference_chain
 
-    source, logits = reference_on(case, device, torch.bfloat16, workdir / "bf16ref")
+    source, ref = reference_on(case, device, torch.bfloat16, workdir / "bf16ref")
     ckpt = convert(source, workdir / "bf16", dtype="bfloat16", show_progress=False)
     llm = LLM(ckpt, device=device)
     greedy = SamplingConfig(temperature=0, max_new_tokens=GREEDY_TOKENS, ignore_eos=True)
     ours = llm.generate([PROMPT], greedy)[0].output_ids
-    ref, margins = greedy_chain(logits, PROMPT, GREEDY_TOKENS)
-    tie = next((i for i, m in enumerate(margins) if m < BF16_MARGIN), len(ref))
-    first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-    return {"bf16_pass": ours[:tie] == ref[:tie], "bf16_first_diff": first, "bf16_first_near_tie": tie,
-            "bf16_ours": ours, "bf16_ref": ref, **{f"bf16_{k}": v for k, v in graph_state(llm.engine.model).items()}}
+    chain, rows, _ = reference_chain(ref, PROMPT, GREEDY_TOKENS)
+    margins = [float(top2[0] - top2[1]) for top2 in (row.topk(2).values for row in rows)]  # each step's top-2 gap
+    tie = next((i for i, m in enumerate(margins) if m < BF16_MARGIN), len(chain))
+    first = next((i for i, (a, b) in enumerate(zip(ours, chain)) if a != b), None)
+    return {"bf16_pass": ours[:tie] == chain[:tie], "bf16_first_diff": first, "bf16_first_near_tie": tie,
+            "bf16_ours": ours, "bf16_ref": chain, **{f"bf16_{k}": v for k, v in graph_state(llm.engine.model).items()}}
 
 
 def graph_state(model) -> dict:

@@ -150,10 +150,6 @@ def tree_files() -> tuple[dict[str, str], frozenset[str]]:
     return out, frozenset(packages)
 
 
-def tree_sources() -> dict[str, str]:
-    return tree_files()[0]
-
-
 def package_graph(files: dict[str, str], packages: frozenset[str], module_level: bool,
                   skip: frozenset = frozenset()) -> dict[str, set[str]]:
     """Layered package -> the layered packages its modules import (only module-level imports, or all),

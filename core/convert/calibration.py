@@ -167,26 +167,29 @@ def fingerprint(tensors: dict[str, torch.Tensor], config_json: str, ids: list[in
 
 
 def calibrate_linears(model: nn.Module, ids: list[int], hessian: bool, names: set[str], targets: bool,
-                      key: str | None = None, on_chunk: Callable[[], None] | None = None,
-                      ) -> tuple[dict[str, LinearInputStats], list]:
+                      weights: dict[str, torch.Tensor], config_json: str,
+                      on_chunk: Callable[[], None] | None = None) -> tuple[dict[str, LinearInputStats], list]:
     """(linear name -> LinearInputStats for `names`, the float model's TeacherTargets per calibration
-    sequence when `targets`, else []), from one run of `model` over `ids` (collect_linear_inputs), or
-    from the run shared under `key` inside shared_calibration()."""
+    sequence when `targets`, else []) from one run of `model` over `ids` (collect_linear_inputs).
+    Inside shared_calibration() the run is the one shared by every convert of the same `weights` (the
+    float tensors the model holds), `config_json` and `ids`: it records every Linear with Hessians, and
+    the targets, so any mode can take its part."""
     from bestiary.core.convert.tune import TeacherTargets
 
-    if _shared is None or key is None:
+    key = fingerprint(weights, config_json, ids) if _shared is not None else None
+    if key is not None and key in _shared:
+        if on_chunk is not None:  # the progress bar still counts the chunks
+            for _ in calibration_chunks(model, ids):
+                on_chunk()
+    else:
         found: list = []
-        stats = collect_linear_inputs(model, ids, hessian=hessian, names=names, on_chunk=on_chunk,
-                                      on_logits=(lambda x: found.append(TeacherTargets.from_logits(x))) if targets else None)
-        return stats, found
-    if key not in _shared:
-        found = []
-        stats = collect_linear_inputs(model, ids, hessian=True, names=None, on_chunk=on_chunk,
-                                      on_logits=lambda x: found.append(TeacherTargets.from_logits(x)))
+        record = targets or key is not None
+        stats = collect_linear_inputs(model, ids, hessian=hessian or key is not None,
+                                      names=None if key is not None else names, on_chunk=on_chunk,
+                                      on_logits=(lambda x: found.append(TeacherTargets.from_logits(x))) if record else None)
+        if key is None:
+            return stats, found
         _shared[key] = (stats, found)
-    elif on_chunk is not None:
-        for _ in calibration_chunks(model, ids):
-            on_chunk()
     stats, found = _shared[key]
     mine = {n: _copy(s, hessian) for n, s in stats.items() if n in names}
     return mine, [replace(t) for t in found] if targets else []

@@ -47,12 +47,7 @@ import torch
 from bestiary.core.format.config import PretrainedConfig, QuantConfig
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.quant.input_stats import LinearInputStats
-from bestiary.core.convert.calibration import (
-    calibrate_linears,
-    calibration_chunks,
-    fingerprint,
-    shared_calibration_active,
-)
+from bestiary.core.convert.calibration import calibrate_linears, calibration_chunks
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
 from bestiary.core.format.packing import Int4Codes, int4_roundtrip
@@ -217,11 +212,10 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
     model, names = float_model(model_class, config, plan.rank, tensors, set(slots))
     sequences = calibration_chunks(model, ids)  # the ones collect_linear_inputs runs
     calibrate = bar.add_task("calibrate", total=len(sequences))
-    float_config = config.model_dump_json(exclude={"quantization"})
-    key = fingerprint(tensors, float_config, ids) if shared_calibration_active() else None
     targets: list[TeacherTargets]
     stats, targets = calibrate_linears(model, ids, needs_hessian(config.quantization, method), set(names.values()),
-                                       bool(tune_steps), key, on_chunk=lambda: bar.advance(calibrate))
+                                       bool(tune_steps), tensors, config.model_dump_json(exclude={"quantization"}),
+                                       on_chunk=lambda: bar.advance(calibrate))
     if is_gptq_int4(config.quantization, method):
         from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
 
