@@ -26,7 +26,7 @@ HF_CONFIGS: dict[str, tuple[dict, dict[str, str | Callable]]] = {
          "num_hidden_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
          "num_key_value_heads": "num_key_value_heads", "head_dim": "head_size", "hidden_act": "hidden_act",
          "rms_norm_eps": "norm_epsilon", "rope_theta": "rotary_base", "rope_scaling": "rotary_scaling",
-         "max_position_embeddings": "max_position_embeddings", "attention_bias": "attn_bias",
+         "max_position_embeddings": "max_position_embeddings", "attention_bias": "qkv_bias",
          "mlp_bias": "mlp_bias", "tie_word_embeddings": "tie_word_embeddings", "torch_dtype": "dtype"},
     ),
     "ChatGLMForCausalLM": (
@@ -44,7 +44,7 @@ HF_CONFIGS: dict[str, tuple[dict, dict[str, str | Callable]]] = {
          "num_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
          "multi_query_attention": "multi_query_attention", "multi_query_group_num": "num_key_value_heads",
          "kv_channels": "head_size", "ffn_hidden_size": "intermediate_size", "layernorm_epsilon": "norm_epsilon",
-         "rope_ratio": lambda c: c.rotary_base / 10000.0, "add_bias_linear": "linear_bias",
+         "rope_ratio": lambda c: c.rotary_base / 10000.0, "add_bias_linear": "dense_bias",
          "add_qkv_bias": "qkv_bias", "torch_dtype": "dtype"},
     ),
 }
@@ -129,8 +129,8 @@ INVERSE_HOOKS: dict[str, Callable[[str, Bundle, list[str], object], Parts]] = {
     "identity": identity,
     "bestiary.core.convert.postprocess:identity": identity,
     "bestiary.core.convert.postprocess:concat_dim0": split_qkv,
-    "bestiary.models.chatglm.postprocess:qkv_per_head": per_head_qkv,
-    "bestiary.models.chatglm.postprocess:qkv_v2": qkv_v2,
-    "bestiary.models.chatglm.postprocess:gate_half": first_half,
-    "bestiary.models.chatglm.postprocess:up_half": second_half,
+    "bestiary.models.chatglm.weights:qkv_per_head": per_head_qkv,
+    "bestiary.models.chatglm.weights:qkv_v2": qkv_v2,
+    "bestiary.models.chatglm.weights:gate_half": first_half,
+    "bestiary.models.chatglm.weights:up_half": second_half,
 }

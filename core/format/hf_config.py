@@ -4,6 +4,7 @@
     read_rope(hf, theta)       rope theta, scaling (transformers 4's rope_theta / rope_scaling or
                                transformers 5's rope_parameters), partial rotary factor
     DecoderConfig              PretrainedConfig + rotary, biases, tie: the fields those fill
+    WindowFields, MoEFields    DecoderConfig + a sliding window on some layers, + routed experts
     hf_config_reader(cls)      a spec's `from_hf_config` for a `DecoderConfig` subclass
 
 A field is looked up under each of its HF names in turn (`COMMON_NAMES`: GPT-2's n_embd,
@@ -33,7 +34,7 @@ COMMON_NAMES: dict[str, tuple[str, ...]] = {
     "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                                 "max_sequence_length"),
     "norm_epsilon": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "layernorm_epsilon", "norm_eps"),
-    "hidden_act": ("hidden_act", "activation_function", "hidden_activation"),
+    "hidden_act": ("hidden_act", "activation_function", "hidden_activation", "activation"),
     "tie_word_embeddings": ("tie_word_embeddings",),
 }
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -70,7 +71,7 @@ def read_common(hf: dict, defaults: dict[str, Any] | None = None, source: str = 
     return out
 
 
-def read_rope(hf: dict, default_theta: float = 10000.0) -> dict[str, Any]:
+def read_rope(hf: dict, default_theta: float = 10000.0, default_pct: float = 1.0) -> dict[str, Any]:
     """rotary_base, rotary_scaling (None for the default rope) and rotary_pct of an HF config.
 
     transformers 5 keeps theta, the scaling kind and partial_rotary_factor in `rope_parameters`;
@@ -80,7 +81,8 @@ def read_rope(hf: dict, default_theta: float = 10000.0) -> dict[str, Any]:
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or params)
     theta = first_present(hf, ("rope_theta", "rotary_emb_base")) or params.get("rope_theta", default_theta)
-    pct = first_present(hf, ("partial_rotary_factor", "rotary_pct")) or params.get("partial_rotary_factor", 1.0)
+    pct = first_present(hf, ("partial_rotary_factor", "rotary_pct")) or params.get("partial_rotary_factor",
+                                                                                   default_pct)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     drop = ("rope_theta", "partial_rotary_factor")
     rope = None if kind == "default" else {k: v for k, v in scaling.items() if k not in drop}
@@ -93,8 +95,10 @@ class DecoderConfig(PretrainedConfig):
     Subclass it, narrow `architecture` with a Literal, and set the family's defaults.
     """
 
-    hidden_act: str = "silu"
-    position_embedding_type: str = "rope_gpt_neox"
+    hidden_act: str = Field("silu", description="MLP activation (silu, gelu, gelu_new, relu, ...).")
+    position_embedding_type: str = Field(
+        "rope_gpt_neox", description="rope_gpt_neox / rope_gptj (rotary halves / pairs), alibi, learned_absolute, "
+                                     "chatglm (2D rotary).")
     rotary_base: float = Field(10000.0, description="RoPE theta (HF rope_theta).")
     rotary_scaling: dict | None = Field(None, description="HF rope scaling: linear or llama3 (None: default).")
     rotary_pct: float = Field(1.0, gt=0.0, le=1.0, description="Fraction of each head's dims rotated.")
@@ -128,6 +132,21 @@ class WindowFields(DecoderConfig):
         return self
 
 
+class MoEFields(WindowFields):
+    """WindowFields + a routed mixture of experts in every layer; intermediate_size is the FFN dim
+    of one expert."""
+
+    num_local_experts: int = Field(8, ge=1, description="Routed experts per MoE layer (E).")
+    num_experts_per_tok: int = Field(2, ge=1, description="Experts each token is routed to (top-k).")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> MoEFields:
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} > num_local_experts "
+                             f"{self.num_local_experts}")
+        return self
+
+
 def window_layer_types(window: Callable[[dict], int | None],
                        windowed: Callable[[int, dict], bool]) -> Callable[[dict], list[str] | None]:
     """A reader of HF layer_types for WindowFields: None when `window(hf)` is None (every layer
@@ -153,24 +172,38 @@ def refuse_unsupported(hf: dict, supported: dict[str, Any], source: str) -> None
             raise ConfigError(f"{source}: field {name!r} = {hf[name]!r} is not supported (expected {value!r})")
 
 
+def refuse_rope_kind(rope: dict[str, Any], kinds: tuple[str, ...], source: str) -> None:
+    """ConfigError when read_rope's scaling is of a kind outside `kinds` (the default rope always passes)."""
+    scaling = rope["rotary_scaling"]
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind is not None and kind not in kinds:
+        supported = ", ".join(("default", *kinds))
+        raise ConfigError(f"{source}: field 'rope_scaling': rope_type {kind!r} is not supported ({supported})")
+
+
 def hf_config_reader(
     cls: type[PretrainedConfig], defaults: dict[str, Any] | None = None,
-    unsupported: dict[str, Any] | None = None, **fields: Any,
+    unsupported: dict[str, Any] | None = None, rope_kinds: tuple[str, ...] | None = None, **fields: Any,
 ) -> Callable[..., PretrainedConfig]:
     """A `from_hf_config(hf, dtype, mapping, source=...)` for `cls`.
 
     It refuses HF fields set otherwise than `unsupported` says (HF name -> the only value
     bestiary runs, e.g. {"use_sliding_window": False}), reads the common fields and the rope
-    fields (those `cls` has), HF `attention_bias` into qkv_bias and dense_bias and `mlp_bias`
+    fields (those `cls` has; with `rope_kinds`, a rope scaling of another kind is refused), HF
+    `attention_bias` into qkv_bias and dense_bias and `mlp_bias`
     into mlp_bias, then applies `fields`: a value, or a callable `(hf) -> value`, per
     bestiary field (`qkv_bias=True`, `rotary_base=lambda hf: ...`). Validation errors are
     one-line `ConfigError`s naming `source`.
     """
     theta = (defaults or {}).get("rotary_base", 10000.0)
+    pct = (defaults or {}).get("rotary_pct", 1.0)
 
     def from_hf_config(hf: dict, dtype: str, mapping: Mapping, source: str = "config.json") -> PretrainedConfig:
         refuse_unsupported(hf, unsupported or {}, source)
-        data = read_common(hf, defaults, source) | read_rope(hf, theta)
+        rope = read_rope(hf, theta, pct)
+        if rope_kinds is not None:
+            refuse_rope_kind(rope, rope_kinds, source)
+        data = read_common(hf, defaults, source) | rope
         bias = bool(hf.get("attention_bias", False))
         data |= {"qkv_bias": bias, "dense_bias": bias, "mlp_bias": bool(hf.get("mlp_bias", False))}
         data |= {k: v(hf) if callable(v) else v for k, v in fields.items()}

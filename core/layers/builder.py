@@ -1,40 +1,81 @@
-"""The pre-norm decoder layer most families share, built from the model's config:
+"""The decoder layer every family builds from its config, in one of three layouts:
 
-    h   = x + attention(norm(x))     fused qkv (biases per config), rotary or ALiBi, GQA / MHA
-    out = h + mlp(norm(h))           SwiGLU (GatedMLP) or act(fc) proj (MLP), or the family's own (a MoE)
+    pre       h = x + attention(norm(x));   out = h + mlp(norm(h))             (LLaMA, GPT-2, BLOOM, ...)
+    post      h = norm(x + attention(x));   out = norm(h + mlp(h))             (OPT-350m)
+    parallel  out = x + attention(norm(x)) + mlp(norm'(x))   norm' = norm, or its own (two norms)   (Falcon)
+    scaled    a = norm(x); h = alpha a + attention(a); m = norm(h); out = alpha m + mlp(m)   (ChatGLM v1)
+    output    h = x + norm(attention(x));   out = h + norm(mlp(h))             (Exaone4, OLMo2)
 
-`norm` is the model's own final-norm kind (`model.make_final_norm`: RMSNorm for Mistral, Qwen2,
-Qwen2-MoE, Qwen-1, Baichuan; LayerNorm for GPT-2, BLOOM).
+attention: fused qkv (biases per config: qkv_bias, dense_bias), rotary (the config's RoPE,
+model.make_rotary) or ALiBi slopes or a family's key bias, GQA / MHA. mlp: SwiGLU (GatedMLP)
+or act(fc) proj (MLP) over (hidden_size, intermediate_size, hidden_act, mlp_bias), or the
+family's own block (a MoE). `norm` is the model's own norm kind (`model.make_final_norm`:
+`rms_norm` or `layer_norm` below, or the family's `norm=` where its final norm differs, OPT-350m's
+none), one fresh module per place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal
+
 import torch
+from bestiary.core.kernels.metadata import KeyBias
+from bestiary.core.layers.attention import PagedAttention
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
 from bestiary.core.layers.mlp import MLP, GatedMLP
-from bestiary.core.layers.norm import RMSNorm
+from bestiary.core.layers.norm import LayerNorm, RMSNorm
+from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLayer
+from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
+from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
+from bestiary.core.layers.scaled_residual_layer import ScaledResidualLayer
 from bestiary.core.layers.self_attention import SelfAttention
 from torch import nn
+
+Layout = Literal["pre", "post", "parallel", "scaled", "output"]
 
 
 def standard_layer(
     model, device, mlp: nn.Module | None = None, gated: bool = True, rotary: bool = True,
-    alibi: torch.Tensor | None = None, scale: float | None = None,
-) -> PreNormDecoderLayer:
+    alibi: torch.Tensor | None = None, key_bias: KeyBias | None = None, scale: float | None = None,
+    layout: Layout = "pre", parallel_norms: int = 1, norm: Callable[[Any, Any], nn.Module] | None = None,
+    alpha: float = 1.0, qk_norm: bool = False, attn: PagedAttention | None = None,
+) -> nn.Module:
     """The layer of `model` (a DecoderLM whose config is a core.format.hf_config.DecoderConfig).
 
     rotary: the config's RoPE (model.make_rotary()); alibi: this rank's slopes [H_local] instead;
-    scale: the attention score scale (default 1/sqrt(head_size)). mlp: the feed-forward block, default
-    GatedMLP (gated) or MLP over (hidden, intermediate, act, mlp_bias)."""
+    key_bias: a family's own additive key bias (a callable k_pos [L] -> [H_local, L], e.g. Falcon's
+    bf16-rounded ALiBi); scale: the attention score scale (default 1/sqrt(head_size)). mlp: the
+    feed-forward block, default GatedMLP (gated) or MLP. layout: see the module doc;
+    parallel_norms: 1 (the MLP reads the attention's norm) or 2 (its own); alpha: the residual scale of
+    the scaled layout; qk_norm: an RMSNorm over each q and k head before rotary (Exaone4); attn: the
+    family's own attention op instead of PagedAttention (Qwen's logn scaling). norm: `(model, device) ->
+    module` of the layer norms (default: the model's final norm kind, model.make_final_norm)."""
     c, place = model.config, model.placement(device)
+    head_norm = partial(RMSNorm, eps=c.norm_epsilon, dtype=model.dtype, device=device) if qk_norm else None
     attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
                               qkv_bias=c.qkv_bias, dense_bias=c.dense_bias, scale=scale,
-                              rotary=model.make_rotary() if rotary else None, alibi=alibi, **place)
+                              rotary=model.make_rotary() if rotary else None, alibi=alibi, key_bias=key_bias,
+                              qk_norm=head_norm, attn=attn, **place)
     if mlp is None:
         mlp = (GatedMLP if gated else MLP)(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, **place)
-    return PreNormDecoderLayer(model.make_final_norm(device), attention, model.make_final_norm(device), mlp)
+    make = (lambda: norm(model, device)) if norm else (lambda: model.make_final_norm(device))
+    if layout == "parallel":
+        return ParallelDecoderLayer(make(), attention, mlp, make() if parallel_norms == 2 else None)
+    if layout == "output":
+        return OutputNormDecoderLayer(attention, make(), mlp, make())
+    if layout == "scaled":
+        return ScaledResidualLayer(make(), attention, make(), mlp, alpha)
+    layer = PreNormDecoderLayer if layout == "pre" else PostNormDecoderLayer
+    return layer(make(), attention, make(), mlp)
 
 
 def rms_norm(model, device) -> RMSNorm:
     """RMSNorm over hidden_size with the config's norm_epsilon, in the model's dtype."""
     return RMSNorm(model.config.hidden_size, model.config.norm_epsilon, model.dtype, device)
+
+
+def layer_norm(model, device) -> LayerNorm:
+    """LayerNorm (weight and bias) over hidden_size with the config's norm_epsilon, in the model's dtype."""
+    return LayerNorm(model.config.hidden_size, model.config.norm_epsilon, bias=True, dtype=model.dtype, device=device)

@@ -75,6 +75,7 @@ class SelfAttention(nn.Module):
         dtype: torch.dtype = torch.float32,
         device=None,
         qk_norm: Callable[[int], nn.Module] | None = None,
+        attn: PagedAttention | None = None,
     ) -> None:
         super().__init__()
         kv_heads = kv_heads_of_rank(num_heads, num_kv_heads, tp_size, tp_rank)
@@ -86,7 +87,7 @@ class SelfAttention(nn.Module):
         self.dense = Linear(num_heads * head_dim, hidden, bias=dense_bias, parallel=Parallel.ROW,
                             tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
         self.rotary = rotary
-        self.attn = PagedAttention(head_dim, scale, alibi, key_bias)
+        self.attn = attn or PagedAttention(head_dim, scale, alibi, key_bias)  # a family's own op (Qwen's logn)
         # QK-norm (Exaone4): a norm over each q / k head's D dims, before rotary; qk_norm(D) builds one.
         self.q_norm = qk_norm(head_dim) if qk_norm is not None else None
         self.k_norm = qk_norm(head_dim) if qk_norm is not None else None

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.kernels import dispatch
-from bestiary.core.layers import cpu_matmul
 from bestiary.core.kernels.metadata import AttentionMetadata
+from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.moe import ExpertLinear
@@ -145,15 +145,20 @@ class DecoderLM(nn.Module):
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "dtype": self.dtype, "device": device}
 
     def make_rotary(self, style: str | None = None):
-        """The Rotary of the config's `rotary_base`, `rotary_scaling`, `rotary_pct` (defaults 10000, None, 1)
-        over `head_size`; style "gptj" for position_embedding_type rope_gptj, else "neox"."""
+        """The rotary of the config's `rotary_base`, `rotary_scaling`, `rotary_pct` (defaults 10000, None, 1)
+        over `head_size`: style "gptj" for position_embedding_type rope_gptj, else "neox"; ChatGLM v1's
+        two-dimensional rotary (core.layers.rotary_2d) for position_embedding_type chatglm."""
         from bestiary.core.layers.rotary import Rotary
+        from bestiary.core.layers.rotary_2d import Rotary2D
 
         c = self.config
+        base, positions = getattr(c, "rotary_base", 10000.0), c.max_position_embeddings or 2048
+        if c.position_embedding_type == "chatglm":
+            return Rotary2D(c.head_size, base, positions)
         pct = getattr(c, "rotary_pct", 1.0)
         style = style or ("gptj" if c.position_embedding_type == "rope_gptj" else "neox")
-        return Rotary(c.head_size, int(c.head_size * pct) // 2 * 2, getattr(c, "rotary_base", 10000.0),
-                      getattr(c, "rotary_scaling", None), c.max_position_embeddings or 2048, style=style)
+        return Rotary(c.head_size, int(c.head_size * pct) // 2 * 2, base, getattr(c, "rotary_scaling", None),
+                      positions, style=style)
 
     embedding_scale: float | None = None  # x = embedding * this (e.g. sqrt(hidden_size)), when set
 

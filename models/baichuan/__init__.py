@@ -23,7 +23,7 @@ SPEC = ArchitectureSpec(
     key_map=KEY_MAP,
     postprocess={
         "*.attention.qkv.*": "bestiary.core.convert.postprocess:fused_qkv",
-        "lm_head.weight": "bestiary.models.baichuan.model:normalize_rows",
+        "lm_head.weight": "bestiary.models.baichuan.weights:normalize_rows",
     },
     description="Baichuan 1/2: 7B RoPE, 13B ALiBi, fused W_pack, Baichuan2's NormHead lm_head, RMSNorm, SwiGLU",
     supports=Supports(),  # no LoRA modules declared: no adapter test for this family yet

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
-import torch.nn.functional as F
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.alibi import rank_alibi_slopes
 from bestiary.core.layers.builder import rms_norm, standard_layer
@@ -59,8 +57,3 @@ class BaichuanForCausalLM(DecoderLM):
     def make_final_norm(self, device) -> nn.Module:
         return rms_norm(self, device)
 
-
-def normalize_rows(key: str, tensors: list[torch.Tensor], config: BaichuanConfig) -> dict[str, torch.Tensor]:
-    """Postprocess of lm_head.weight [V_r, H]: W / ||W_v||_2 per row v (F.normalize) with NormHead, else as is."""
-    (w,) = tensors
-    return {key: F.normalize(w.float(), dim=1).to(w.dtype) if config.norm_head else w}

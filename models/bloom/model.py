@@ -12,8 +12,8 @@ from typing import Literal
 
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.alibi import rank_alibi_slopes
-from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.layers.builder import standard_layer
+from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.runtime.model import DecoderLM
 from torch import nn
 

@@ -8,11 +8,12 @@ v2/3 has multi_query_group_num).
 from __future__ import annotations
 
 from bestiary.core.format.errors import ConfigError
-from bestiary.models.chatglm.config import V1_NAME, V2_NAME
 from bestiary.plugins import hookimpl
 from bestiary.registry import ArchitectureSpec, LoraTargets, Supports
 
-_HOOKS = "bestiary.models.chatglm.postprocess"
+_HOOKS = "bestiary.models.chatglm.weights"
+V1_NAME = "ChatGLMForCausalLM"
+V2_NAME = "ChatGLM2ForCausalLM"
 
 # Canonical section -> THUDM chatglm-6b section.
 V1_KEY_MAP = {
@@ -81,9 +82,9 @@ V1_SPEC = ArchitectureSpec(
     name=V1_NAME,
     hf_architectures=("ChatGLMModel", "ChatGLMForConditionalGeneration"),
     hf_model_types=("chatglm",),
-    config_class="bestiary.models.chatglm.config:ChatGLMConfig",
+    config_class="bestiary.models.chatglm.model:ChatGLMConfig",
     model_class="bestiary.models.chatglm.model:ChatGLMForCausalLM",
-    from_hf_config="bestiary.models.chatglm.config:from_hf_config_v1",
+    from_hf_config="bestiary.models.chatglm.model:from_hf_config_v1",
     key_map=V1_KEY_MAP,
     postprocess={"*.attention.qkv.*": f"{_HOOKS}:qkv_per_head"},
     ignored_source_keys=("transformer.layers.*.attention.rotary_emb.inv_freq",),
@@ -96,9 +97,9 @@ V2_SPEC = ArchitectureSpec(
     name=V2_NAME,
     hf_architectures=("ChatGLMModel", "ChatGLMForConditionalGeneration", "GlmForCausalLM"),
     hf_model_types=("chatglm", "glm"),
-    config_class="bestiary.models.chatglm.config:ChatGLM2Config",
+    config_class="bestiary.models.chatglm.model:ChatGLM2Config",
     model_class="bestiary.models.chatglm.model:ChatGLM2ForCausalLM",
-    from_hf_config="bestiary.models.chatglm.config:from_hf_config_v2",
+    from_hf_config="bestiary.models.chatglm.model:from_hf_config_v2",
     key_map=V2_KEY_MAP,
     source_key_maps={"glm": GLM_HF_KEY_MAP},
     postprocess={

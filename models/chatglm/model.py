@@ -1,31 +1,132 @@
-"""ChatGLM v1 and v2/3 models, composed from core layers.
+"""ChatGLM's configs and models, v1 and v2/3, from the shared layer (core.layers.builder).
 
-v2/3 (and HF glm): the pre-norm block of LLaMA with RMSNorm, SwiGLU, GQA and
-interleaved (gptj-style) rotary on the first rotary_pct of each head.
+v2/3 (chatglm2/3-6b, HF glm / GLM-4): LLaMA's pre-norm block with a partial interleaved rotary:
+    h   = x + dense(attention(q, k, v of RMSNorm(x)))   gptj RoPE on the first rotary_pct of each head, GQA
+    out = h + dense_4h_to_h(silu(gate(RMSNorm(h))) * up(RMSNorm(h)))     gate, up: halves of dense_h_to_4h
+    logits = output_layer(RMSNorm(x))
 
-v1 (chatglm-6b), per layer l of L, alpha = sqrt(2 L):
+v1 (chatglm-6b), per layer l of L, alpha = sqrt(2 L) (the scaled layout):
     a = LN_in(x);   h = a * alpha + attention(a)
-    m = LN_post(h); y = m * alpha + mlp(m)          (mlp = dense_4h_to_h(gelu_tanh(dense_h_to_4h)))
+    m = LN_post(h); y = m * alpha + dense_4h_to_h(gelu_tanh(dense_h_to_4h(m)))
 with 2D rotary positions and a prefix-LM mask (see `glm_positions`). THUDM scales the
 scores by 1/(sqrt(D) (l+1)) and multiplies them back by (l+1) before the softmax: the
 same softmax(q k^T / sqrt(D)), so attention here uses the plain scale.
+
+Config readers use the defaults of the config class that wrote the file: THUDM's remote
+`configuration_chatglm.py` (v1: chatglm-6b, v2/3: chatglm2-6b / chatglm3-6b) and
+transformers' `GlmConfig` (model_type "glm").
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
-from bestiary.core.layers.attention import AttentionMetadata
-from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
-from bestiary.core.layers.mlp import MLP, GatedMLP
-from bestiary.core.layers.norm import LayerNorm, RMSNorm
-from bestiary.core.layers.rotary import Rotary
-from bestiary.core.layers.rotary_2d import Rotary2D
-from bestiary.core.layers.self_attention import SelfAttention
+from bestiary.core.format.config import Mapping
+from bestiary.core.format.hf_config import DecoderConfig, first_present, hf_config_reader
+from bestiary.core.layers.builder import layer_norm, rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from bestiary.models.chatglm.config import ChatGLM2Config, ChatGLMConfig
+from pydantic import Field, model_validator
 from torch import nn
+
+
+class ChatGLMConfig(DecoderConfig):
+    """ChatGLM v1 (chatglm-6b): scaled post-norm residuals, GELU, 2D rotary, prefix-LM mask, biases everywhere."""
+
+    architecture: Literal["ChatGLMForCausalLM"] = "ChatGLMForCausalLM"
+    hidden_act: str = "gelu_new"
+    position_embedding_type: Literal["chatglm"] = "chatglm"
+    qkv_bias: bool = True
+    dense_bias: bool = True
+    mlp_bias: bool = True
+    bos_token_id: int = Field(
+        150004, description="Token that ends the bidirectional context; the generated span starts with it."
+    )
+    mask_token_id: int = Field(150000, description="[MASK]: the span position when no [gMASK] is in the context.")
+    gmask_token_id: int = Field(150001, description="[gMASK]: the generated span takes its position.")
+
+
+class ChatGLM2Config(DecoderConfig):
+    """ChatGLM2/3 and GLM-4 (HF `glm`): RMSNorm, SwiGLU, GQA, interleaved rotary on part of each head."""
+
+    architecture: Literal["ChatGLM2ForCausalLM"] = "ChatGLM2ForCausalLM"
+    position_embedding_type: Literal["rope_gptj"] = "rope_gptj"
+    rotary_pct: float = Field(0.5, gt=0.0, le=1.0, description="Fraction of head dims rotated (partial_rotary_factor).")
+    qkv_bias: bool = True
+    multi_query_attention: bool = Field(
+        True,
+        description="THUDM layout of a fused query_key_value source: [Q; K; V] (true) or [q, k, v] per head "
+        "(false, which also means num_key_value_heads == num_attention_heads).",
+    )
+
+    @model_validator(mode="after")
+    def _check_rotary(self) -> ChatGLM2Config:
+        if int(self.head_size * self.rotary_pct) % 2 or self.rotary_dim == 0:
+            raise ValueError(
+                f"head_size {self.head_size} * rotary_pct {self.rotary_pct} must be a positive even number"
+            )
+        if not self.multi_query_attention and self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError("multi_query_attention false needs num_key_value_heads == num_attention_heads")
+        return self
+
+
+# THUDM options with no bestiary counterpart: quantized checkpoints and P-tuning prefixes.
+THUDM_UNSUPPORTED = {"quantization_bit": 0, "pre_seq_len": None}
+
+from_hf_config_v1 = hf_config_reader(
+    ChatGLMConfig, unsupported={**THUDM_UNSUPPORTED, "position_encoding_2d": True}, rope_kinds=(),
+    defaults=dict(vocab_size=150528, hidden_size=4096, num_hidden_layers=28, num_attention_heads=32,
+                  intermediate_size=16384, max_position_embeddings=2048, norm_epsilon=1e-5, hidden_act="gelu_new"),
+    intermediate_size=lambda hf: hf.get("inner_hidden_size", 16384), hidden_act="gelu_new",
+    qkv_bias=True, dense_bias=True, mlp_bias=True, bos_token_id=lambda hf: hf.get("bos_token_id", 150004),
+    mask_token_id=lambda hf: hf.get("mask_token_id", 150000),
+    gmask_token_id=lambda hf: hf.get("gmask_token_id", 150001))
+
+
+def thudm_kv_heads(hf: dict) -> int:
+    """multi_query_group_num (default 1) with multi_query_attention, else one per query head."""
+    heads = hf.get("num_attention_heads", 32)
+    return hf.get("multi_query_group_num", 1) if hf.get("multi_query_attention") else heads
+
+
+def thudm_linear_bias(hf: dict) -> bool:
+    """THUDM add_bias_linear: a bias on attention dense and the MLP (and on qkv)."""
+    return bool(hf.get("add_bias_linear", False))
+
+
+thudm_v2 = hf_config_reader(
+    ChatGLM2Config, rope_kinds=(),
+    unsupported={**THUDM_UNSUPPORTED, "rmsnorm": True, "post_layer_norm": True,
+                 "apply_residual_connection_post_layernorm": False},
+    defaults=dict(vocab_size=65024, hidden_size=4096, num_hidden_layers=28, num_attention_heads=32, head_size=128,
+                  intermediate_size=13696, max_position_embeddings=2048, norm_epsilon=1e-5, rotary_pct=0.5),
+    vocab_size=lambda hf: hf.get("padded_vocab_size", 65024), num_key_value_heads=thudm_kv_heads,
+    rotary_base=lambda hf: 10000.0 * float(hf.get("rope_ratio", 1)),
+    rotary_pct=0.5, qkv_bias=lambda hf: thudm_linear_bias(hf) or bool(hf.get("add_qkv_bias", False)),
+    dense_bias=thudm_linear_bias, mlp_bias=thudm_linear_bias,
+    multi_query_attention=lambda hf: bool(hf.get("multi_query_attention", False)),
+    tie_word_embeddings=False)  # THUDM's output_layer is never tied to the embedding
+
+
+def glm_head_size(hf: dict) -> int:
+    """HF head_dim: absent -> GlmConfig's 128, null -> hidden_size / heads."""
+    head_dim = hf.get("head_dim", 128)
+    return head_dim or first_present(hf, ("hidden_size",)) // first_present(hf, ("num_attention_heads",))
+
+
+hf_glm = hf_config_reader(
+    ChatGLM2Config, rope_kinds=(),
+    defaults=dict(vocab_size=151552, hidden_size=4096, num_hidden_layers=40, num_attention_heads=32,
+                  num_key_value_heads=2, intermediate_size=13696, max_position_embeddings=131072,
+                  norm_epsilon=1.5625e-07, rotary_pct=0.5),
+    head_size=glm_head_size, qkv_bias=lambda hf: bool(hf.get("attention_bias", True)), dense_bias=False,
+    mlp_bias=False, multi_query_attention=True)
+
+
+def from_hf_config_v2(hf: dict, dtype: str, mapping: Mapping, source: str = "config.json") -> ChatGLM2Config:
+    """ChatGLM2Config from a THUDM chatglm2/3 config.json or a transformers `glm` one."""
+    return (hf_glm if hf.get("model_type") == "glm" else thudm_v2)(hf, dtype, mapping, source)
 
 
 class ChatGLM2ForCausalLM(DecoderLM):
@@ -34,36 +135,10 @@ class ChatGLM2ForCausalLM(DecoderLM):
     config: ChatGLM2Config
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
-        c = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
-        rotary = Rotary(
-            c.head_size, c.rotary_dim, c.rotary_base, None, c.max_position_embeddings or 2048, style="gptj"
-        )
-        attention = SelfAttention(
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_size,
-            qkv_bias=c.qkv_bias,
-            dense_bias=c.linear_bias,
-            rotary=rotary,
-            dtype=self.dtype,
-            device=device,
-            **tp,
-        )
-        mlp = GatedMLP(
-            c.hidden_size,
-            c.intermediate_size,
-            c.hidden_act,
-            c.linear_bias,
-            dtype=self.dtype,
-            device=device,
-            **tp,
-        )
-        return PreNormDecoderLayer(self.make_final_norm(device), attention, self.make_final_norm(device), mlp)
+        return standard_layer(self, device)
 
     def make_final_norm(self, device) -> nn.Module:
-        return RMSNorm(self.config.hidden_size, self.config.norm_epsilon, self.dtype, device)
+        return rms_norm(self, device)
 
 
 def glm_positions(tokens: list[int], bos: int, mask: int, gmask: int) -> tuple[int, int]:
@@ -84,38 +159,6 @@ def glm_positions(tokens: list[int], bos: int, mask: int, gmask: int) -> tuple[i
     return ctx, ctx
 
 
-class ScaledResidualLayer(nn.Module):
-    """ChatGLM v1 block: residuals taken after the norm and scaled by alpha.
-
-    a = input_layernorm(x);  h = a * alpha + attention(a)
-    m = post_layernorm(h);   y = m * alpha + mlp(m)
-    """
-
-    def __init__(
-        self,
-        input_layernorm: nn.Module,
-        attention: nn.Module,
-        post_layernorm: nn.Module,
-        mlp: nn.Module,
-        alpha: float,
-    ) -> None:
-        super().__init__()
-        self.input_layernorm = input_layernorm
-        self.attention = attention
-        self.post_layernorm = post_layernorm
-        self.mlp = mlp
-        self.alpha = alpha
-
-    def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor
-    ) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        a = self.input_layernorm(x)
-        h = torch.add(self.attention(a, meta, k_pool, v_pool), a, alpha=self.alpha)
-        m = self.post_layernorm(h)
-        return torch.add(self.mlp(m, meta.lora), m, alpha=self.alpha)
-
-
 class ChatGLMForCausalLM(DecoderLM):
     """ChatGLM v1 (chatglm-6b): 2D rotary, prefix-LM mask, scaled post-norm residuals, GELU MLP."""
 
@@ -123,31 +166,11 @@ class ChatGLMForCausalLM(DecoderLM):
     mask_kind = "prefix_lm"
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
-        c = self.config
-        tp = {"tp_rank": self.tp_rank, "tp_size": self.tp_size}
-        rotary = Rotary2D(c.head_size, c.rotary_base, c.max_position_embeddings or 2048)
-        attention = SelfAttention(
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_size,
-            qkv_bias=True,
-            dense_bias=True,
-            rotary=rotary,
-            dtype=self.dtype,
-            device=device,
-            **tp,
-        )
-        mlp = MLP(
-            c.hidden_size, c.intermediate_size, c.hidden_act, True, dtype=self.dtype, device=device, **tp
-        )
-        alpha = math.sqrt(2 * c.num_hidden_layers)
-        return ScaledResidualLayer(
-            self.make_final_norm(device), attention, self.make_final_norm(device), mlp, alpha
-        )
+        alpha = math.sqrt(2 * self.config.num_hidden_layers)
+        return standard_layer(self, device, gated=False, layout="scaled", alpha=alpha)
 
     def make_final_norm(self, device) -> nn.Module:
-        return LayerNorm(self.config.hidden_size, self.config.norm_epsilon, True, self.dtype, device)
+        return layer_norm(self, device)
 
     def _context(self, tokens: list[int]) -> tuple[int, int]:
         c = self.config

@@ -11,7 +11,6 @@ and layer_types: core.kernels.attention_window); sequences are not capped at it.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Literal
 
 from bestiary.core.format.hf_config import (
@@ -20,10 +19,7 @@ from bestiary.core.format.hf_config import (
     hf_config_reader,
     window_layer_types,
 )
-from bestiary.core.layers.mlp import GatedMLP
-from bestiary.core.layers.norm import RMSNorm
-from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLayer
-from bestiary.core.layers.self_attention import SelfAttention
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 from torch import nn
 
@@ -65,13 +61,7 @@ class Exaone4ForCausalLM(DecoderLM):
     config: Exaone4Config
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
-        c, place = self.config, self.placement(device)
-        qk_norm = partial(RMSNorm, eps=c.norm_epsilon, dtype=self.dtype, device=device)
-        attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
-                                  rotary=self.make_rotary() if c.uses_rope(layer_idx) else None, qk_norm=qk_norm,
-                                  **place)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, False, **place)
-        return OutputNormDecoderLayer(attention, self.make_final_norm(device), mlp, self.make_final_norm(device))
+        return standard_layer(self, device, rotary=self.config.uses_rope(layer_idx), qk_norm=True, layout="output")
 
     def make_final_norm(self, device) -> nn.Module:
-        return RMSNorm(self.config.hidden_size, self.config.norm_epsilon, self.dtype, device)
+        return rms_norm(self, device)

@@ -1,28 +1,96 @@
-"""Falcon: parallel (or sequential) attention + GELU MLP, LayerNorm, MQA/GQA, RoPE or ALiBi.
+"""Falcon's config and model: parallel (or sequential) attention + GELU MLP, LayerNorm, MQA/GQA, RoPE or ALiBi.
 
-    classic, parallel (7B)      out = x + attn(ln(x)) + mlp(ln(x))
-    new decoder (40B/180B)      out = x + attn(ln_attn(x)) + mlp(ln_mlp(x))    (or one norm)
-    classic, sequential (RW-1B) h = x + attn(ln(x)); out = h + mlp(ln'(h))
+    x   = word_embeddings(ids)
+    classic, parallel (7B)      out = x + attn(LN(x)) + mlp(LN(x))
+    new decoder (40B/180B)      out = x + attn(LN_attn(x)) + mlp(LN_mlp(x))    (or one norm)
+    classic, sequential (RW-1B) h = x + attn(LN(x)); out = h + mlp(LN'(h))
+    mlp(y) = dense_4h_to_h(gelu(dense_h_to_4h(y)))      biases on every linear with HF `bias`
+    logits = lm_head(LN_f(x))                            tied to word_embeddings
 
-ALiBi (alibi_with_scale) adds bias_h(j) = slope_h * j / sqrt(D) for key position j, with
-HF's bfloat16 rounding reproduced (see `FalconAlibi`).
+attn: neox RoPE (linear scaling only), or ALiBi (alibi_with_scale) adding
+bias_h(j) = slope_h * j / sqrt(D) for key position j, with HF's bfloat16 rounding reproduced
+(see `FalconAlibi`). kv heads: 1 (classic multi-query), the group count (new decoder), or all.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
+from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.attention import alibi_slopes
-from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
-from bestiary.core.layers.mlp import MLP
-from bestiary.core.layers.norm import LayerNorm
-from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
-from bestiary.core.layers.rotary import Rotary
-from bestiary.core.layers.self_attention import SelfAttention
+from bestiary.core.layers.builder import layer_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from bestiary.models.falcon.config import FalconConfig
+from pydantic import Field, model_validator
 from torch import nn
+
+# HF FalconConfig's defaults (falcon-7b) by bestiary field, where config.json omits a field.
+HF_DEFAULTS = dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
+                   max_position_embeddings=2048, norm_epsilon=1e-5, hidden_act="gelu", tie_word_embeddings=True)
+
+
+class FalconConfig(DecoderConfig):
+    """DecoderConfig + Falcon's layer layout and ALiBi switch.
+
+    num_key_value_heads: 1 for classic multi-query (7B), the kv group count for the new
+    decoder architecture (40B: 8), num_attention_heads for classic multi-head (RW-1B).
+    """
+
+    architecture: Literal["FalconForCausalLM"] = "FalconForCausalLM"
+    hidden_act: str = "gelu"
+    position_embedding_type: Literal["rope_gpt_neox", "alibi_with_scale"] = "rope_gpt_neox"
+    tie_word_embeddings: bool = True
+    new_decoder_architecture: bool = Field(
+        False, description="Falcon-40B/180B layout: grouped kv heads, qkv interleaved per group, parallel."
+    )
+    parallel_attention: bool = Field(
+        True, description="out = x + attn(ln(x)) + mlp(ln'(x)) instead of sequential attention, MLP."
+    )
+    num_ln_in_parallel_attn: Literal[1, 2] = Field(
+        1, description="Norms of a parallel layer: 1 (input_layernorm) or 2 (input_layernorm, mlp_layernorm)."
+    )
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> FalconConfig:
+        if self.new_decoder_architecture and not self.parallel_attention:
+            raise ValueError("new_decoder_architecture requires parallel_attention")
+        if self.num_ln_in_parallel_attn == 2 and not self.new_decoder_architecture:
+            raise ValueError("num_ln_in_parallel_attn 2 requires new_decoder_architecture")
+        return self
+
+    @property
+    def alibi(self) -> bool:
+        """ALiBi instead of rotary (falcon-rw-1b)."""
+        return self.position_embedding_type == "alibi_with_scale"
+
+
+def new_decoder(hf: dict) -> bool:
+    """The 40B/180B layout: HF new_decoder_architecture, or model_type RefinedWeb (the original 40B code;
+    RefinedWebModel is the original 7B code, the classic layout)."""
+    return bool(hf.get("new_decoder_architecture", False)) or hf.get("model_type") == "RefinedWeb"
+
+
+def kv_heads(hf: dict) -> int:
+    """kv heads as HF's FalconAttention uses them (classic: 1 with multi_query, else all heads)."""
+    heads = hf.get("num_attention_heads") or hf.get("n_head") or HF_DEFAULTS["num_attention_heads"]
+    if new_decoder(hf):
+        return hf.get("num_kv_heads") or hf.get("n_head_kv") or heads
+    return 1 if hf.get("multi_query", True) else heads
+
+
+def biases(hf: dict) -> bool:
+    """HF bias: a bias on every linear."""
+    return bool(hf.get("bias", False))
+
+
+from_hf_config = hf_config_reader(
+    FalconConfig, defaults=HF_DEFAULTS, unsupported={"apply_residual_connection_post_layernorm": False},
+    rope_kinds=("linear",), num_key_value_heads=kv_heads, qkv_bias=biases, dense_bias=biases, mlp_bias=biases,
+    position_embedding_type=lambda hf: "alibi_with_scale" if hf.get("alibi", False) else "rope_gpt_neox",
+    new_decoder_architecture=new_decoder,
+    parallel_attention=lambda hf: new_decoder(hf) or bool(hf.get("parallel_attn", True)),
+    num_ln_in_parallel_attn=lambda hf: (hf.get("num_ln_in_parallel_attn") or 2) if new_decoder(hf) else 1)
 
 
 class FalconAlibi:
@@ -67,26 +135,13 @@ class FalconForCausalLM(DecoderLM):
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
         c = self.config
-        tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size)
-        rotary = None if c.alibi else Rotary(c.head_size, c.head_size, c.rotary_base, c.rotary_scaling,
-                                             c.max_position_embeddings or 2048, style="neox")
-        attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
-                                  qkv_bias=c.bias, dense_bias=c.bias, rotary=rotary,
-                                  key_bias=self._alibi() if c.alibi else None,
-                                  dtype=self.dtype, device=device, **tp)
-        mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.bias, dtype=self.dtype, device=device,
-                  **tp)
-        if not c.parallel_attention:
-            return PreNormDecoderLayer(self._layer_norm(device), attention, self._layer_norm(device), mlp)
-        mlp_norm = self._layer_norm(device) if c.num_ln_in_parallel_attn == 2 else None
-        return ParallelDecoderLayer(self._layer_norm(device), attention, mlp, mlp_norm)
+        layout = "parallel" if c.parallel_attention else "pre"
+        alibi = self._alibi() if c.alibi else None
+        return standard_layer(self, device, gated=False, rotary=alibi is None, key_bias=alibi, layout=layout,
+                              parallel_norms=c.num_ln_in_parallel_attn)
 
     def make_final_norm(self, device) -> nn.Module:
-        return self._layer_norm(device)
-
-    def _layer_norm(self, device) -> LayerNorm:
-        c = self.config
-        return LayerNorm(c.hidden_size, c.norm_epsilon, bias=True, dtype=self.dtype, device=device)
+        return layer_norm(self, device)
 
     def _alibi(self) -> FalconAlibi:
         """The ALiBi bias of this rank's heads, shared by every layer."""

@@ -1,4 +1,9 @@
-"""The LLaMA architecture plugin, registered through the `bestiary.architectures` entry point."""
+"""The LLaMA architecture plugin, registered through the `bestiary.architectures` entry point.
+
+Mistral is an alias (vLLM's registry style): HF MistralForCausalLM checkpoints use LLaMA's tensor
+names and layers, plus a sliding window (models.llama.model), so this spec claims them too and
+converts them to LlamaForCausalLM checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -16,15 +21,15 @@ LORA = LoraTargets({
 
 SPEC = ArchitectureSpec(
     name="LlamaForCausalLM",
-    hf_architectures=("LlamaForCausalLM",),
-    hf_model_types=("llama",),
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+    hf_model_types=("llama", "mistral"),
     gguf_architectures=("llama",),
-    config_class="bestiary.models.llama.config:LlamaConfig",
+    config_class="bestiary.models.llama.model:LlamaConfig",
     model_class="bestiary.models.llama.model:LlamaForCausalLM",
-    from_hf_config="bestiary.models.llama.config:from_hf_config",
+    from_hf_config="bestiary.models.llama.model:from_hf_config",
     key_map=KEY_MAP,
     postprocess={"*.attention.qkv.*": "bestiary.core.convert.postprocess:concat_dim0"},
-    description="LLaMA 1/2/3, SmolLM: RMSNorm, RoPE (linear/llama3 scaling), GQA, SwiGLU",
+    description="LLaMA 1/2/3, SmolLM, Mistral: RMSNorm, RoPE (linear/llama3 scaling), GQA, SwiGLU, sliding window",
     supports=Supports(lora_modules=LORA.modules),
     lora=LORA,
 )

@@ -33,9 +33,9 @@ SPEC = ArchitectureSpec(
     name="MixtralForCausalLM",
     hf_architectures=("MixtralForCausalLM",),
     hf_model_types=("mixtral",),
-    config_class="bestiary.models.mixtral.config:MixtralConfig",
+    config_class="bestiary.models.mixtral.model:MixtralConfig",
     model_class="bestiary.models.mixtral.model:MixtralForCausalLM",
-    from_hf_config="bestiary.models.mixtral.config:from_hf_config",
+    from_hf_config="bestiary.models.mixtral.model:from_hf_config",
     key_map=KEY_MAP,
     postprocess={
         "*.attention.qkv.*": "bestiary.core.convert.postprocess:concat_dim0",

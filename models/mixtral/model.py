@@ -1,15 +1,46 @@
-"""Mixtral: LLaMA's attention block (RMSNorm, neox RoPE, GQA) with a sparse MoE as the MLP."""
+"""Mixtral's config and model: LLaMA's attention block with a sparse mixture of experts as the MLP.
+
+    h   = x + o(attention(q, k, v of RMSNorm(x)))        neox RoPE, GQA, optional sliding window
+    y   = RMSNorm(h);  p = softmax(router(y))             p over the E experts
+    out = h + sum_{e in top_k(p)} p_e / (sum_{top k} p) * down_e(silu(gate_e(y)) * up_e(y))
+    logits = lm_head(RMSNorm(x))
+
+TP splits every expert along its FFN dim; EP places whole experts per rank (core.layers.moe.MoE).
+`sliding_window` W: every layer attends to the last W keys, its own included.
+"""
 
 from __future__ import annotations
 
-from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
+from typing import Literal
+
+from bestiary.core.format.hf_config import MoEFields, hf_config_reader
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.layers.moe import MoE
-from bestiary.core.layers.norm import RMSNorm
-from bestiary.core.layers.rotary import Rotary
-from bestiary.core.layers.self_attention import SelfAttention
 from bestiary.core.runtime.model import DecoderLM
-from bestiary.models.mixtral.config import MixtralConfig
 from torch import nn
+
+# HF MixtralConfig's defaults (Mixtral-8x7B) by bestiary field, where config.json omits a field.
+HF_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, max_position_embeddings=4096 * 32, norm_epsilon=1e-5, rotary_base=1e6)
+
+
+class MixtralConfig(MoEFields):
+    """DecoderConfig + Mixtral's experts (E 8, top-2) and attention window."""
+
+    architecture: Literal["MixtralForCausalLM"] = "MixtralForCausalLM"
+    rotary_base: float = 1e6
+
+
+def kv_heads(hf: dict) -> int:
+    """HF num_key_value_heads: absent -> MixtralConfig's 8, null -> one per query head."""
+    return hf.get("num_key_value_heads", 8) or hf.get("num_attention_heads", HF_DEFAULTS["num_attention_heads"])
+
+
+from_hf_config = hf_config_reader(
+    MixtralConfig, defaults=HF_DEFAULTS, num_key_value_heads=kv_heads,
+    num_local_experts=lambda hf: hf.get("num_local_experts") or 8,
+    num_experts_per_tok=lambda hf: hf.get("num_experts_per_tok") or 2,
+    sliding_window=lambda hf: hf.get("sliding_window"))
 
 
 class MixtralForCausalLM(DecoderLM):
@@ -19,14 +50,9 @@ class MixtralForCausalLM(DecoderLM):
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
         c = self.config
-        tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size, dtype=self.dtype, device=device)
-        rotary = Rotary(c.head_size, c.head_size, c.rotary_base, c.rotary_scaling,
-                        c.max_position_embeddings or 2048, style="neox")
-        attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
-                                  rotary=rotary, **tp)
-        moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
-                  c.hidden_act, **tp, ep_size=c.mapping.moe_ep_size)
-        return PreNormDecoderLayer(self.make_final_norm(device), attention, self.make_final_norm(device), moe)
+        moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok, c.hidden_act,
+                  ep_size=c.mapping.moe_ep_size, **self.placement(device))
+        return standard_layer(self, device, mlp=moe)
 
     def make_final_norm(self, device) -> nn.Module:
-        return RMSNorm(self.config.hidden_size, self.config.norm_epsilon, self.dtype, device)
+        return rms_norm(self, device)

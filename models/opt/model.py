@@ -1,8 +1,9 @@
-"""OPT: learned positions, LayerNorm pre- or post-norm layers, MHA with biases, ReLU MLP.
+"""OPT's config and model: learned positions, LayerNorm pre- or post-norm layers, MHA with biases, ReLU MLP.
 
-    x   = project_in(vocab_embedding(ids)) + position_embedding(positions)   # project_in: P -> H
-    x   = layers(x)                       # PreNormDecoderLayer or PostNormDecoderLayer
-    out = lm_head(project_out(ln_f(x)))   # ln_f: pre-norm models only; project_out: H -> P
+    x   = project_in(vocab_embedding(ids)) + position_embedding(positions + 2)   # project_in: P -> H
+    pre-norm:   h = x + attention(LN(x));   out = h + fc2(relu(fc1(LN(h))))
+    post-norm:  h = LN(x + attention(x));   out = LN(h + fc2(relu(fc1(h))))      (OPT-350m)
+    logits = lm_head(project_out(ln_f(x)))    # ln_f: pre-norm models only; project_out: H -> P
 
 P = word_embed_proj_dim (the token embedding / lm_head width), H = hidden_size; the
 projections exist only when P != H (OPT-350m).
@@ -10,16 +11,66 @@ projections exist only when P != H (OPT-350m).
 
 from __future__ import annotations
 
-from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
+from typing import Literal
+
+from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
+from bestiary.core.layers.builder import layer_norm, standard_layer
 from bestiary.core.layers.linear import Linear
-from bestiary.core.layers.mlp import MLP
-from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.layers.position_embedding import LearnedPositionEmbedding
-from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
-from bestiary.core.layers.self_attention import SelfAttention
 from bestiary.core.runtime.model import DecoderLM
-from bestiary.models.opt.config import OPTConfig
+from pydantic import Field, model_validator
 from torch import nn
+
+# HF OPTConfig's defaults (opt-125m) by bestiary field; OPT has no norm epsilon field (torch's 1e-5).
+HF_DEFAULTS = dict(vocab_size=50272, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                   intermediate_size=3072, max_position_embeddings=2048, hidden_act="relu", norm_epsilon=1e-5,
+                   tie_word_embeddings=True)
+
+
+class OPTConfig(DecoderConfig):
+    """DecoderConfig + OPT's norm placement, embedding projection and position offset; biases on every linear."""
+
+    architecture: Literal["OPTForCausalLM"] = "OPTForCausalLM"
+    hidden_act: str = "relu"
+    position_embedding_type: Literal["learned_absolute"] = "learned_absolute"
+    qkv_bias: bool = True
+    dense_bias: bool = True
+    mlp_bias: bool = True
+    tie_word_embeddings: bool = True
+    do_layer_norm_before: bool = Field(
+        True, description="Pre-norm layers (true) or post-norm layers without a final norm (false, OPT-350m)."
+    )
+    word_embed_proj_dim: int | None = Field(
+        None, ge=1, description="Width of the token embedding / lm_head; project_in/out when != hidden_size."
+    )
+    position_offset: int = Field(2, ge=0, description="Row of the learned position table position 0 reads.")
+    remove_final_layer_norm: bool = Field(
+        False, description="HF _remove_final_layer_norm: no ln_f even for a pre-norm model."
+    )
+
+    @model_validator(mode="after")
+    def _derive_proj_dim(self) -> OPTConfig:
+        if self.word_embed_proj_dim is None:
+            object.__setattr__(self, "word_embed_proj_dim", self.hidden_size)
+        return self
+
+    @property
+    def has_final_norm(self) -> bool:
+        """HF builds decoder.final_layer_norm only for pre-norm models that keep it."""
+        return self.do_layer_norm_before and not self.remove_final_layer_norm
+
+
+def biases(hf: dict) -> bool:
+    """HF enable_bias (default true): a bias on every linear."""
+    return bool(hf.get("enable_bias", True))
+
+
+from_hf_config = hf_config_reader(
+    OPTConfig, defaults=HF_DEFAULTS, unsupported={"layer_norm_elementwise_affine": True},
+    qkv_bias=biases, dense_bias=biases, mlp_bias=biases, norm_epsilon=1e-5,
+    do_layer_norm_before=lambda hf: hf.get("do_layer_norm_before", True),
+    word_embed_proj_dim=lambda hf: hf.get("word_embed_proj_dim"),
+    remove_final_layer_norm=lambda hf: hf.get("_remove_final_layer_norm", False))
 
 
 class OPTForCausalLM(DecoderLM):
@@ -50,19 +101,8 @@ class OPTForCausalLM(DecoderLM):
         return self.config.word_embed_proj_dim
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
-        c = self.config
-        tp = dict(tp_rank=self.tp_rank, tp_size=self.tp_size)
-        attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_attention_heads, c.head_size,
-                                  qkv_bias=c.enable_bias, dense_bias=c.enable_bias,
-                                  dtype=self.dtype, device=device, **tp)
-        mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.enable_bias, dtype=self.dtype,
-                  device=device, **tp)
-        layer = PreNormDecoderLayer if c.do_layer_norm_before else PostNormDecoderLayer
-        return layer(self._layer_norm(device), attention, self._layer_norm(device), mlp)
+        layout = "pre" if self.config.do_layer_norm_before else "post"
+        return standard_layer(self, device, gated=False, rotary=False, layout=layout, norm=layer_norm)
 
     def make_final_norm(self, device) -> nn.Module:
-        return self._layer_norm(device) if self.config.has_final_norm else nn.Identity()
-
-    def _layer_norm(self, device) -> LayerNorm:
-        c = self.config
-        return LayerNorm(c.hidden_size, c.norm_epsilon, bias=True, dtype=self.dtype, device=device)
+        return layer_norm(self, device) if self.config.has_final_norm else nn.Identity()

@@ -68,10 +68,8 @@ class QWenLMHeadModel(DecoderLM):
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
         c = self.config
-        layer = standard_layer(self, device)
-        if c.use_logn_attn and (c.max_position_embeddings or 0) > c.seq_length:
-            layer.attention.attn = LognPagedAttention(c.head_size, c.seq_length)
-        return layer
+        logn = c.use_logn_attn and (c.max_position_embeddings or 0) > c.seq_length
+        return standard_layer(self, device, attn=LognPagedAttention(c.head_size, c.seq_length) if logn else None)
 
     def make_final_norm(self, device) -> nn.Module:
         return rms_norm(self, device)

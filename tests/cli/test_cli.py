@@ -61,7 +61,7 @@ def test_inspect_and_list(tiny):
 
 
 # The zoo's families (issue 25), by the names their plugins register (models/*/__init__.py SPEC.name).
-ZOO_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "QWenLMHeadModel",
+ZOO_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "QWenLMHeadModel",
                      "GPT2LMHeadModel", "BloomForCausalLM", "BaichuanForCausalLM", "Exaone4ForCausalLM")
 
 
@@ -73,6 +73,8 @@ def test_list_shows_the_zoo(capsys):
     packages = {row[0]: row[1] for row in rows if row[0]}
     for name in ZOO_ARCHITECTURES:
         assert packages.get(name) == "bestiary", f"{name} is not listed: {sorted(packages)}"
+    claims = {row[0]: row[2] for row in rows if row[0]}
+    assert "MistralForCausalLM" in claims["LlamaForCausalLM"]  # an alias: LLaMA's spec claims it
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *words: str) -> None:

@@ -48,7 +48,7 @@ def test_validation_error_names_field_and_file(field, value, word):
 
 
 def test_architectures_extend_by_subclassing():
-    from bestiary.models.llama.config import LlamaConfig
+    from bestiary.models.llama.model import LlamaConfig
 
     c = LlamaConfig(**{**MINIMAL, "rotary_base": 5e5})
     assert c.rotary_base == 5e5 and c.position_embedding_type == "rope_gpt_neox"

@@ -36,7 +36,7 @@ from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.runtime.engine import Engine, validate_model_config
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
-from bestiary.models.chatglm.config import ChatGLM2Config, ChatGLMConfig, from_hf_config_v1, from_hf_config_v2
+from bestiary.models.chatglm.model import ChatGLM2Config, ChatGLMConfig, from_hf_config_v1, from_hf_config_v2
 from bestiary.plugins import hookimpl
 from bestiary.registry import Registry, default_registry
 from safetensors.torch import load_file, save_file

@@ -28,7 +28,7 @@ from bestiary.core.format.errors import BestiaryError, WeightsError  # noqa: E40
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from bestiary.models.falcon.config import FalconConfig, from_hf_config  # noqa: E402
+from bestiary.models.falcon.model import FalconConfig, from_hf_config  # noqa: E402
 from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 
 VOCAB = 96
@@ -183,7 +183,7 @@ def test_hf_defaults_and_every_field_written(case):
     ours = from_hf_config({"model_type": "falcon"}, "float32", Mapping())
     assert (ours.vocab_size, ours.hidden_size, ours.num_hidden_layers, ours.num_attention_heads) == (
         hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads)
-    assert (ours.intermediate_size, ours.norm_epsilon, ours.bias, ours.new_decoder_architecture) == (
+    assert (ours.intermediate_size, ours.norm_epsilon, ours.mlp_bias, ours.new_decoder_architecture) == (
         hf.ffn_hidden_size, hf.layer_norm_epsilon, hf.bias, hf.new_decoder_architecture)
     assert (ours.num_key_value_heads, ours.parallel_attention, ours.position_embedding_type) == (
         1, True, "rope_gpt_neox")

@@ -25,7 +25,7 @@ from bestiary.core.layers.moe import MoE  # noqa: E402
 from bestiary.core.runtime.engine import Engine, validate_model_config  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from bestiary.models.mixtral.config import MixtralConfig, from_hf_config  # noqa: E402
+from bestiary.models.mixtral.model import MixtralConfig, from_hf_config  # noqa: E402
 from bestiary.registry import default_registry  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402

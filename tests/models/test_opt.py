@@ -25,7 +25,7 @@ from bestiary.core.format.errors import WeightsError  # noqa: E402
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from bestiary.models.opt.config import OPTConfig, from_hf_config  # noqa: E402
+from bestiary.models.opt.model import OPTConfig, from_hf_config  # noqa: E402
 from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 
 VOCAB = 96
@@ -143,7 +143,7 @@ def test_hf_defaults_and_every_field_written(case):
         hf.vocab_size, hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads)
     assert (ours.intermediate_size, ours.max_position_embeddings, ours.hidden_act) == (
         hf.ffn_dim, hf.max_position_embeddings, hf.activation_function)
-    assert (ours.do_layer_norm_before, ours.enable_bias, ours.tie_word_embeddings) == (
+    assert (ours.do_layer_norm_before, ours.mlp_bias, ours.tie_word_embeddings) == (
         hf.do_layer_norm_before, hf.enable_bias, hf.tie_word_embeddings)
     assert ours.word_embed_proj_dim == hf.word_embed_proj_dim
     assert ours.position_offset == 2

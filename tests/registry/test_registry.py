@@ -19,16 +19,16 @@ def plugin(**hooks) -> types.SimpleNamespace:
 
 def spec(name: str, **kw) -> ArchitectureSpec:
     """A spec whose lazy references exist (they are checked at registration): LLaMA's code."""
-    refs = dict(config_class="bestiary.models.llama.config:LlamaConfig",
+    refs = dict(config_class="bestiary.models.llama.model:LlamaConfig",
                 model_class="bestiary.models.llama.model:LlamaForCausalLM",
-                from_hf_config="bestiary.models.llama.config:from_hf_config")
+                from_hf_config="bestiary.models.llama.model:from_hf_config")
     return ArchitectureSpec(name=name, **{**refs, **kw})
 
 
 @pytest.mark.parametrize("field,ref,words", [
     ("model_class", "bestiary.models.llama.model:LlamaForCausalLMM", ["model_class", "has no attribute"]),
     ("config_class", "bestiary.models.llama.confg:LlamaConfig", ["config_class", "no module named"]),
-    ("from_hf_config", "bestiary.models.llama.config.from_hf_config", ["from_hf_config", "must look like"]),
+    ("from_hf_config", "bestiary.models.llama.model.from_hf_config", ["from_hf_config", "must look like"]),
 ])
 def test_a_reference_typo_is_refused_at_registration_in_one_line(field, ref, words):
     """It used to pass registration and fail at convert with a 22-line AttributeError."""
@@ -48,7 +48,7 @@ def test_resolve_typo_is_one_line():
     from bestiary.registry import resolve
 
     with pytest.raises(PluginError, match="has no attribute 'nope'"):
-        resolve("bestiary.models.llama.config:nope")
+        resolve("bestiary.models.llama.model:nope")
 
 
 def test_builtin_llama_registered_through_entry_point():

@@ -1,7 +1,8 @@
 """Qwen2's config and model, composed from bestiary's core layers.
 
-    h   = x + attention(RMSNorm(x))      q, k, v with biases, o without; neox RoPE; GQA
+    h   = x + o(attention(q, k, v of RMSNorm(x)))    q, k, v with biases, o without; neox RoPE; GQA
     out = h + down(silu(gate(RMSNorm(h))) * up(RMSNorm(h)))
+    logits = lm_head(RMSNorm(x))
 """
 
 from __future__ import annotations
@@ -9,10 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
-from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
-from bestiary.core.layers.mlp import GatedMLP
-from bestiary.core.layers.norm import RMSNorm
-from bestiary.core.layers.self_attention import SelfAttention
+from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 from torch import nn
 
@@ -34,11 +32,7 @@ class Qwen2ForCausalLM(DecoderLM):
     config: Qwen2Config
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
-        c, place = self.config, self.placement(device)
-        attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
-                                  qkv_bias=c.qkv_bias, dense_bias=c.dense_bias, rotary=self.make_rotary(), **place)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, **place)
-        return PreNormDecoderLayer(self.make_final_norm(device), attention, self.make_final_norm(device), mlp)
+        return standard_layer(self, device)  # pre-norm: RMSNorm, attention with the config's RoPE, SwiGLU
 
     def make_final_norm(self, device) -> nn.Module:
-        return RMSNorm(self.config.hidden_size, self.config.norm_epsilon, self.dtype, device)
+        return rms_norm(self, device)
