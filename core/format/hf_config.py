@@ -181,20 +181,32 @@ def refuse_rope_kind(rope: dict[str, Any], kinds: tuple[str, ...], source: str) 
         raise ConfigError(f"{source}: field 'rope_scaling': rope_type {kind!r} is not supported ({supported})")
 
 
+def same_named(hf: dict, cls: type[PretrainedConfig], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The HF fields (not null) named like a field `cls` adds to the common ones: a family's own field
+    whose HF name is its name (`use_parallel_residual`, `norm_topk_prob`) is read without a lambda.
+    The fields read under their HF names (COMMON_NAMES, rope, biases) and PretrainedConfig's own
+    (dtype, mapping, ...) are never copied; `skip` names more."""
+    own = set(cls.model_fields) - set(PretrainedConfig.model_fields) - set(DecoderConfig.model_fields) - set(skip)
+    return {name: hf[name] for name in sorted(own) if hf.get(name) is not None}
+
+
 def hf_config_reader(
     cls: type[PretrainedConfig], defaults: dict[str, Any] | None = None,
-    unsupported: dict[str, Any] | None = None, rope_kinds: tuple[str, ...] | None = None, **fields: Any,
+    unsupported: dict[str, Any] | None = None, rope_kinds: tuple[str, ...] | None = None,
+    copy_same_named: bool | tuple[str, ...] = True, **fields: Any,
 ) -> Callable[..., PretrainedConfig]:
     """A `from_hf_config(hf, dtype, mapping, source=...)` for `cls`.
 
     It refuses HF fields set otherwise than `unsupported` says (HF name -> the only value
     bestiary runs, e.g. {"use_sliding_window": False}), reads the common fields and the rope
     fields (those `cls` has; with `rope_kinds`, a rope scaling of another kind is refused), HF
-    `attention_bias` into qkv_bias and dense_bias and `mlp_bias`
-    into mlp_bias, then applies `fields`: a value, or a callable `(hf) -> value`, per
+    `attention_bias` into qkv_bias and dense_bias and `mlp_bias` into mlp_bias, copies every HF field
+    named like one of the family's own fields (`same_named`; `copy_same_named=False` copies none, a
+    tuple of names skips those), then applies `fields`: a value, or a callable `(hf) -> value`, per
     bestiary field (`qkv_bias=True`, `rotary_base=lambda hf: ...`). Validation errors are
     one-line `ConfigError`s naming `source`.
     """
+    skip = copy_same_named if isinstance(copy_same_named, tuple) else ()
     theta = (defaults or {}).get("rotary_base", 10000.0)
     pct = (defaults or {}).get("rotary_pct", 1.0)
 
@@ -206,6 +218,8 @@ def hf_config_reader(
         data = read_common(hf, defaults, source) | rope
         bias = bool(hf.get("attention_bias", False))
         data |= {"qkv_bias": bias, "dense_bias": bias, "mlp_bias": bool(hf.get("mlp_bias", False))}
+        if copy_same_named is not False:
+            data |= same_named(hf, cls, skip)
         data |= {k: v(hf) if callable(v) else v for k, v in fields.items()}
         data = {k: v for k, v in data.items() if k in cls.model_fields}
         return validate_config(cls, data | {"dtype": dtype, "mapping": mapping.model_dump()}, source)

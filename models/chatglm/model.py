@@ -79,9 +79,7 @@ from_hf_config_v1 = hf_config_reader(
     defaults=dict(vocab_size=150528, hidden_size=4096, num_hidden_layers=28, num_attention_heads=32,
                   intermediate_size=16384, max_position_embeddings=2048, norm_epsilon=1e-5, hidden_act="gelu_new"),
     intermediate_size=lambda hf: hf.get("inner_hidden_size", 16384), hidden_act="gelu_new",
-    qkv_bias=True, dense_bias=True, mlp_bias=True, bos_token_id=lambda hf: hf.get("bos_token_id", 150004),
-    mask_token_id=lambda hf: hf.get("mask_token_id", 150000),
-    gmask_token_id=lambda hf: hf.get("gmask_token_id", 150001))
+    qkv_bias=True, dense_bias=True, mlp_bias=True)  # bos / mask / gmask token ids: same-named HF fields
 
 
 def thudm_kv_heads(hf: dict) -> int:

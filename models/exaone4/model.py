@@ -51,7 +51,6 @@ def max_positions(hf: dict) -> int:
 
 from_hf_config = hf_config_reader(
     Exaone4Config, defaults={"norm_epsilon": 1e-5}, max_position_embeddings=max_positions,
-    sliding_window=lambda hf: hf.get("sliding_window"),
     layer_types=window_layer_types(lambda hf: hf.get("sliding_window"), exaone4_windowed))
 
 

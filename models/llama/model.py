@@ -34,8 +34,7 @@ def max_positions(hf: dict) -> int:
     return first_present(hf, ("max_position_embeddings",)) or MAX_POSITIONS.get(hf.get("model_type"), 2048)
 
 
-from_hf_config = hf_config_reader(LlamaConfig, max_position_embeddings=max_positions,
-                                  sliding_window=lambda hf: hf.get("sliding_window"))
+from_hf_config = hf_config_reader(LlamaConfig, max_position_embeddings=max_positions)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -37,10 +37,7 @@ def kv_heads(hf: dict) -> int:
 
 
 from_hf_config = hf_config_reader(
-    MixtralConfig, defaults=HF_DEFAULTS, num_key_value_heads=kv_heads,
-    num_local_experts=lambda hf: hf.get("num_local_experts") or 8,
-    num_experts_per_tok=lambda hf: hf.get("num_experts_per_tok") or 2,
-    sliding_window=lambda hf: hf.get("sliding_window"))
+    MixtralConfig, defaults=HF_DEFAULTS, num_key_value_heads=kv_heads)
 
 
 class MixtralForCausalLM(DecoderLM):

@@ -68,8 +68,6 @@ def biases(hf: dict) -> bool:
 from_hf_config = hf_config_reader(
     OPTConfig, defaults=HF_DEFAULTS, unsupported={"layer_norm_elementwise_affine": True},
     qkv_bias=biases, dense_bias=biases, mlp_bias=biases, norm_epsilon=1e-5,
-    do_layer_norm_before=lambda hf: hf.get("do_layer_norm_before", True),
-    word_embed_proj_dim=lambda hf: hf.get("word_embed_proj_dim"),
     remove_final_layer_norm=lambda hf: hf.get("_remove_final_layer_norm", False))
 
 

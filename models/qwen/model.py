@@ -42,9 +42,7 @@ from_hf_config = hf_config_reader(
     QwenConfig, defaults={"norm_epsilon": 1e-6},
     max_position_embeddings=max_positions, qkv_bias=True,
     dense_bias=lambda hf: not hf.get("no_bias", True), mlp_bias=lambda hf: not hf.get("no_bias", True),
-    intermediate_size=lambda hf: first_present(hf, ("intermediate_size", "ffn_hidden_size")) // 2,
-    seq_length=lambda hf: hf.get("seq_length") or 2048,
-    use_logn_attn=lambda hf: hf.get("use_logn_attn", True))
+    intermediate_size=lambda hf: first_present(hf, ("intermediate_size", "ffn_hidden_size")) // 2)
 
 
 class LognPagedAttention(PagedAttention):

@@ -46,10 +46,7 @@ from_hf_config = hf_config_reader(
     sliding_window=sliding_window, layer_types=window_layer_types(sliding_window, qwen2_moe_windowed),
     qkv_bias=lambda hf: hf.get("qkv_bias", True), dense_bias=False,
     intermediate_size=lambda hf: hf.get("moe_intermediate_size", 1408),
-    num_local_experts=lambda hf: hf.get("num_experts", 60),
-    num_experts_per_tok=lambda hf: hf.get("num_experts_per_tok", 4),
-    shared_expert_intermediate_size=lambda hf: hf.get("shared_expert_intermediate_size", 5632),
-    norm_topk_prob=lambda hf: hf.get("norm_topk_prob", False))
+    num_local_experts=lambda hf: hf.get("num_experts", 60))
 
 
 class Qwen2MoeForCausalLM(DecoderLM):
