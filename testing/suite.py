@@ -91,7 +91,8 @@ def conformance(architecture: str, cases: Any, *, registry: Any = None, prompt: 
         """Conformance of one architecture (bestiary.testing.suite)."""
 
         @pytest.fixture(scope="class", params=sorted(cases))
-        def case(self, request, tmp_path_factory) -> Case:
+        @classmethod
+        def case(cls, request, tmp_path_factory) -> Case:  # a classmethod: pytest 10 drops instance-method ones
             from bestiary.core.convert.source_to_checkpoint import convert
             from bestiary.core.runtime.engine import Engine
             from bestiary.testing.local_plugins import local_registry

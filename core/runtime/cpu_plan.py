@@ -266,29 +266,15 @@ class DecodePlan:
         return op
 
     def _layer(self, layer, k_pool: torch.Tensor, v_pool: torch.Tensor, add_delta: bool) -> list[Op]:
-        from bestiary.core.layers.attention import PagedAttention
-        from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
-        from bestiary.core.layers.mlp import GatedMLP
-        from bestiary.core.layers.rotary import Rotary
-        from bestiary.core.layers.self_attention import SelfAttention
 
         att, mlp = layer.attention, layer.mlp
-        if type(layer) is not PreNormDecoderLayer or type(att) is not SelfAttention or type(mlp) is not GatedMLP:
-            raise Unsupported(f"layer {type(layer).__name__}")
-        if att.attn.key_bias is not None:
-            raise Unsupported("key bias")
-        if type(att.attn).forward is not PagedAttention.forward:  # e.g. Qwen-1's logn query scaling
-            raise Unsupported(f"attention op {type(att.attn).__name__}")
-        if att.q_norm is not None:
-            raise Unsupported("QK-norm")
-        if att.head_dim > ops.MAX_HEAD_DIM:
-            raise Unsupported(f"head_dim {att.head_dim}")
+        reason = layer_refusal(layer)
+        if reason is not None:
+            raise Unsupported(reason)
         kv_scales = None
         if att.attn.kv_quant is not None:  # INT8 / FP8 pools: codes with the layer's (s_k, s_v)
             kv_scales = att.attn.kv_quant.scales.float().contiguous()
             self._keep.append(kv_scales)
-        if mlp.act_name not in ACT_CODES:
-            raise Unsupported(f"activation {mlp.act_name}")
         b, h, kvh, d = self.batch, att.heads, att.kv_heads, att.head_dim
         width = (h + 2 * kvh) * d
         qkv = self.buffers.rows("qkv", b, width, self.dtype)
@@ -296,9 +282,7 @@ class DecodePlan:
         w, bias = self._module_weight(att.qkv)
         recs = [self._norm(layer.input_layernorm, add_delta), self._lora_site(self._linear(self.y, qkv, w, bias),
                                                                              (att.qkv,), self.y, qkv)]
-        if att.rotary is not None:
-            if type(att.rotary) is not Rotary:
-                raise Unsupported(f"rotary {type(att.rotary).__name__}")
+        if att.rotary is not None:  # a Rotary (layer_refusal)
             table = att.rotary._table(torch.device("cpu"), att.rotary.max_positions)  # [P, rot] cos | sin
             self._keep.append(table)
             self.max_position = min(self.max_position, table.shape[0] - 1)
@@ -500,6 +484,47 @@ def _all_reduce(out: torch.Tensor, bias: torch.Tensor | None, group, meta, run: 
     return True
 
 
+# What a plan's layer is, and what the other layouts of core.layers.builder are called in a refusal.
+LAYOUTS = {"PostNormDecoderLayer": "post-norm layout", "ParallelDecoderLayer": "parallel attention + MLP layout",
+           "ScaledResidualLayer": "scaled-residual layout", "OutputNormDecoderLayer": "output-norm layout"}
+
+
+def layer_refusal(layer) -> str | None:
+    """What in `layer` a plan cannot run (the plan runs pre-norm RMSNorm layers of SelfAttention with
+    PagedAttention and neox / gptj rotary or none, and a gated MLP of a compiled activation), or None."""
+    from bestiary.core.layers.attention import PagedAttention
+    from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
+    from bestiary.core.layers.mlp import GatedMLP
+    from bestiary.core.layers.norm import RMSNorm
+    from bestiary.core.layers.rotary import Rotary
+    from bestiary.core.layers.self_attention import SelfAttention
+
+    kind = type(layer).__name__
+    if type(layer) is not PreNormDecoderLayer:
+        return f"the {LAYOUTS.get(kind, kind)} ({kind}; the plan runs pre-norm layers)"
+    att, mlp = layer.attention, layer.mlp
+    norms = {type(layer.input_layernorm).__name__, type(layer.post_layernorm).__name__} - {RMSNorm.__name__}
+    if norms:
+        return f"{' and '.join(sorted(norms))} norms (the plan runs RMSNorm)"
+    if type(att) is not SelfAttention:
+        return f"attention {type(att).__name__} (the plan runs SelfAttention)"
+    if type(mlp) is not GatedMLP:
+        return f"{type(mlp).__name__} feed-forward block (the plan runs a gated MLP: proj(act(fc x) * gate x))"
+    if att.attn.key_bias is not None:
+        return "a key bias function in attention (ALiBi slopes run; a bias table does not)"
+    if type(att.attn).forward is not PagedAttention.forward:  # e.g. Qwen-1's logn query scaling
+        return f"attention op {type(att.attn).__name__} (its own forward)"
+    if att.q_norm is not None:
+        return "QK-norm"
+    if att.head_dim > ops.MAX_HEAD_DIM:
+        return f"head_dim {att.head_dim} > {ops.MAX_HEAD_DIM}"
+    if mlp.act_name not in ACT_CODES:
+        return f"activation {mlp.act_name} (compiled: {', '.join(sorted(ACT_CODES))})"
+    if att.rotary is not None and type(att.rotary) is not Rotary:
+        return f"rotary {type(att.rotary).__name__}"
+    return None
+
+
 PLAIN_TOP_LEVEL = {"vocab_embedding", "layers", "ln_f"}  # transformer.* modules a plan runs
 
 
@@ -526,6 +551,10 @@ def refusal(model) -> str | None:
         return "weights not on the CPU"
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks (a plan runs no module: hooks would be skipped)"
+    for i, layer in enumerate(model.transformer.layers):
+        reason = layer_refusal(layer)
+        if reason is not None:
+            return f"layer {model.layer_offset + i}: {reason}"
     return None
 
 

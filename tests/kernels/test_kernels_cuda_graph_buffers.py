@@ -67,5 +67,6 @@ def test_refusals():
     assert cuda_graph.model_refusal(llama) is None
     glm = dict(num_key_value_heads=3, bos_token_id=98, mask_token_id=99, gmask_token_id=100)
     assert cuda_graph.model_refusal(tiny_model("ChatGLMForCausalLM", glm)) == "a prefix-LM mask"
-    falcon = dict(position_embedding_type="alibi_with_scale", num_key_value_heads=3, bias=True)
+    falcon = dict(position_embedding_type="alibi_with_scale", num_key_value_heads=3, qkv_bias=True,
+                  dense_bias=True, mlp_bias=True)
     assert cuda_graph.model_refusal(tiny_model("FalconForCausalLM", falcon)).startswith("a key bias")

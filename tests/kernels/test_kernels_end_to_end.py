@@ -31,7 +31,8 @@ VARIANTS: dict[str, list[dict]] = {
     "OPTForCausalLM": [dict(num_key_value_heads=3)],
     "FalconForCausalLM": [
         dict(),
-        dict(position_embedding_type="alibi_with_scale", num_key_value_heads=3, bias=True),
+        dict(position_embedding_type="alibi_with_scale", num_key_value_heads=3, qkv_bias=True, dense_bias=True,
+             mlp_bias=True),
     ],
     "ChatGLMForCausalLM": [dict(num_key_value_heads=3, bos_token_id=98, mask_token_id=99, gmask_token_id=100)],
     "MixtralForCausalLM": [dict(num_local_experts=4, num_experts_per_tok=2)],
