@@ -13,8 +13,9 @@ For each case (a tiny config) the class builds the reference's random source onc
     cpu_plan    decode steps run as the compiled CPU plan, unless the model says why not (skip)
     linter      `convert --dry_run` finds nothing to flag in the correct plugin
 
-The registry is the installed plugins plus, when the architecture is not installed, the plugins
-the nearest pyproject.toml above the test file declares (bestiary.testing.local_plugins).
+The registry is the installed plugins plus the plugins the nearest pyproject.toml above the test file
+declares that are not themselves installed; those win over an installed architecture of the same name
+(bestiary.testing.local_plugins.local_registry).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def conformance(architecture: str, cases: Any, *, registry: Any = None, prompt: 
 
     cases: {name: case} or one case; a case is an HF config object, a dict with `model_type`
     (transformers.AutoConfig.for_model), or a reference (`HFReference`, `FunctionReference`).
-    registry: default: the installed plugins + the test package's own (see the module doc).
+    registry: default: the installed plugins + the test package's own not-installed ones, which win
+    (see the module doc).
     """
     from bestiary.testing.references import as_reference
 
@@ -110,7 +112,12 @@ def conformance(architecture: str, cases: Any, *, registry: Any = None, prompt: 
         def test_logits(self, case: Case) -> None:
             diff, scale = self._diffs(case, position_shift=0)
             bound = 1e-4 * max(1.0, scale)
-            assert diff <= bound, f"{case.name}: max|ours - reference| {diff:.3e} > {bound:.3e}"
+            if diff > bound:  # what the linter finds: a transposed tensor, the first layer that departs, a field
+                from bestiary.core.convert.lint import lint
+
+                found = lint(case.source, registry=case.registry).problems()
+                pytest.fail(f"{case.name}: max|ours - reference| {diff:.3e} > {bound:.3e}; the linter: "
+                            + ("; ".join(found) or "nothing (run `bestiary convert --dry_run` on the source)"))
 
         def test_broken_positions_miss(self, case: Case) -> None:
             if case.engine.config.position_embedding_type in ("alibi", "alibi_with_scale"):

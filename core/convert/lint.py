@@ -11,6 +11,10 @@
    sequence; logits that differ are traced to the square tensors whose transpose brings them
    back within 1e-4 * max(1, max|ref|) (each tried alone, on a tp 1 copy of the model).
    Without such a reference the square tensors are listed as unchecked.
+5. trace: a miss no transpose explains is placed at the first layer and sub-module that departs
+   from the reference, and the usual config mistakes (rotary fraction, rope interleave, a boolean
+   field of the family, a same-named config.json field read otherwise) are tried and named
+   (core.convert.lint_trace).
 
 `LintReport.problems()` lists everything flagged; `to_json()` is the `--report FILE.json` body.
 """
@@ -22,6 +26,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from bestiary.core.convert.calibration import chunk_logits
+from bestiary.core.convert.lint_trace import (
+    close,
+    config_suspects,
+    departing_part,
+    first_departure,
+    same_named_mismatches,
+)
 from bestiary.core.convert.loader import Target, WeightsLoader, model_targets
 from bestiary.core.convert.source_to_checkpoint import (
     build_config,
@@ -32,6 +44,7 @@ from bestiary.core.convert.source_to_checkpoint import (
 )
 from bestiary.core.format.config import Mapping, PretrainedConfig
 from bestiary.core.format.errors import BestiaryError, WeightsError
+from bestiary.core.format.hf_config import DecoderConfig
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry
 from bestiary.registry.capabilities import check_supported
@@ -179,18 +192,11 @@ def hf_reference(source: ModelSource):
 def run_with_layers(spec: ArchitectureSpec, config: PretrainedConfig, weights: dict,
                     ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(each decoder layer's output [T, H], logits [T, V]) of the model holding `weights`."""
-    from bestiary.core.convert.calibration import chunk_logits
-
     model = ready_model(spec, config, weights)
     outs: list[torch.Tensor] = []
     for layer in model.transformer.layers:
         layer.register_forward_hook(lambda _m, _i, out: outs.append(out.float()))
     return outs, chunk_logits(model, ids).float()
-
-
-def close(ours: torch.Tensor, ref: torch.Tensor) -> bool:
-    """max|ours - ref| <= 1e-4 * max(1, max|ref|), the parity bound."""
-    return (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 
 def check_orientation(report: LintReport, loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig,
@@ -234,8 +240,39 @@ def check_orientation(report: LintReport, loader: WeightsLoader, spec: Architect
             else:
                 break
     if not close(logits, ref):
-        report.suspicious.append(f"logits: differ from the {type(hf).__name__} reference by {diff:.3e} "
-                                 "(not explained by transposed square tensors)")
+        trace_departure(report, spec, config, weights, ids, hf, (layers, logits), (hidden, ref), source.hf_config)
+
+
+def trace_departure(report: LintReport, spec: ArchitectureSpec, config: PretrainedConfig, weights: dict,
+                    ids: list[int], hf, ours: tuple[list, torch.Tensor], theirs: tuple[list, torch.Tensor],
+                    hf_config: dict) -> None:
+    """Step 5 (core.convert.lint_trace): a miss no transpose explains is placed at its first layer and
+    sub-module, and the config fields whose usual mistakes would explain it are tried one at a time."""
+    (layers, logits), (hidden, ref) = ours, theirs
+    base = set(DecoderConfig.model_fields) - {"position_embedding_type", "rotary_pct"}
+    report.suspicious += [f"config {line}" for line in same_named_mismatches(config, hf_config, base)]
+    i = first_departure(layers, hidden)
+    where = "the logits" if i is None else f"layer {i}"
+    if i is not None:
+        model = ready_model(spec, config, weights)
+        part = departing_part(model, hf, i, lambda: chunk_logits(model, ids), lambda: hf(torch.tensor([ids])))
+        where += f" ({part})" if part else ""
+    matches = lambda trial_layers, trial_logits: (close(trial_logits, ref) if i is None  # noqa: E731
+                                                  else close(trial_layers[i], hidden[i + 1]))
+    for name, value in config_suspects(config, base):
+        try:
+            trial = config.model_copy(update={name: value})
+            trial_layers, trial_logits = run_with_layers(spec, trial, weights, ids)
+        except Exception:  # noqa: BLE001, S112 - a trial that cannot even build is not the explanation
+            continue
+        if matches(trial_layers, trial_logits):
+            verb = "match" if i is None else "matches"
+            report.suspicious.append(f"config {name}: {getattr(config, name)!r}? with {value!r}, {where} {verb} "
+                                     f"the {type(hf).__name__} reference")
+            return
+    diff = (logits - ref).abs().max().item()
+    report.suspicious.append(f"logits: differ from the {type(hf).__name__} reference by {diff:.3e}, first at {where} "
+                             "(not explained by transposed square tensors or the usual config mistakes)")
 
 
 def lint(model_dir: str | Path, tp_size: int = 1, pp_size: int = 1, architecture: str | None = None,
