@@ -1,5 +1,6 @@
-"""Test-wide settings: deterministic, few threads, no network; the real SmolLM2 GGUF and the
-builds of the compiled CPU kernels as fixtures."""
+"""Test-wide settings: deterministic, few threads, no network; the real SmolLM2 GGUF, what the slow
+SmolLM2 modules share of it (one float32 checkpoint and engine, HF transformers' model and tokenizer,
+each made once per session) and the builds of the compiled CPU kernels as fixtures."""
 
 import os
 from pathlib import Path
@@ -35,6 +36,60 @@ def smollm2_gguf() -> Path:
         return demo_model_path()
     except BestiaryError as err:
         pytest.skip(str(err))
+
+
+def _files_of(directory: Path) -> dict[str, tuple[int, int]]:
+    """relative path -> (size, mtime_ns) of every file under `directory`."""
+    return {str(f.relative_to(directory)): (f.stat().st_size, f.stat().st_mtime_ns)
+            for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_checkpoint(tmp_path_factory, smollm2_gguf) -> Path:
+    """The SmolLM2 GGUF converted once per session to a float32 checkpoint, shared by every module
+    that runs it (read-only: a test that writes into it errors at the session's end; a test that
+    needs a checkpoint of its own converts one)."""
+    from bestiary.core.convert.source_to_checkpoint import convert
+
+    ckpt = convert(smollm2_gguf, tmp_path_factory.mktemp("smollm2_fp32") / "ckpt", dtype="float32",
+                   show_progress=False)
+    files = _files_of(ckpt)
+    yield ckpt
+    assert _files_of(ckpt) == files, f"a test wrote into the shared checkpoint {ckpt}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_engine(tmp_path_factory, smollm2_fp32_checkpoint) -> Path:
+    """An engine of smollm2_fp32_checkpoint with BuildConfig(max_batch_size=4, max_seq_len=512), shared
+    (read-only, checked as the checkpoint) by tests/models/test_smollm2.py and tests/runtime/test_beam.py."""
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+
+    engine = build_engine(smollm2_fp32_checkpoint, tmp_path_factory.mktemp("smollm2_fp32") / "engine",
+                          BuildConfig(max_batch_size=4, max_seq_len=512))
+    files = _files_of(engine)
+    yield engine
+    assert _files_of(engine) == files, f"a test wrote into the shared engine {engine}"
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_gguf):
+    """HF transformers' SmolLM2 (its own GGUF loading, dequantised to fp32), loaded once per session:
+    the reference of the SmolLM2 parity tests. Shared: use it read-only (a test that changes its
+    attention implementation restores it; PEFT wraps a model in place, so LoRA tests load their own)."""
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_gguf
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_gguf):
+    """HF transformers' tokenizer of the SmolLM2 GGUF, loaded once per session."""
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_gguf
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _cpu_isas() -> list[str]:

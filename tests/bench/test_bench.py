@@ -318,7 +318,7 @@ def test_not_an_engine_dir(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_dense_hf_dir_is_the_ggufs_own_dequantization(smollm2_gguf, tmp_path, monkeypatch):
+def test_dense_hf_dir_is_the_ggufs_own_dequantization(smollm2_gguf, hf_model, tmp_path, monkeypatch):
     """The dense baseline computes what transformers computes on the GGUF itself (it dequantizes per
     matmul); made once into the cache; the untied copy for FastLLM holds lm_head = the embedding."""
     import torch
@@ -332,8 +332,7 @@ def test_dense_hf_dir_is_the_ggufs_own_dequantization(smollm2_gguf, tmp_path, mo
     assert dense_hf_dir(smollm2_gguf) == dense and (dense / "model.safetensors").stat().st_mtime_ns == stamp
     ids = torch.tensor([[1, 504, 3458, 314, 5549, 30]])
     ours = transformers.AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                            dtype=torch.float32).eval()
+    ref = hf_model  # transformers on the GGUF itself, fp32 (tests/conftest.py, loaded once per session)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
     untied = dense_hf_dir(smollm2_gguf, torch.float16, untied=True)

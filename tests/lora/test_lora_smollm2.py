@@ -33,15 +33,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, smollm2_gguf):
+def models(tmp_path_factory, smollm2_gguf, smollm2_fp32_checkpoint, hf_tokenizer):
+    """The fp32 checkpoint and HF tokenizer are the session's (tests/conftest.py); the HF model is this
+    module's own, as PEFT wraps it in place."""
     gguf = smollm2_gguf
     root = tmp_path_factory.mktemp("smollm2_lora")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                            dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    convert(gguf, root / "ckpt", dtype="float32", show_progress=False)
+    tok = hf_tokenizer
     peft_model = peft_adapter(hf, root / "adapter", seed=7, b_scale=0.05, r=8, lora_alpha=16, target_modules=TARGETS)
-    return LLM(root / "ckpt"), peft_model, tok, root / "adapter"
+    return LLM(smollm2_fp32_checkpoint), peft_model, tok, root / "adapter"
 
 
 def test_greedy_40_tokens_equal_transformers_peft(models):

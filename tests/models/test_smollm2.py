@@ -14,8 +14,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
@@ -32,25 +30,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory, smollm2_gguf):
-    base = tmp_path_factory.mktemp("smollm2")
-    convert(smollm2_gguf, base / "ckpt", dtype="float32", show_progress=False)
-    return build_engine(base / "ckpt", base / "engine", BuildConfig(max_batch_size=4, max_seq_len=512))
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
-    path = smollm2_gguf
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    )
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(smollm2_gguf):
-    path = smollm2_gguf
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def engine_dir(smollm2_fp32_engine):
+    """The fp32 engine (BuildConfig(max_batch_size=4, max_seq_len=512)) of tests/conftest.py, made once
+    per session; hf_model and hf_tokenizer come from there too."""
+    return smollm2_fp32_engine
 
 
 def test_greedy_text_equals_hf(engine_dir, hf_model, hf_tokenizer):

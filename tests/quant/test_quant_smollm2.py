@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,11 +96,15 @@ def one_calibration_run():
 MEASURED: dict[str, float] = {}  # mode -> our perplexity: a mode two tests use is built and measured once
 
 
-def _ppl(workdir, name: str, quant: QuantConfig | None) -> tuple[float, Engine]:
+def _ppl(workdir, name: str, quant: QuantConfig | None, checkpoint: Path | None = None) -> tuple[float, Engine]:
+    """`checkpoint`: an fp32 checkpoint made already (the float baseline: the session's, tests/conftest.py),
+    else `quant`'s is converted here."""
     base, gguf = workdir
     if name not in MEASURED:
-        convert(gguf, base / f"{name}-ckpt", dtype="float32", show_progress=False, quantization=quant)
-        build_engine(base / f"{name}-ckpt", base / name, BuildConfig(max_seq_len=2048, max_num_tokens=512))
+        if checkpoint is None:
+            checkpoint = convert(gguf, base / f"{name}-ckpt", dtype="float32", show_progress=False,
+                                 quantization=quant)
+        build_engine(checkpoint, base / name, BuildConfig(max_seq_len=2048, max_num_tokens=512))
     engine = Engine.load(base / name)
     ids = engine.tokenizer.encode(eval_text())
     assert len(ids) >= EVAL_TOKENS
@@ -132,8 +137,8 @@ def assert_quantized(engine: Engine, quant: QuantConfig) -> None:
 
 
 @pytest.fixture(scope="module")
-def fp32_ppl(workdir):
-    return _ppl(workdir, "fp32", None)[0]
+def fp32_ppl(workdir, smollm2_fp32_checkpoint):
+    return _ppl(workdir, "fp32", None, smollm2_fp32_checkpoint)[0]
 
 
 @pytest.mark.parametrize("quant,gate", list(MODES.values()), ids=list(MODES))
@@ -151,7 +156,7 @@ def test_perplexity_increase_within_gate(quant, gate, workdir, fp32_ppl, request
 # An outside reference for INT8_KV / FP8_KV: HF transformers' LLaMA on the same tokens and
 # windows, its K (after RoPE) and V fake-quantized, by the code below (not ours), with the
 # per-layer scales our checkpoint calibrated. Our increase must be a draw of HF's (see KV_SEEDS below).
-from test_smollm2 import hf_model  # noqa: E402,F401  (module fixture)
+# hf_model: the session's HF transformers SmolLM2 (tests/conftest.py); its attention is set back to sdpa.
 
 KV_QMAX = {"INT8": 127.0, "FP8": 448.0}
 
@@ -215,7 +220,7 @@ KV_SIGMAS = 3.0  # ours within 3 standard deviations of transformers' increases 
 
 
 @pytest.mark.parametrize("algo", ["INT8", "FP8"])
-def test_kv_quant_cost_equals_transformers_same_scheme(algo, workdir, fp32_ppl, hf_model):  # noqa: F811
+def test_kv_quant_cost_equals_transformers_same_scheme(algo, workdir, fp32_ppl, hf_model):
     """Our INT8 / FP8 KV perplexity increase is one more draw of HF's with the same scales on the
     same tokens: within KV_SIGMAS standard deviations of HF's increases under float-rounding-sized
     noise (KV_SEEDS), or within KV_MATCH of their mean where they barely spread."""

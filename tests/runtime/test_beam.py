@@ -382,13 +382,20 @@ def test_diversity_rate_spreads_parents():
 
 
 # --- the real model ---------------------------------------------------------------------------
-from test_smollm2 import engine_dir, hf_model, hf_tokenizer  # noqa: F401  (module fixtures, shared)
+# hf_model and hf_tokenizer: session fixtures of tests/conftest.py (shared with tests/models/test_smollm2.py)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(smollm2_fp32_engine):
+    """test_smollm2's fp32 engine (BuildConfig(max_batch_size=4, max_seq_len=512)): tests/conftest.py."""
+    return smollm2_fp32_engine
+
 
 CHAT = "<|im_start|>user\nWhat is 2+2? Answer with a number.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.mark.slow
-def test_beam_search_equals_hf_smollm2(engine_dir, hf_model, hf_tokenizer):  # noqa: F811
+def test_beam_search_equals_hf_smollm2(engine_dir, hf_model, hf_tokenizer):
     """SmolLM2 fp32, 4 beams, 16 new tokens: HF's best sequence, and its score within 1e-4."""
     from bestiary.core.runtime.llm import LLM
 

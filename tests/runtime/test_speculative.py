@@ -357,12 +357,14 @@ SMOL_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory, smollm2_gguf):
-    """SmolLM2 checkpoints in bf16 and fp32 (each drafts for the other) and the prompts' chat ids."""
+def smol(tmp_path_factory, smollm2_gguf, smollm2_fp32_checkpoint):
+    """SmolLM2 checkpoints in bf16 and fp32 (each drafts for the other; fp32: the session's,
+    tests/conftest.py) and the prompts' chat ids."""
     from bestiary.core.runtime.llm import LLM
 
     base = tmp_path_factory.mktemp("spec_smol")
-    out = {d: convert(smollm2_gguf, base / d, dtype=d, show_progress=False) for d in DTYPES}
+    out = {"float32": smollm2_fp32_checkpoint,
+           "bfloat16": convert(smollm2_gguf, base / "bfloat16", dtype="bfloat16", show_progress=False)}
     llm = LLM(out["float32"])
     out["prompts"] = [llm.chat_ids([{"role": "user", "content": p}]) for p in SMOL_PROMPTS]
     out["engines"] = {d: Engine.load(out[d]) for d in DTYPES}

@@ -21,10 +21,10 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.mark.parametrize("tp,pp", [(3, 1), (1, 2), (1, 3)])
-def test_smollm2_parallel_equals_tp1(smollm2_gguf, tmp_path, tp, pp):
+def test_smollm2_parallel_equals_tp1(smollm2_gguf, smollm2_fp32_checkpoint, tmp_path, tp, pp):
     """fp32 at tp 3 (9 heads, 3 kv heads) and on 2 and 3 pipeline stages (30 layers: 15 + 15, 10 x 3):
     logits within 1e-4 (max abs) over the prefill and 16 decode steps, same greedy text."""
-    tp1 = convert(smollm2_gguf, tmp_path / "tp1", dtype="float32", show_progress=False)
+    tp1 = smollm2_fp32_checkpoint  # the session's fp32 tp 1 checkpoint (tests/conftest.py)
     other = convert(smollm2_gguf, tmp_path / "other", dtype="float32", tp_size=tp, pp_size=pp, show_progress=False)
     reference = LLM(tp1)
     prompt = reference.tokenizer.encode("The capital of France is Paris. The capital of Germany is")

@@ -13,7 +13,6 @@ pytest.importorskip("fastapi")
 transformers = pytest.importorskip("transformers")
 
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.runtime.tokenizer import Tokenizer  # noqa: E402
 from bestiary.core.serve.process import ServerProcess  # noqa: E402
 
@@ -22,11 +21,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, smollm2_gguf):
-    gguf = smollm2_gguf
+def engine(tmp_path_factory, smollm2_fp32_checkpoint):
+    """An engine of the session's fp32 checkpoint (tests/conftest.py) with this module's limits."""
     base = tmp_path_factory.mktemp("smollm2-serve")
-    convert(gguf, base / "ckpt", dtype="float32", show_progress=False)
-    return build_engine(base / "ckpt", base / "engine", BuildConfig(max_batch_size=8, max_seq_len=512))
+    return build_engine(smollm2_fp32_checkpoint, base / "engine", BuildConfig(max_batch_size=8, max_seq_len=512))
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +56,8 @@ def test_greedy_text_equals_bestiary_run(engine, client):
     assert chat.choices[0].finish_reason == ("stop" if chat_ids[-1] in tok.stop_ids else "length")
 
 
-def test_chat_template_of_the_gguf_renders_as_transformers(engine, smollm2_gguf):
-    path = smollm2_gguf
-    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def test_chat_template_of_the_gguf_renders_as_transformers(engine, hf_tokenizer):
+    hf = hf_tokenizer  # transformers' own tokenizer of the GGUF (tests/conftest.py)
     ours = Tokenizer.from_dir(engine)
     conversations = [
         [{"role": "user", "content": "Hi"}],

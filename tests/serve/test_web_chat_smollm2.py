@@ -12,7 +12,6 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.serve.process import ServerProcess  # noqa: E402
 from web_browser import answer_of, chromium, figure_dir, open_chat, screenshot, send, set_sampling  # noqa: E402
 
@@ -22,10 +21,10 @@ TURNS = ["What is the capital of France?", "And what is the capital of Italy?"]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, smollm2_gguf):
+def engine(tmp_path_factory, smollm2_fp32_checkpoint):
+    """An engine of the session's fp32 checkpoint (tests/conftest.py) with this module's limits."""
     base = tmp_path_factory.mktemp("smollm2-chat")
-    convert(smollm2_gguf, base / "ckpt", dtype="float32", show_progress=False)
-    return build_engine(base / "ckpt", base / "engine", BuildConfig(max_batch_size=4, max_seq_len=1024))
+    return build_engine(smollm2_fp32_checkpoint, base / "engine", BuildConfig(max_batch_size=4, max_seq_len=1024))
 
 
 def test_web_chat_two_turns_equal_the_api(engine, tmp_path):
