@@ -1,5 +1,6 @@
 """Baichuan's config and model: the shared RMSNorm / SwiGLU layer with RoPE (7B) or ALiBi (13B).
 
+    x   = embed_tokens(ids)
     h   = x + o_proj(attention(W_pack RMSNorm(x)))    W_pack rows [Q; K; V]; RoPE (neox) or ALiBi m_h j
     out = h + down(silu(gate(RMSNorm(h))) * up(RMSNorm(h)))
     logits = RMSNorm(x) W^T,  W = lm_head rows / ||row||_2 for Baichuan2 (NormHead), as stored for Baichuan 1

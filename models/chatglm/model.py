@@ -1,6 +1,7 @@
 """ChatGLM's configs and models, v1 and v2/3, from the shared layer (core.layers.builder).
 
 v2/3 (chatglm2/3-6b, HF glm / GLM-4): LLaMA's pre-norm block with a partial interleaved rotary:
+    x   = word_embeddings(ids)
     h   = x + dense(attention(q, k, v of RMSNorm(x)))   gptj RoPE on the first rotary_pct of each head, GQA
     out = h + dense_4h_to_h(silu(gate(RMSNorm(h))) * up(RMSNorm(h)))     gate, up: halves of dense_h_to_4h
     logits = output_layer(RMSNorm(x))
@@ -8,6 +9,7 @@ v2/3 (chatglm2/3-6b, HF glm / GLM-4): LLaMA's pre-norm block with a partial inte
 v1 (chatglm-6b), per layer l of L, alpha = sqrt(2 L) (the scaled layout):
     a = LN_in(x);   h = a * alpha + attention(a)
     m = LN_post(h); y = m * alpha + dense_4h_to_h(gelu_tanh(dense_h_to_4h(m)))
+    logits = lm_head(LN_f(y of the last layer))
 with 2D rotary positions and a prefix-LM mask (see `glm_positions`). THUDM scales the
 scores by 1/(sqrt(D) (l+1)) and multiplies them back by (l+1) before the softmax: the
 same softmax(q k^T / sqrt(D)), so attention here uses the plain scale.

@@ -1,7 +1,9 @@
 """EXAONE 4.0's config and model (transformers 5's Exaone4ForCausalLM).
 
+    x   = embed_tokens(ids)
     h   = x + RMSNorm(o(attention(q_norm(q), k_norm(k), v)))   q/k norms over each head's D dims
     out = h + RMSNorm(down(silu(gate(h)) * up(h)))            (core.layers.output_norm_decoder_layer)
+    logits = lm_head(RMSNorm(x))                              tied to embed_tokens when HF ties them
 
 Hybrid attention: with a sliding_window, "sliding_attention" layers use RoPE over a local window
 and "full_attention" layers use no positions at all (NoPE); without one every layer uses RoPE.

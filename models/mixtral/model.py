@@ -1,5 +1,6 @@
 """Mixtral's config and model: LLaMA's attention block with a sparse mixture of experts as the MLP.
 
+    x   = embed_tokens(ids)
     h   = x + o(attention(q, k, v of RMSNorm(x)))        neox RoPE, GQA, optional sliding window
     y   = RMSNorm(h);  p = softmax(router(y))             p over the E experts
     out = h + sum_{e in top_k(p)} p_e / (sum_{top k} p) * down_e(silu(gate_e(y)) * up_e(y))

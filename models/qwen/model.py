@@ -1,7 +1,9 @@
 """Qwen-1's config and model: the shared RMSNorm / RoPE / SwiGLU layer, c_attn with bias, logn scaling.
 
+    x   = wte(ids)
     h   = x + c_proj(attention(c_attn(ln_1(x))))       q scaled by logn(p) when use_logn_attn
     out = h + c_proj(w1(y) * silu(w2(y))),  y = ln_2(h)
+    logits = lm_head(ln_f(x))
 
 logn(p) = log(p + 1) / log(seq_length) for a query at position p with p + 1 > seq_length, else 1
 (upstream's logn_tensor). Dynamic NTK (use_dynamic_ntk) re-bases the rotary past seq_length per

@@ -1,7 +1,9 @@
 """Qwen2's config and model: the shared RMSNorm / RoPE / GQA / SwiGLU layer with q/k/v biases.
 
-    h   = x + o(attention(q, k, v of RMSNorm(x)))     q, k, v with biases, o without
+    x   = embed_tokens(ids)
+    h   = x + o(attention(q, k, v of RMSNorm(x)))     q, k, v with biases, o without; neox RoPE; GQA
     out = h + down(silu(gate(RMSNorm(h))) * up(RMSNorm(h)))
+    logits = lm_head(RMSNorm(x))                      tied to embed_tokens when HF ties them
 
 Sliding window (HF `use_sliding_window: true`): the layers HF's config marks "sliding_attention"
 attend to the last `sliding_window` keys (query included), the others to every key

@@ -1,7 +1,9 @@
 """Qwen2-MoE's config and model: the shared RMSNorm / RoPE / GQA layer with a shared-expert MoE.
 
-    h   = x + attention(RMSNorm(x))                     q, k, v with biases
+    x   = embed_tokens(ids)
+    h   = x + attention(RMSNorm(x))                     q, k, v with biases; neox RoPE; GQA
     out = h + MoE(y) + sigmoid(w_s . y) shared(y),  y = RMSNorm(h)   (core.layers.moe.SharedExpertMoE)
+    logits = lm_head(RMSNorm(x))
 
 Routing: softmax over the E router logits, the top-k kept, renormalised only with norm_topk_prob.
 

@@ -39,7 +39,8 @@ def test_model_module_states_the_formula_and_builds_with_standard_layer(family):
     source = (MODELS / family / "model.py").read_text()
     tree = ast.parse(source)
     doc = ast.get_docstring(tree) or ""
-    assert re.search(r"^\s+(out|h|x|logits)\s+=", doc, re.M), f"models/{family}/model.py: no formula in its docstring"
+    for lhs in ("x", "logits"):  # end to end: from the embedding to the logits
+        assert re.search(rf"^\s*{lhs}\s+=", doc, re.M), f"models/{family}/model.py: its formula has no '{lhs} ='"
     makers = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "make_layer"]
     assert makers
     for maker in makers:
