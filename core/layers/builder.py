@@ -34,10 +34,11 @@ from bestiary.core.layers.self_attention import SelfAttention
 from torch import nn
 
 Layout = Literal["pre", "post", "parallel", "scaled", "output"]
+LAYOUTS: tuple[str, ...] = Layout.__args__
 
 
 def standard_layer(
-    model, device, mlp: nn.Module | None = None, gated: bool = True, rotary: bool = True,
+    model, device, *, mlp: nn.Module | None = None, gated: bool = True, rotary: bool = True,
     alibi: torch.Tensor | None = None, key_bias: KeyBias | None = None, scale: float | None = None,
     layout: Layout = "pre", parallel_norms: int = 1, norm: Callable[[Any, Any], nn.Module] | None = None,
     alpha: float = 1.0, qk_norm: bool = False, attn: PagedAttention | None = None,
@@ -52,6 +53,8 @@ def standard_layer(
     the scaled layout; qk_norm: an RMSNorm over each q and k head before rotary (Exaone4); attn: the
     family's own attention op instead of PagedAttention (Qwen's logn scaling). norm: `(model, device) ->
     module` of the layer norms (default: the model's final norm kind, model.make_final_norm)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"standard_layer: layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     c, place = model.config, model.placement(device)
     head_norm = partial(RMSNorm, eps=c.norm_epsilon, dtype=model.dtype, device=device) if qk_norm else None
     attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
