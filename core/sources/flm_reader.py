@@ -38,10 +38,16 @@ class FlmTensor:
     groups: int = 1  # int4g: groups per index of dims[axis]
     group_size: int = 0  # int4g: values per group
     bounds_offset: int = 0  # quantized: first byte of the (min, max) float32 pairs
+    part_of: str = ""  # the merged tensor (model.save()) whose rows these are (core.sources.flm_merged)
 
     @property
     def count(self) -> int:
         return int(np.prod(self.dims, dtype=np.int64)) if self.dims else 1
+
+    @property
+    def label(self) -> str:
+        """The tensor as error messages name it: 'q_proj...' (of 'mergeqkv...') for a merged part."""
+        return f"{self.name!r} (of {self.part_of!r})" if self.part_of else repr(self.name)
 
     @property
     def configs(self) -> int:

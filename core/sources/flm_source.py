@@ -4,7 +4,9 @@
 
 - weights under their own names (torch2flm writes the HF state_dict names), read lazily from the
   memory map (`FlmWeights`): float32 / float16 / bfloat16 as stored, quantized tensors
-  dequantized to float32 exactly as FastLLM computes them, w = (q - z) * s;
+  dequantized to float32 exactly as FastLLM computes them, w = (q - z) * s; the merged tensors of
+  FastLLM's `model.save()` files (`mergeqkv`, `gateup_proj`) as the HF tensors they hold
+  (core.sources.flm_merged: row ranges of the same data);
 - an HF-style config dict: the model info (every value was str()-ed) parsed back to numbers,
   booleans, lists and dicts (`rope_scaling.type` -> rope_scaling {"type": ...}); when the linears
   are quantized, a `quantization_config` {"quant_method": "fastllm", "bits", "group_size"} that
@@ -26,6 +28,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ import torch
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import ModelSource, slice_dim
 from bestiary.core.sources.flm_format import NUMPY_FLOAT, low_bit_grid, unpack_nibbles
+from bestiary.core.sources.flm_merged import unmerge
 from bestiary.core.sources.flm_reader import FlmFile, FlmTensor, read_flm
 
 GROUPS = (128, 64, 32)  # W4A16 group sizes, largest first
@@ -96,7 +100,7 @@ def read_tensor(flm: FlmFile, t: FlmTensor) -> torch.Tensor:
         values = np.frombuffer(flm.data, dtype=NUMPY_FLOAT[t.ftype.code], count=t.count, offset=t.data_offset)
         return torch.from_numpy(values.copy()).reshape(t.dims)
     except ValueError as err:
-        raise WeightsError(f"{flm.path}: byte {t.offset}: tensor {t.name!r}: {err}") from None
+        raise WeightsError(f"{flm.path}: byte {t.offset}: tensor {t.label}: {err}") from None
 
 
 # ---- quantized layout ----------------------------------------------------------------------------
@@ -274,7 +278,7 @@ class FlmQuantWeights:
             else:
                 out = requantize(flm, t, self.bits, self.group)
         except ValueError as err:
-            raise WeightsError(f"{flm.path}: byte {t.offset}: tensor {t.name!r}: {err}") from None
+            raise WeightsError(f"{flm.path}: byte {t.offset}: tensor {t.label}: {err}") from None
         self._cached = (t.name, out)
         return out
 
@@ -283,10 +287,16 @@ class FlmQuantWeights:
 
 
 def parse_value(text: str) -> Any:
-    """A model-info value back from str(): int, float, bool, None, list, dict, else the string."""
+    """A model-info value back from its text: Python's str() (torch2flm) or JSON (FastLLM's C++ writes
+    the config.json values it read, `false`, `[\\n\\t"LlamaForCausalLM"\\n]`, for model.save()):
+    int, float, bool, None, list, dict, else the string."""
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
+        pass
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
         return text
 
 
@@ -313,10 +323,11 @@ def open_flm(path: Path) -> ModelSource:
     from bestiary.core.sources.vocab_tokenizer import tokenizer_from_flm
 
     flm = read_flm(path)
-    weights = FlmWeights(flm)
     config = hf_config_from_info(flm.info)
     if "model_type" not in config:
         raise WeightsError(f"{path}: the model info has no 'model_type'")
+    flm = unmerge(flm, config)  # model.save()'s mergeqkv / gateup_proj -> the HF tensors
+    weights = FlmWeights(flm)
     layout = weights.quant_layout()
     if layout is not None:  # FastLLM's own files (no bestiary key) run with FastLLM's input quantization
         act = flm.info.get("bestiary.activation_quant", "fastllm_uint8")

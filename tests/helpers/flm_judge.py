@@ -127,6 +127,18 @@ def ftllm_export(hf_dir: Path, out: Path, dtype: str, with_tokenizer: bool = Tru
     return out
 
 
+def ftllm_save(hf_dir: Path, out: Path, dtype: str, threads: int = 1):
+    """FastLLM's own export, as its docs give it: `llm.model(hf_dir, dtype=dtype).save(out)` (its linears
+    merged: mergeqkv, gateup_proj); returns the ftllm model it loaded. ftllm 1.9.0 crashes (SIGSEGV) saving
+    int4g: its int4g loader keeps (min, scale) in `mins` / `scales` and `save` reads `perChannelsConfigs`."""
+    from ftllm import llm
+
+    llm.set_cpu_threads(threads)
+    model = llm.model(str(hf_dir), dtype=dtype)
+    model.save(str(out))
+    return model
+
+
 def ftllm_logits(model, prompt: list[int], vocab: int) -> torch.Tensor:
     """ftllm's next-token logits [vocab] after `prompt` (its low-level launch/fetch calls, as
     `response_logits` makes them, from ids instead of text)."""
@@ -187,4 +199,32 @@ def nudged_copy(flm: Path, out: Path, tensor: str = "model.embed_tokens.weight")
     values ^= 1
     values.flush()
     del values
+    return out
+
+
+def truncated_copy(flm: Path, out: Path, layers: int) -> Path:
+    """A copy of `flm` holding its first `layers` decoder layers (`num_hidden_layers` set to match): the
+    other tensors' bytes as they are, so both runtimes read the file's own tensors at a depth where
+    float32 rounding has not yet moved a uint8 input code across its boundary (docs/fastllm.md)."""
+    import re
+    import struct
+
+    from bestiary.core.sources.flm_format import pack_int, pack_string
+    from bestiary.core.sources.flm_reader import read_flm
+
+    index = read_flm(flm)
+    data = index.data
+    info = dict(index.info, num_hidden_layers=str(layers))
+    info_end = 8 + sum(8 + len(k.encode()) + len(v.encode()) for k, v in index.info.items())
+    tensors = list(index.tensors.values())
+    count_at = tensors[0].offset - 4 if tensors else len(data) - 4
+    ends = [t.offset for t in tensors[1:]] + [len(data)]
+    kept = [(t, end) for t, end in zip(tensors, ends)
+            if not (m := re.match(r"^model\.layers\.(\d+)\.", t.name)) or int(m.group(1)) < layers]
+    with open(out, "wb") as f:
+        f.write(pack_int(struct.unpack_from("<i", data, 0)[0], len(info)))
+        f.write(b"".join(pack_string(k) + pack_string(v) for k, v in info.items()))
+        f.write(data[info_end:count_at])
+        f.write(pack_int(len(kept)))
+        f.writelines(data[t.offset:end] for t, end in kept)
     return out

@@ -16,6 +16,9 @@ enough for greedy tokens: a uint8 input code within rounding of its boundary lan
 and the step grows through the layers (docs/fastllm.md). ftllm disagrees with itself that way when
 its embedding moves by one unit in the last place (test_smollm2_ftllm_against_itself_one_ulp_apart),
 so the int8 / int4 SmolLM2 criterion is an expected failure.
+
+Files FastLLM's own `model.save()` writes (its linears merged: mergeqkv, gateup_proj) are judged at the
+end: float16 greedy as above, int8 / int4 logits within the torch2flm bounds (SmolLM2: its first layers).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from flm_judge import (
     ftllm_export,
     ftllm_greedy,
     ftllm_model,
+    ftllm_save,
     nudged_copy,
+    truncated_copy,
     untied_smollm2,
 )
 from tiny_llama import make_tiny_llama
@@ -212,3 +217,90 @@ def test_smollm2_ftllm_against_itself_one_ulp_apart(smollm2, tmp_path):
 
     assert identical(ftllm_export(smollm2, tmp_path / "ft_float16.flm", "float16", False)) == 5
     assert identical(ftllm_export(smollm2, tmp_path / "ft_int4.flm", "int4", False)) < 4
+
+
+# ---- files FastLLM's model.save() writes (merged mergeqkv / gateup_proj; core.sources.flm_merged) ----------
+
+WEIGHT_CODE_0 = pytest.mark.xfail(strict=True, reason=(
+    "FastLLM's AVX2 int8 dot (DotU8U8) reads weight code 0 as 1 while its zero-point correction sums the "
+    "true codes: each output gains s_w s_x sum over its code-0 weights of (q_x - 128); model.save()'s "
+    "min/max rows put code 0 at every row's minimum (torch2flm's (-m, m) rows never hold code 0), and "
+    "activation_quant fastllm_uint8 does not add that term (docs/fastllm.md)"))
+
+
+def logits_rel_diffs(engine, ft, prompts, vocab: int) -> list[float]:
+    """max |engine - ftllm| / max |ftllm| of the next-token logits after each prompt."""
+    import parity
+    from flm_judge import ftllm_logits
+
+    out = []
+    for prompt in prompts:
+        ours = parity.EngineRunner(engine).feed(prompt)[-1].float()
+        theirs = ftllm_logits(ft, prompt, vocab)
+        out.append(float((ours - theirs).abs().max() / theirs.abs().max()))
+    return out
+
+
+def within_torch2flm_bounds(dtype: str, diffs: list[float]) -> bool:
+    """docs/fastllm.md's logit bounds for torch2flm files: int4 every prompt to 1e-4 of the logits'
+    range; int8 at least 4 of 5 prompts to 1e-4 and none beyond 0.05."""
+    if dtype == "int4":
+        return max(diffs) < 1e-4
+    return sum(d < 1e-4 for d in diffs) >= len(diffs) - 1 and max(diffs) < 0.05
+
+
+@pytest.fixture(scope="module")
+def tiny_fp16_hf(tmp_path_factory):
+    """The tiny LLaMA as float16 safetensors with a tokenizer: what ftllm's HF loader reads."""
+    from tiny_llama import write_tiny_tokenizer
+
+    hf = make_tiny_llama(tmp_path_factory.mktemp("tiny16"), intermediate_size=128, vocab_size=128)
+    transformers.LlamaForCausalLM.from_pretrained(hf).half().save_pretrained(hf)
+    write_tiny_tokenizer(hf)
+    return hf
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int4", pytest.param("int8", marks=WEIGHT_CODE_0)])
+def test_model_save_files_of_the_tiny_llama(tiny_fp16_hf, tmp_path, dtype):
+    """ftllm's model.save() of an HF dir: float16 splits back to the HF tensors to the bit; int8 / int4
+    files convert and compute ftllm's logits within the bounds of torch2flm's files."""
+    import torch
+    from bestiary.core.sources import open_source
+    from bestiary.core.sources.flm_reader import read_flm
+    from safetensors.torch import load_file
+
+    flm = tmp_path / f"saved_{dtype}.flm"
+    ftllm_save(tiny_fp16_hf, flm, dtype)
+    assert "model.layers.0.self_attn.mergeqkv.weight" in read_flm(flm).tensors
+    if dtype == "float16":
+        hf, weights = load_file(tiny_fp16_hf / "model.safetensors"), open_source(flm).weights
+        assert sorted(weights.keys()) == sorted(hf)
+        assert all(torch.equal(weights.load(k).to(hf[k].dtype), hf[k]) for k in hf)
+        return
+    # float32 compute, as FastLLM's CPU path (the file's model info says float16: the HF dir's torch_dtype)
+    convert(flm, tmp_path / "ck", dtype="float32", show_progress=False)
+    diffs = logits_rel_diffs(Engine.load(tmp_path / "ck"), ftllm_model(flm), TINY_PROMPTS, 128)
+    assert within_torch2flm_bounds(dtype, diffs), diffs
+
+
+SAVED_DEPTH = 2  # SmolLM2 layers kept for int8 / int4 logits (docs/fastllm.md: deeper, rounding decides codes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float16", "int4", pytest.param("int8", marks=WEIGHT_CODE_0)])
+def test_smollm2_model_save_files(smollm2, tmp_path, dtype):
+    """SmolLM2-135M (untied) saved by ftllm's model.save() (one HF load each): float16 converts and decodes
+    greedily as ftllm decodes (32 tokens from raw ids, near-ties excepted); int8 / int4 logits of the
+    file's first SAVED_DEPTH layers (the file's own tensor bytes) within torch2flm's bounds."""
+    flm = tmp_path / f"saved_{dtype}.flm"
+    ft = ftllm_save(smollm2, flm, dtype)
+    if dtype == "float16":  # the file holds what ftllm computes with: its in-memory model is the judge
+        convert(flm, tmp_path / "ck", dtype="float32", show_progress=False)  # float32 compute: CPU-fast
+        check(Engine.load(tmp_path / "ck"), ft, SMOL_PROMPTS, dtype, flm_eos(flm))
+        return
+    # int4 (min, max) pairs are re-derived when read back (LowBitConfig type 1: min = -s z): ftllm running
+    # the file, not its in-memory model, is what the file means
+    part = truncated_copy(flm, tmp_path / f"saved_{dtype}_L{SAVED_DEPTH}.flm", SAVED_DEPTH)
+    convert(part, tmp_path / "ck", dtype="float32", show_progress=False)
+    diffs = logits_rel_diffs(Engine.load(tmp_path / "ck"), ftllm_model(part), SMOL_PROMPTS, 49152)
+    assert within_torch2flm_bounds(dtype, diffs), diffs
