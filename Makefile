@@ -42,9 +42,11 @@ test: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
+# The slow suite in two workers too, a file per worker (--dist loadfile keeps a file's module fixtures
+# on one worker): the quantization gates (tests/conftest.py runs that file first) beside the rest.
 test-slow: $(INSTALLED)
 	$(SAY_VENV)
-	$(PYTHON) -m pytest -q -m slow tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow tests
 
 # The CUDA suite (tests marked gpu: device choice, tp over nccl); skips without a GPU.
 test-gpu: $(INSTALLED)

@@ -116,3 +116,13 @@ def cpu_build(request, monkeypatch) -> str:
     assert lib.bst_isa() == build.ISAS[isa].code
     monkeypatch.setattr(ops, "library", lambda: lib)
     return isa
+
+
+# The longest file of the slow suite (the quantization gates, ~20 min) runs first, so under
+# `make test-slow`'s two workers (--dist loadfile: a file's tests stay on one worker and share its
+# module fixtures) the other worker runs everything else beside it. Order within a file is kept.
+FIRST = ("tests/quant/test_quant_smollm2.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: 0 if item.nodeid.startswith(FIRST) else 1)
