@@ -51,17 +51,19 @@ def child_named(layer: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
     return next((children[n] for n in names if n in children), None)
 
 
-def capture(module: nn.Module | None, run: Callable[[], Any]) -> torch.Tensor | None:
-    """The output [T, H] of `module` (the first one, a tuple's first element) while `run()` runs."""
-    if module is None:
-        return None
-    seen: list[torch.Tensor] = []
-    handle = module.register_forward_hook(lambda _m, _i, out: seen.append((out[0] if isinstance(out, tuple) else out)))
+def capture(modules: list[nn.Module | None], run: Callable[[], Any]) -> list[torch.Tensor | None]:
+    """The first output [T, H] of each of `modules` (a tuple's first element) during one `run()`."""
+    seen: list[list[torch.Tensor]] = [[] for _ in modules]
+    def keep(got: list[torch.Tensor]) -> Callable:
+        return lambda _m, _i, out: got.append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [m.register_forward_hook(keep(got)) for m, got in zip(modules, seen) if m is not None]
     try:
         run()
     finally:
-        handle.remove()
-    return seen[0].detach().float().reshape(-1, seen[0].shape[-1]) if seen else None
+        for handle in handles:
+            handle.remove()
+    return [got[0].detach().float().reshape(-1, got[0].shape[-1]) if got else None for got in seen]
 
 
 def departing_part(ours: nn.Module, hf: nn.Module, i: int, run_ours: Callable[[], Any],
@@ -72,14 +74,12 @@ def departing_part(ours: nn.Module, hf: nn.Module, i: int, run_ours: Callable[[]
     theirs = reference_layers(hf, len(ours.transformer.layers))
     if theirs is None:
         return ""
-    parts = []
-    for names, mine in ((ATTENTION_NAMES, "attention"), (MLP_NAMES, "mlp")):
-        ref = capture(child_named(theirs[i], names), run_hf)
-        out = capture(getattr(ours.transformer.layers[i], mine, None), run_ours)
-        if ref is None or out is None:
-            return ""
-        parts.append((mine, close(out, ref)))
-    (_, attention_ok), (_, mlp_ok) = parts
+    refs = capture([child_named(theirs[i], ATTENTION_NAMES), child_named(theirs[i], MLP_NAMES)], run_hf)
+    layer = ours.transformer.layers[i]
+    outs = capture([getattr(layer, "attention", None), getattr(layer, "mlp", None)], run_ours)
+    if any(t is None for t in (*refs, *outs)):
+        return ""
+    attention_ok, mlp_ok = (close(out, ref) for out, ref in zip(outs, refs))
     if not attention_ok:
         return "attention"
     return "mlp (attention matches)" if not mlp_ok else "after attention and mlp (norms or residuals)"
@@ -108,7 +108,7 @@ def same_named_mismatches(config: PretrainedConfig, hf_config: dict, base_fields
         if name in base_fields or hf_config.get(name) is None:
             continue
         ours, theirs = getattr(config, name), hf_config[name]
-        if ours != theirs and not (isinstance(ours, float) and isinstance(theirs, (int, float)) and ours == theirs):
+        if ours != theirs:  # 1 == 1.0: an int in config.json for a float field is no mismatch
             out.append(f"{name}: the config has {ours!r} but the source's config.json says {theirs!r} "
                        "(a reader that drops or overrides it?)")
     return out

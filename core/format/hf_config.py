@@ -200,7 +200,8 @@ def hf_config_reader(
     It refuses HF fields set otherwise than `unsupported` says (HF name -> the only value
     bestiary runs, e.g. {"use_sliding_window": False}), reads the common fields and the rope
     fields (those `cls` has; with `rope_kinds`, a rope scaling of another kind is refused), HF
-    `attention_bias` into qkv_bias and dense_bias and `mlp_bias` into mlp_bias, copies every HF field
+    `attention_bias` into qkv_bias and dense_bias and `mlp_bias` into mlp_bias (when the source sets
+    them; else the class's defaults stand), copies every HF field
     named like one of the family's own fields (`same_named`; `copy_same_named=False` copies none, a
     tuple of names skips those), then applies `fields`: a value, or a callable `(hf) -> value`, per
     bestiary field (`qkv_bias=True`, `rotary_base=lambda hf: ...`). Validation errors are
@@ -216,8 +217,10 @@ def hf_config_reader(
         if rope_kinds is not None:
             refuse_rope_kind(rope, rope_kinds, source)
         data = read_common(hf, defaults, source) | rope
-        bias = bool(hf.get("attention_bias", False))
-        data |= {"qkv_bias": bias, "dense_bias": bias, "mlp_bias": bool(hf.get("mlp_bias", False))}
+        if hf.get("attention_bias") is not None:  # absent: the class's own defaults (GPT-2's are all true)
+            data |= {"qkv_bias": bool(hf["attention_bias"]), "dense_bias": bool(hf["attention_bias"])}
+        if hf.get("mlp_bias") is not None:
+            data["mlp_bias"] = bool(hf["mlp_bias"])
         if copy_same_named is not False:
             data |= same_named(hf, cls, skip)
         data |= {k: v(hf) if callable(v) else v for k, v in fields.items()}

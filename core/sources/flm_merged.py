@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from bestiary.core.format.errors import WeightsError
+from bestiary.core.format.errors import ConfigError, WeightsError
+from bestiary.core.format.hf_config import read_common
 from bestiary.core.sources.flm_reader import FlmFile, FlmTensor
 
 QKV = re.compile(r"^(?P<prefix>.+\.self_attn)\.mergeqkv\.(?P<part>weight|bias)$")
@@ -36,17 +37,15 @@ def is_merged(name: str) -> bool:
 
 
 def qkv_rows(config: dict) -> tuple[int, int, int] | None:
-    """(q, k, v) rows of a mergeqkv tensor from the HF config, None when the config lacks the heads."""
-    heads = config.get("num_attention_heads")
-    if not isinstance(heads, int) or heads <= 0:
+    """(q, k, v) rows of a mergeqkv tensor from the HF config (core.format.hf_config.read_common's heads,
+    kv heads and head size), None when the config lacks them."""
+    try:
+        common = read_common(config)
+    except ConfigError:
         return None
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim")
-    if not isinstance(head_dim, int) or head_dim <= 0:
-        hidden = config.get("hidden_size")
-        if not isinstance(hidden, int) or hidden % heads:
-            return None
-        head_dim = hidden // heads
+    heads, kv, head_dim = common["num_attention_heads"], common["num_key_value_heads"], common["head_size"]
+    if not all(isinstance(n, int) and n > 0 for n in (heads, kv, head_dim)):
+        return None
     return heads * head_dim, kv * head_dim, kv * head_dim
 
 

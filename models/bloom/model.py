@@ -34,7 +34,7 @@ class BloomConfig(DecoderConfig):
 from_hf_config = hf_config_reader(
     BloomConfig, defaults={"norm_epsilon": 1e-5, "tie_word_embeddings": True},
     unsupported={"apply_residual_connection_post_layernorm": False},
-    hidden_act="gelu_pytorch_tanh", qkv_bias=True, dense_bias=True, mlp_bias=True)
+    hidden_act="gelu_pytorch_tanh")
 
 
 class BloomForCausalLM(DecoderLM):

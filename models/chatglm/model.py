@@ -76,12 +76,12 @@ class ChatGLM2Config(DecoderConfig):
 # THUDM options with no bestiary counterpart: quantized checkpoints and P-tuning prefixes.
 THUDM_UNSUPPORTED = {"quantization_bit": 0, "pre_seq_len": None}
 
+# Biases: the class's (all true); bos / mask / gmask token ids: same-named HF fields.
 from_hf_config_v1 = hf_config_reader(
     ChatGLMConfig, unsupported={**THUDM_UNSUPPORTED, "position_encoding_2d": True}, rope_kinds=(),
     defaults=dict(vocab_size=150528, hidden_size=4096, num_hidden_layers=28, num_attention_heads=32,
                   intermediate_size=16384, max_position_embeddings=2048, norm_epsilon=1e-5, hidden_act="gelu_new"),
-    intermediate_size=lambda hf: hf.get("inner_hidden_size", 16384), hidden_act="gelu_new",
-    qkv_bias=True, dense_bias=True, mlp_bias=True)  # bos / mask / gmask token ids: same-named HF fields
+    intermediate_size=lambda hf: hf.get("inner_hidden_size", 16384), hidden_act="gelu_new")
 
 
 def thudm_kv_heads(hf: dict) -> int:

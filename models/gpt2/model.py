@@ -36,8 +36,7 @@ class GPT2Config(DecoderConfig):
 
 from_hf_config = hf_config_reader(
     GPT2Config, defaults={"norm_epsilon": 1e-5, "hidden_act": "gelu_new", "max_position_embeddings": 1024,
-                          "tie_word_embeddings": True},
-    qkv_bias=True, dense_bias=True, mlp_bias=True)
+                          "tie_word_embeddings": True})
 
 
 class GPT2LMHeadModel(DecoderLM):

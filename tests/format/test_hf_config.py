@@ -59,3 +59,19 @@ def test_read_rope_reads_either_transformers_layout():
     five = {"rope_parameters": {"rope_theta": 1e6, "rope_type": "llama3", "factor": 8.0, "partial_rotary_factor": 0.5}}
     assert read_rope(four) == read_rope(five) == {
         "rotary_base": 1e6, "rotary_scaling": {"rope_type": "llama3", "factor": 8.0}, "rotary_pct": 0.5}
+
+
+class AllBiases(DecoderConfig):
+    architecture: Literal["AllBiases"] = "AllBiases"
+    qkv_bias: bool = True
+    dense_bias: bool = True
+    mlp_bias: bool = True
+
+
+def test_bias_fields_come_from_the_source_only_when_it_sets_them():
+    """No attention_bias / mlp_bias in the source: the class's own bias defaults stand (GPT-2, BLOOM)."""
+    read = hf_config_reader(AllBiases)
+    config = read(SIZES, "float32", Mapping())
+    assert (config.qkv_bias, config.dense_bias, config.mlp_bias) == (True, True, True)
+    config = read(SIZES | {"attention_bias": False, "mlp_bias": False}, "float32", Mapping())
+    assert (config.qkv_bias, config.dense_bias, config.mlp_bias) == (False, False, False)
