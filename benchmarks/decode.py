@@ -12,6 +12,7 @@ greedy, EOS ignored, median of --repeats alternating runs. Prints a table with t
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -46,6 +47,7 @@ def decode_rate(run, n: int) -> float:
 
 def main() -> None:
     import transformers
+
     from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
@@ -72,8 +74,8 @@ def main() -> None:
             llm = LLM(engine)
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 str(dense_hf_dir(gguf)), dtype=getattr(torch, dtype)).eval()
-            ours_rate = lambda n: ours_generate_seconds(llm, ids, n)  # noqa: E731
-            hf_rate = lambda n: hf_generate_seconds(hf, torch.tensor([ids]), n)  # noqa: E731
+            ours_rate = functools.partial(ours_generate_seconds, llm, ids)
+            hf_rate = functools.partial(hf_generate_seconds, hf, torch.tensor([ids]))
             ours_rate(4), hf_rate(4)  # warm-up
             ours, ref = [], []
             for _ in range(args.repeats):

@@ -60,10 +60,11 @@ def bestiary_checkpoint(hf_dir: Path, out: Path, dtype: str) -> Path:
 
 def agreement_rows(hf_dir: Path, work: Path, dtype: str, threads: int, prompts: list[list[int]],
                    steps: int | None) -> list[tuple[str, str, str]]:
+    from flm_judge import agreement, bestiary_greedy, flm_eos, ftllm_export, ftllm_greedy, ftllm_model
+
     from bestiary.core.convert.export_flm import export_flm
     from bestiary.core.convert.source_to_checkpoint import convert
     from bestiary.core.runtime.engine import Engine
-    from flm_judge import agreement, bestiary_greedy, flm_eos, ftllm_export, ftllm_greedy, ftllm_model
 
     steps = steps or (32 if dtype == "float16" else 16)
     ft_file = ftllm_export(hf_dir, work / f"ft_{dtype}.flm", dtype)
@@ -89,9 +90,10 @@ def agreement_rows(hf_dir: Path, work: Path, dtype: str, threads: int, prompts: 
 def prepare_speed(hf_dir: Path, work: Path, dtype: str, from_flm: bool) -> tuple[Path, Path, str]:
     """(ftllm's .flm, bestiary's engine dir, bestiary's label) for the speed of `dtype`; from_flm: bestiary
     runs ftllm's own file (activation_quant)."""
+    from flm_judge import ftllm_export
+
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
-    from flm_judge import ftllm_export
 
     flm = ftllm_export(hf_dir, work / f"ft_{dtype}.flm", dtype)
     tag = f"{dtype}_flm" if from_flm else dtype

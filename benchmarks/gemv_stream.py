@@ -15,6 +15,7 @@ GB/s = the weight bytes (with scales) / seconds.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -33,11 +34,16 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
+def run_linears(ops, x: torch.Tensor, ws: list) -> None:
+    """x @ each packed weight of ws in turn (the stream over all of them is what is timed)."""
+    for w in ws:
+        ops.linear(x, w)
+
+
 def weights(kind: str, k: int, n: int, count: int) -> list:
     """`count` random weights [n, k] of `kind` as the kernels hold them."""
-    from bestiary.core.kernels.cpu import ops
-
     from bestiary.core.format import packing
+    from bestiary.core.kernels.cpu import ops
 
     if kind.startswith(("bf16", "fp32")):
         dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
@@ -61,7 +67,7 @@ def gemv_rows(layers: int, repeats: int) -> None:
             rates = []
             for count in (layers, 1):
                 ws = weights(kind, k, n, count)
-                seconds = best_seconds(lambda: [ops.linear(x.float() if kind.startswith("fp32") else x, w) for w in ws], repeats)
+                seconds = best_seconds(functools.partial(run_linears, ops, x.float() if kind.startswith("fp32") else x, ws), repeats)
                 rates.append(sum(w.nbytes for w in ws) / seconds / 1e9)
             print(f"{kind:6s} {f'{k}x{n}':>10s} {rates[0]:10.1f} {rates[1]:14.1f}")
 

@@ -35,11 +35,12 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 WHEEL_DIR = REPO / ".whl"

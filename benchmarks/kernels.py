@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from bestiary.core.kernels.dispatch import FAMILIES
 
 NEEDS_CUDA = "benchmarks/kernels.py needs a CUDA device (torch.cuda.is_available() is False): nothing timed."
@@ -154,8 +155,8 @@ def activation_cases(dtype: torch.dtype, tokens: list[int], family) -> list[Case
 
 def _paged(b: int, seq: int, ctx: int, kvh: int, dtype: torch.dtype):
     """(q, k, v, meta, k_pool, v_pool) for b sequences of `seq` new tokens after `ctx` cached, shuffled blocks."""
-    from bestiary.core.kernels.metadata import AttentionMetadata
     from bestiary.core.kernels.attention_ref import write_kv
+    from bestiary.core.kernels.metadata import AttentionMetadata
 
     per_seq = -(-(ctx + seq) // BLOCK_SIZE)
     order = torch.randperm(b * per_seq).tolist()

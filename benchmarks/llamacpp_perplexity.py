@@ -24,6 +24,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+
 from bestiary.core.cli.demo import demo_model_path
 from bestiary.core.runtime.engine import Engine
 

@@ -80,6 +80,7 @@ def hf_peft(model, prompts, names, new_tokens: int) -> float:
 def main() -> None:
     import peft
     import transformers
+
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert

@@ -30,6 +30,7 @@ LAYOUTS = {  # name -> convert keyword arguments
 
 def main() -> None:
     import transformers
+
     from bestiary.core.convert.source_to_checkpoint import convert
     from bestiary.core.format.checkpoint import rank_file
 

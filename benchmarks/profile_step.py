@@ -64,9 +64,10 @@ def profile(llm, batch: int, tokens: int, prompt: int = 64) -> tuple[dict[str, f
 
 def main() -> None:
     import torch
-    from bestiary.core.runtime.llm import LLM
     from rich.console import Console
     from rich.table import Table
+
+    from bestiary.core.runtime.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])

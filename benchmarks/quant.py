@@ -143,6 +143,7 @@ def llama_cpp_rate(gguf: Path, ids: list[int], n: int, repeats: int) -> float | 
 
 def main() -> None:
     import transformers
+
     from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
@@ -164,7 +165,9 @@ def main() -> None:
     ids = tokenizer(PROMPT).input_ids
     # the dense model a transformers user runs (transformers keeps a GGUF packed: core.bench.dense_hf)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(dense_hf_dir(gguf)), dtype=torch.float32).eval()
-    hf_run = lambda n: hf_seconds(hf, torch.tensor([ids]), n)
+    def hf_run(n: int) -> float:
+        return hf_seconds(hf, torch.tensor([ids]), n)
+
     hf_run(4)
     rows, hf_rates, reference = [], [], None
     with tempfile.TemporaryDirectory() as tmp:

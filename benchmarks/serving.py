@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from bestiary.core.bench.workload import Workload, percentile
 
 HF_BATCH = 16
@@ -94,6 +95,7 @@ def hf_ttft(model, prompt: list[int]) -> float:
 
 def main() -> None:
     import transformers
+
     from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine

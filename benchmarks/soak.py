@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
 from bestiary.core.serve.process import ServerProcess
 
 

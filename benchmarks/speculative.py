@@ -43,11 +43,12 @@ def engines(workdir: Path) -> tuple[Path, Path]:
 
 def main() -> int:
     import torch
+    from rich.console import Console
+    from rich.table import Table
+
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
     from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig
-    from rich.console import Console
-    from rich.table import Table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num_draft_tokens", type=int, default=8, help="k of prompt lookup")

@@ -42,10 +42,10 @@ def main() -> None:
     if args.quant:
         quant_rows(args)
         return
+    from bestiary.core.format import packing
     from bestiary.core.kernels.cpu import ops
     from bestiary.core.kernels.cpu.build import chosen_isa
     from bestiary.core.layers import cpu_matmul
-    from bestiary.core.format import packing
 
     torch.set_num_threads(args.threads)
     if args.no_native:

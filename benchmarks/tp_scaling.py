@@ -34,6 +34,7 @@ def rss_mb(pid: int) -> float:
 
 def make_checkpoints(workdir: Path) -> tuple[Path, Path]:
     import transformers
+
     from bestiary.core.convert.source_to_checkpoint import convert
 
     if not (workdir / "tp2").exists():

@@ -7,7 +7,7 @@ Built-in architectures use exactly this API.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 

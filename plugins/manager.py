@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import pluggy
+
 from bestiary.plugins import hookspecs
 
 

@@ -28,7 +28,7 @@ class Registry:
     @classmethod
     def from_plugins(
         cls, extra_plugins: dict[str, ModuleType | object] | None = None, override: bool = False
-    ) -> "Registry":
+    ) -> Registry:
         """A registry over every installed plugin plus `extra_plugins` (name -> plugin).
 
         override: the extra plugins' specs replace installed ones of the same name instead of

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.runtime.engine import Engine

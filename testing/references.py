@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from bestiary.testing.parity import hf_logits, reinit_
 
 

@@ -20,13 +20,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.cache import cache_dir, source_key
 
 
 def write_dense_hf(gguf: Path, out: Path, dtype: torch.dtype = torch.float32, untied: bool = False) -> Path:
     """Write `gguf` as an HF dir `out` (model.safetensors, config.json, tokenizer files) in `dtype`."""
-    from bestiary.core.sources import open_source
     from safetensors.torch import save_file
+
+    from bestiary.core.sources import open_source
 
     src = open_source(gguf)
     names = list(src.weights.keys())

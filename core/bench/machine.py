@@ -28,8 +28,8 @@ def cpu_kernels() -> tuple[str, str]:
     """The build of the compiled CPU kernels (core.kernels.cpu.build) the engines run: its ISA (avx512bf16,
     avx512, avx2, scalar; "off" when the torch references run instead) and why. Builds the library
     if needed; BestiaryError for a BESTIARY_CPU_ISA this CPU refuses (the engines would refuse it)."""
-    from bestiary.core.kernels.cpu import build
     from bestiary.core.kernels import dispatch
+    from bestiary.core.kernels.cpu import build
 
     if dispatch.mode() != "auto":
         return "off", f"{dispatch.ENV_VAR}={dispatch.mode()}: no compiled CPU kernels"

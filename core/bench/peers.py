@@ -89,6 +89,7 @@ def _model_dir(opts: PeerOptions, untied: bool) -> Path:
     """--hf_model as a dense HF dir (a .gguf made dense once, cached; float16 and untied for FastLLM)."""
     if opts.hf_model.suffix == ".gguf":
         import torch
+
         from bestiary.core.bench.dense_hf import dense_hf_dir
 
         return dense_hf_dir(opts.hf_model, torch.float16 if untied else torch.float32, untied=untied)

@@ -119,11 +119,12 @@ def stdout_to_stderr() -> Iterator[None]:
 @command("bench")
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     from bestiary.core.bench.peers import PeerOptions, candidates
     from bestiary.core.bench.run import run_bench
     from bestiary.core.cli.bench_tables import print_report
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     config = bench_config(args)
     compare = compare_names(args.compare)

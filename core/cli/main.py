@@ -259,8 +259,12 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `bestiary` script: every failure is one line and an exit code (cli.failures)."""
     args = make_parser().parse_args(argv)
-    from bestiary.core.cli import chat, commands, serve  # noqa: F401 - register the handlers into COMMANDS
-    from bestiary.core.cli import bench  # noqa: F401 - registers `bestiary bench`
+    from bestiary.core.cli import (  # noqa: F401 - register the handlers into COMMANDS
+        bench,  # noqa: F401 - registers `bestiary bench`
+        chat,
+        commands,
+        serve,
+    )
     from bestiary.core.cli.failures import check_text_args, exit_code_for, signals_as_interrupts
 
     with signals_as_interrupts():

@@ -14,6 +14,7 @@ from bestiary.core.format.errors import BestiaryError
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
+
         from bestiary.core.serve.app import ServeSettings, create_app, load_chat_template
     except ImportError as err:
         raise BestiaryError(f"bestiary serve needs the serve extra ({err.name} is missing): "

@@ -21,6 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from bestiary.core.format.config import read_text_file
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.layers.linear import Linear
@@ -28,7 +30,6 @@ from bestiary.core.quant.calib_text import builtin_text
 from bestiary.core.quant.input_stats import LinearInputStats, _Accumulator
 from bestiary.core.runtime.kv_cache import KVCache, blocks_for
 from bestiary.core.runtime.model import sequence_metadata
-from torch import nn
 
 DEFAULT_CHUNK = 512
 CALIB_TOKENS = 512  # KV scale calibration's tokens at most

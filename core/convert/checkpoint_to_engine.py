@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+from bestiary.core.convert.memory import check_build_memory
 from bestiary.core.format.build_config import (
     FORMAT_VERSION,
     TOKENIZER_FILES,
@@ -15,7 +16,6 @@ from bestiary.core.format.build_config import (
 from bestiary.core.format.checkpoint import atomic_directory, rank_file, write_json
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
-from bestiary.core.convert.memory import check_build_memory
 from bestiary.core.format.output_dir import check_output_dir
 
 __all__ = ["FORMAT_VERSION", "BuildConfig", "build_engine", "finalize_build_config"]

@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+
 from bestiary.core.convert import flm_encode
 from bestiary.core.convert.flm_tables import INVERSE_HOOKS, hf_config_of
+from bestiary.core.convert.progress import progress
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError, ConfigError, EnvironmentFault
-from bestiary.core.convert.progress import progress
 from bestiary.core.sources.flm_format import VERSION, pack_int, pack_string, pack_token
 
 FLM_DTYPES = ("float32", "float16", "int8", "int4", "int4g128")

@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import torch
+
 from bestiary.core.format import packing
 from bestiary.core.sources.flm_format import (
     CODES,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from bestiary.core.format.errors import BestiaryError
 
 Bundle = dict[str, torch.Tensor]

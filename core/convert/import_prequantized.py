@@ -33,9 +33,10 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+from bestiary.core.format import packing
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig, read_json
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
-from bestiary.core.format import packing
 from bestiary.core.quant import hf_formats
 from bestiary.core.sources.base import ModelSource, WeightSource, slice_dim
 

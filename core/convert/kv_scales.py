@@ -13,11 +13,13 @@ import struct
 from pathlib import Path
 
 import torch
-from bestiary.core.format.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
+from safetensors import safe_open
+
 from bestiary.core.convert.calibration import run_sequence
+from bestiary.core.format.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.quant.kv import SCALE_NAME, scales_from_amax
-from safetensors import safe_open
+
 
 @torch.inference_mode()
 def calibrate_kv_amax(model: torch.nn.Module, ids: list[int], block_size: int = 32) -> list[tuple[float, float]]:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
 from bestiary.core.convert.calibration import chunk_logits
 from bestiary.core.convert.lint_trace import (
     close,

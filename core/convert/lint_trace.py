@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bestiary.core.format.config import PretrainedConfig
 from torch import nn
+
+from bestiary.core.format.config import PretrainedConfig
 
 ROTARY_FRACTIONS = (1.0, 0.5, 0.25)
 ROPE_STYLES = {"rope_gpt_neox": "rope_gptj", "rope_gptj": "rope_gpt_neox"}

@@ -34,12 +34,13 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from bestiary.core.convert.postprocess import identity, slices_itself  # noqa: F401 - plugin API
 from bestiary.core.format.checkpoint import check_finite
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import WeightSource
 from bestiary.registry.spec import DEFAULT_KEY_MAP, ArchitectureSpec, resolve
-from torch import nn
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora import trtllm_convert, trtllm_tensors

@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from torch import nn
+
 from bestiary.core.convert.loader import Target
 from bestiary.core.quant.act_slot import SCALE_NAMES as ACT_SCALE_NAMES
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.kv import SCALE_NAME as KV_SCALE_NAME
 from bestiary.core.quant.slot import SCALE_NAMES, WeightOnlySlot
-from torch import nn
 
 
 def loader_targets(

@@ -44,14 +44,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from bestiary.core.convert.calibration import calibrate_linears, calibration_chunks
 from bestiary.core.format.config import PretrainedConfig, QuantConfig
 from bestiary.core.format.errors import ConfigError
-from bestiary.core.quant.input_stats import LinearInputStats
-from bestiary.core.convert.calibration import calibrate_linears, calibration_chunks
-from bestiary.core.quant.apply import quantized_linears
-from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
 from bestiary.core.format.packing import Int4Codes, int4_roundtrip
-from torch import nn
+from bestiary.core.quant.apply import quantized_linears
+from bestiary.core.quant.input_stats import LinearInputStats
+from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
 
 WEIGHT_QUANTIZERS = ("rtn", "gptq")
 # GPTQ's Hessians and the scale tuning want many more tokens than the KV scales' 512: the whole
@@ -132,8 +133,8 @@ def check_tune_steps(quant: QuantConfig | None, method: str, steps: int | None) 
 def weight_calibration_ids(files, vocab_size: int, text_file) -> list[int]:
     """Calibration tokens for the weights: `text_file`, else the built-in texts (core.quant.calib_text),
     at most WEIGHT_CALIB_TOKENS; else (no tokenizer) RANDOM_CALIB_TOKENS seeded random ids."""
-    from bestiary.core.quant.calib_text import WEIGHT_CALIB_TEXT
     from bestiary.core.convert.calibration import calibration_ids
+    from bestiary.core.quant.calib_text import WEIGHT_CALIB_TEXT
 
     limit = WEIGHT_CALIB_TOKENS if files is not None or text_file is not None else RANDOM_CALIB_TOKENS
     return calibration_ids(files, vocab_size, text_file, None, limit=limit, builtin=WEIGHT_CALIB_TEXT)
@@ -199,8 +200,8 @@ def tuned_int4_codes(model: nn.Module, tensors: dict[str, torch.Tensor], slots: 
 def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, model_class, ids: list[int],
                           method: str, bar, task, tune_steps: int = 0) -> None:
     """Write rank `plan.rank` with each quantized linear packed from its inputs' statistics (module docstring)."""
-    from bestiary.core.convert.source_to_checkpoint import rank_writer
     from bestiary.core.convert.quantize import checkpoint_names, quantize_loaded
+    from bestiary.core.convert.source_to_checkpoint import rank_writer
     from bestiary.core.convert.tune import TeacherTargets
     from bestiary.core.runtime.model import torch_dtype
 
@@ -256,10 +257,11 @@ def write_sharded_rank(tmp: Path, plan, whole: Path, config: PretrainedConfig, m
     tp 1 file) is cut from the embedding."""
     from dataclasses import replace
 
+    from safetensors import safe_open
+
+    from bestiary.core.convert.quantize import rank_part
     from bestiary.core.convert.source_to_checkpoint import rank_writer
     from bestiary.core.format.checkpoint import global_layer_key, rank_file
-    from bestiary.core.convert.quantize import rank_part
-    from safetensors import safe_open
 
     model = model_class(config, plan.rank, device="meta")
     aliases, offset = model.source_aliases(), model.layer_offset

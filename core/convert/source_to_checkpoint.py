@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from bestiary.core.convert.loader import Target, WeightsLoader, model_targets
+from bestiary.core.convert.memory import freed_memory_returned
+from bestiary.core.convert.progress import progress
 from bestiary.core.format.checkpoint import (
     StreamingSafetensorsWriter,
     atomic_directory,
@@ -22,14 +26,11 @@ from bestiary.core.format.checkpoint import (
 )
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig
 from bestiary.core.format.errors import BestiaryError, ConfigError
-from bestiary.core.convert.memory import freed_memory_returned
 from bestiary.core.format.output_dir import check_output_dir
-from bestiary.core.convert.progress import progress
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry, resolve
 from bestiary.registry.capabilities import check_supported
 from bestiary.registry.spec import ArchitectureSpec
-from torch import nn
 
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -236,7 +237,10 @@ def convert(
             for plan in plans:
                 write_sharded_rank(tmp, plan, whole, config, resolve(spec.model_class), bar, task)
         elif calibrated:
-            from bestiary.core.convert.quantize_calibrated import weight_calibration_ids, write_calibrated_rank
+            from bestiary.core.convert.quantize_calibrated import (
+                weight_calibration_ids,
+                write_calibrated_rank,
+            )
 
             ids = weight_calibration_ids(source.tokenizer, config.vocab_size, calib_text)
             write_calibrated_rank(tmp, plans[0], loader, config, resolve(spec.model_class), ids, method, bar, task,
@@ -254,8 +258,8 @@ def convert(
             copy_kv_scales(tp1, tmp, config)
             shutil.rmtree(tp1)
         elif config.quantization.kv_cache_quant_algo:
-            from bestiary.core.convert.kv_scales import calibrate_kv_scales
             from bestiary.core.convert.calibration import calibration_ids
+            from bestiary.core.convert.kv_scales import calibrate_kv_scales
 
             ids = calibration_ids(source.tokenizer, config.vocab_size, calib_text,
                                   config.max_position_embeddings)

@@ -31,10 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.format import packing
-from bestiary.core.format.packing import Int4Codes
 from torch import nn
 from torch.nn.utils import parametrize
+
+from bestiary.core.format import packing
+from bestiary.core.format.packing import Int4Codes
 
 TOP_K = 128
 DEFAULT_STEPS = 40
@@ -125,9 +126,9 @@ def tune_group_scales(
     `model` is the float model whose quantized linears are named in `layers` (its weights are
     replaced by the parametrization while tuning, and left as the tuned dequantized weights);
     `on_step(loss)` is called after each step (progress)."""
+    from bestiary.core.convert.calibration import chunk_logits
     from bestiary.core.kernels.dispatch import kernels_mode
     from bestiary.core.layers.linear import Linear
-    from bestiary.core.convert.calibration import chunk_logits
 
     if len(chunks) != len(targets):
         raise ValueError(f"{len(chunks)} calibration sequences but {len(targets)} teacher targets")

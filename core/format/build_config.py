@@ -5,9 +5,10 @@ Light on purpose (no torch): the CLI builds its `build` flags from this schema.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from bestiary.core.format.config import StrictModel
 from bestiary.core.format.errors import BestiaryError
-from pydantic import Field
 
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

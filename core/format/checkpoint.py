@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.errors import EnvironmentFault, WeightsError
 from bestiary.core.format.output_dir import TEMP_MARKER, check_output_dir, remove_stale_temp_dirs
 

@@ -12,8 +12,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal
 
-from bestiary.core.format.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from bestiary.core.format.errors import ConfigError
 
 DType = Literal["float32", "float16", "bfloat16"]
 
@@ -61,7 +62,7 @@ class Mapping(StrictModel):
                                     "whole experts each (expert parallelism; default tp_size / moe_tp_size, else 1).")
 
     @model_validator(mode="after")
-    def _check_world(self) -> "Mapping":
+    def _check_world(self) -> Mapping:
         if self.world_size == 1 and self.tp_size * self.pp_size > 1:
             object.__setattr__(self, "world_size", self.tp_size * self.pp_size)
         if self.world_size != self.tp_size * self.pp_size:
@@ -153,7 +154,7 @@ class PretrainedConfig(StrictModel):
     quantization: QuantConfig = Field(default_factory=QuantConfig)
 
     @model_validator(mode="after")
-    def _derive(self) -> "PretrainedConfig":
+    def _derive(self) -> PretrainedConfig:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_size is None:

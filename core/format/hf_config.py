@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+from pydantic import Field, model_validator
+
 from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
 from bestiary.core.format.errors import ConfigError
-from pydantic import Field, model_validator
 
 # bestiary field -> the HF config.json names it is read from, first present wins.
 COMMON_NAMES: dict[str, tuple[str, ...]] = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels.activations_ref import ACT_CODES, act_and_mul_ref, activation_ref  # noqa: F401 (references)
 

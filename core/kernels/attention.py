@@ -31,8 +31,9 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from bestiary.core.kernels.metadata import AttentionMetadata
+
 from bestiary.core.kernels.attention_ref import decode_attention, prefill_attention, windowed_attention
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 Bounds = tuple[list[int], list[int]]  # per-sequence (windows, sinks) of one layer, AttentionMetadata.window_bounds
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.attention_window import visible_keys, window_visible
 from bestiary.core.kernels.kv_codes import as_bytes, quantize_kv

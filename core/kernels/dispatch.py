@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
+
 from bestiary.core.format.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from bestiary.core.kernels.attention import dot_precision
 
 # --- torch reference -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from bestiary.core.kernels.attention_window import FULL, effective_window, windows_of
 
 # Additive per-head bias of key positions: k_pos [L] (int64) -> [H_local, L] (float32).
@@ -87,7 +88,7 @@ class AttentionMetadata:
         positions: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         **kwargs,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Metadata for sequences with `seq_lens` new tokens after `context_lens` cached ones.
 
         positions default to context_len + arange(seq_len) per sequence.

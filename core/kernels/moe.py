@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from bestiary.core.kernels.activations import act_and_mul, act_and_mul_ref, activation, activation_ref
 from bestiary.core.kernels.attention import dot_precision
 
@@ -92,7 +93,7 @@ def _route_kernel(
     if RENORMALIZE:  # 1 / (mass of the top-k), from a first pass over the same selection
         total = 0.0
         r = remaining
-        for k in tl.static_range(TOP_K):
+        for _ in tl.static_range(TOP_K):
             best = tl.argmax(r, axis=0)
             total += tl.max(r, axis=0)
             r = tl.where(offs == best, -1.0, r)

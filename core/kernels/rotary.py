@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from bestiary.core.format.errors import ConfigError
 
 STYLES = ("neox", "gptj")

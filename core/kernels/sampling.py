@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from bestiary.core.kernels.sampling_ref import filter_logits_ref  # noqa: F401 (the reference)
 
 # --- Triton kernel -------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels.attention import dot_precision
 

@@ -11,6 +11,7 @@ a layer passes it the slopes of its own heads.
 from __future__ import annotations
 
 import torch
+
 from bestiary.core.layers.attention import alibi_slopes
 
 

@@ -10,11 +10,12 @@ core.kernels.attention's (Triton); the step's batch is core.kernels.metadata.Att
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.attention_ref import write_kv
 from bestiary.core.kernels.attention_window import FULL
 from bestiary.core.kernels.metadata import AttentionMetadata, KeyBias
-from torch import nn
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

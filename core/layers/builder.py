@@ -21,6 +21,8 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
+from torch import nn
+
 from bestiary.core.kernels.metadata import KeyBias
 from bestiary.core.layers.attention import PagedAttention
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
@@ -31,7 +33,6 @@ from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
 from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
 from bestiary.core.layers.scaled_residual_layer import ScaledResidualLayer
 from bestiary.core.layers.self_attention import SelfAttention
-from torch import nn
 
 Layout = Literal["pre", "post", "parallel", "scaled", "output"]
 LAYOUTS: tuple[str, ...] = Layout.__args__

@@ -32,10 +32,11 @@ from __future__ import annotations
 import threading
 
 import torch
-from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
-from bestiary.core.kernels import dispatch
-from bestiary.core.format import packing
 from torch import nn
+
+from bestiary.core.format import packing
+from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
 
 HALF_GEMV_MAX_TOKENS = 8
 KERNEL_MAX_TOKENS = 32  # rows up to which bf16 transposed matmuls run the compiled GEMV

@@ -7,8 +7,9 @@
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels.metadata import AttentionMetadata
 from torch import nn
+
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 
 def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.layers import cpu_matmul
 from torch import nn
+
+from bestiary.core.layers import cpu_matmul
 
 
 class Embedding(nn.Module):

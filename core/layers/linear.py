@@ -18,9 +18,10 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from bestiary.core.kernels.metadata import LoraDelta
 from bestiary.core.layers import cpu_matmul
-from torch import nn
 
 
 class Parallel(str, Enum):

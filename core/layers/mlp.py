@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.kernels.cpu import malloc
+from torch import nn
+
+from bestiary.core.format import packing
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.activations_ref import activation
+from bestiary.core.kernels.cpu import malloc
+from bestiary.core.kernels.metadata import LoraDelta
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.linear import Linear, Parallel
-from bestiary.core.kernels.metadata import LoraDelta
-from bestiary.core.format import packing
-from torch import nn
+
 
 def heap_chunks(x: torch.Tensor, width: int) -> int:
     """How many pieces to cut x's rows (tokens) into so that a [rows, width] activation in x's dtype stays

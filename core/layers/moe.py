@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.kernels import dispatch
-from bestiary.core.layers.linear import Linear, Parallel
-from bestiary.core.kernels.metadata import LoraDelta
-from bestiary.core.layers.mlp import GatedMLP
-from bestiary.core.kernels.activations_ref import activation
 from torch import nn
+
+from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.activations_ref import activation
+from bestiary.core.kernels.metadata import LoraDelta
+from bestiary.core.layers.linear import Linear, Parallel
+from bestiary.core.layers.mlp import GatedMLP
 
 
 class ExpertLinear(nn.Module):

@@ -7,8 +7,9 @@ bestiary.core.kernels.dispatch.
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels import dispatch
 from torch import nn
+
+from bestiary.core.kernels import dispatch
 
 
 class RMSNorm(nn.Module):

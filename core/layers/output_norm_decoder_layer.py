@@ -9,8 +9,9 @@ No norm on the sublayers' inputs; the model's final norm (ln_f) closes the stack
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels.metadata import AttentionMetadata
 from torch import nn
+
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 
 class OutputNormDecoderLayer(nn.Module):

@@ -11,8 +11,9 @@ input_layernorm(x) too; with two (Falcon-40B/180B's ln_attn, ln_mlp) each branch
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels.metadata import AttentionMetadata
 from torch import nn
+
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 
 class ParallelDecoderLayer(nn.Module):

@@ -7,9 +7,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.layers.decoder_layer import add_and_norm
-from torch import nn
 
 
 class PostNormDecoderLayer(nn.Module):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
+
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
-from torch import nn
 
 
 def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:

@@ -12,9 +12,10 @@ A head of D dims is split in two halves of D/2; with the neox-style rotation of
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.layers.rotary import Rotary
-from torch import nn
 
 
 class Rotary2D(nn.Module):

@@ -8,8 +8,9 @@ is taken after the norm and scaled by alpha (sqrt(2 L) for L layers in ChatGLM-6
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels.metadata import AttentionMetadata
 from torch import nn
+
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 
 class ScaledResidualLayer(nn.Module):

@@ -16,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
 from bestiary.core.kernels.metadata import AttentionMetadata, KeyBias
 from bestiary.core.layers.attention import PagedAttention
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.rotary import Rotary
-from torch import nn
 
 
 def kv_heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> range:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.layers.self_attention import qkv_rank_slice
 from bestiary.core.lora.modules import LANDINGS, Landing

@@ -30,8 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.kernels.cpu import ops as cpu_ops
+
 from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.cpu import ops as cpu_ops
 from bestiary.core.layers.linear import Parallel
 from bestiary.core.lora.adapter import LoraAdapter
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import BaseModel, Field
+
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
-from pydantic import BaseModel, Field
 
 LORA_DIR = "lora"
 

@@ -26,13 +26,14 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, Field
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora.adapter import LoraAdapter, LoraSource, module_dims, place, read_peft
 from bestiary.core.lora.bundle import LoraBuildConfig
-from bestiary.core.lora.trtllm_tensors import read_rows
 from bestiary.core.lora.request import LoraRequest
+from bestiary.core.lora.trtllm_tensors import read_rows
 from bestiary.registry import Registry, default_registry
-from pydantic import BaseModel, Field
 
 MiB = 1 << 20
 

@@ -17,8 +17,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bestiary.core.format.errors import BestiaryError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from bestiary.core.format.errors import BestiaryError
 
 CONFIG_NAME = "adapter_config.json"
 

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
 from bestiary.core.lora.adapter import LoraAdapter, LoraSource, place
 from bestiary.core.lora.batch import AdapterStack, StepLora
 

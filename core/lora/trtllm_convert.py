@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora import trtllm_tensors
 from bestiary.core.lora.adapter import LoraSource, _parse_targets, _tensor_names, _weight_file, read_peft

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora.adapter import LoraSource, ModuleWeights
 from bestiary.core.lora.modules import LANDINGS, MODULE_IDS

@@ -53,12 +53,13 @@ Outputs are cast back to x's dtype.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bestiary.core.format import packing
-from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.awq import awq_scale, search_awq_scale
+from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.modes import LinearQuant, check_linear
 from bestiary.core.quant.slot import install_int_weight
-from torch import nn
 
 FP8_ALGO = "FP8"
 SQ_ALGO = "W8A8_SQ_PER_CHANNEL"

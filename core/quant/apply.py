@@ -7,12 +7,13 @@ the model's state dict has the checkpoint's quantized names and shapes.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.kv import install_kv_quant
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of, quantizes
 from bestiary.core.quant.slot import WeightOnlySlot
-from torch import nn
 
 
 def quantized_linears(model: nn.Module) -> dict[str, Linear]:

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from bestiary.core.quant.input_stats import LinearInputStats
+
 from bestiary.core.quant.gptq import hessian_error
+from bestiary.core.quant.input_stats import LinearInputStats
 
 GRID = 20
 REFINE = 0.01  # float32 errors within 1% of the best go to the float64 comparison

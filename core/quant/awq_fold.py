@@ -30,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.quant.input_stats import LinearInputStats
-from bestiary.core.quant.awq import search_shared_scale
 from torch import nn
+
+from bestiary.core.quant.awq import search_shared_scale
+from bestiary.core.quant.input_stats import LinearInputStats
 
 
 @dataclass(frozen=True)

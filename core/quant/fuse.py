@@ -13,10 +13,11 @@ so [y1, y2] = x [W1; W2]^T is exact. The members' tensors become views of the fu
 from __future__ import annotations
 
 import torch
-from bestiary.core.layers.linear import Linear
-from bestiary.core.format.packing import CPU_INT4_BLOCK_N, TILE_ROWS
-from bestiary.core.quant.slot import WeightOnlySlot
 from torch import nn
+
+from bestiary.core.format.packing import CPU_INT4_BLOCK_N, TILE_ROWS
+from bestiary.core.layers.linear import Linear
+from bestiary.core.quant.slot import WeightOnlySlot
 
 STACKED = ("weight", "weights_scaling_factor", "zeros")
 

@@ -40,6 +40,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
 from bestiary.core.format import packing
 
 DEFAULT_DAMP = 0.1  # 0.01 (the paper's) overfits a few thousand calibration tokens: docs/quantization.md

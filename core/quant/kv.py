@@ -22,6 +22,7 @@ one float layer.
 from __future__ import annotations
 
 import torch
+
 from bestiary.core.kernels.kv_codes import KV_DTYPES, QMAX, as_bytes, dequantize_kv
 
 SCALE_NAME = "kv_cache_scaling_factor"

@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
-from bestiary.core.kernels import dispatch
-from bestiary.core.layers import cpu_matmul
+from torch import nn
+
 from bestiary.core.format import packing
+from bestiary.core.format.packing import Int4Codes
+from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
+from bestiary.core.layers import cpu_matmul
 from bestiary.core.quant import online_act
 from bestiary.core.quant.modes import LinearQuant, check_linear
-from bestiary.core.format.packing import Int4Codes
-from torch import nn
 
 # Steps with more tokens than this dequantize to bf16 and run a dense matmul on the CPU
 # (the weight-only kernels do not scale with the batch; see docs/quantization.md): the aten

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from bestiary.core.runtime.kv_cache import fork_table
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState, ends_with_any
 

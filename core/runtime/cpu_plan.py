@@ -42,9 +42,10 @@ import functools
 from collections.abc import Callable
 
 import torch
+
+from bestiary.core.kernels.activations_ref import ACT_CODES
 from bestiary.core.kernels.cpu import ops
 from bestiary.core.kernels.cpu.build import library
-from bestiary.core.kernels.activations_ref import ACT_CODES
 
 OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL, OP_LORA = range(8)
 # which i[] of each op's record holds its number of rows (the batch): DecodePlan.resized sets it

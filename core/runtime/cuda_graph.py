@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.layers.attention import PagedAttention

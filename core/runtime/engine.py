@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bestiary.core.kernels.cpu.malloc import keep_freed_memory
+
 from bestiary.core.format.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import PretrainedConfig, read_json, validate_config
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.kernels.cpu.malloc import keep_freed_memory
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.pipeline import stage_tp_group
 from bestiary.core.runtime.tokenizer import Tokenizer
@@ -55,7 +56,7 @@ class Engine:
     def load(
         cls, directory: str | Path, rank: int = 0, device: str = "cpu", registry: Registry | None = None,
         allow_nonfinite: bool = False,
-    ) -> "Engine":
+    ) -> Engine:
         """Read config.json, build the model on the meta device and assign the rank's tensors
         (NaN or inf weights are refused unless `allow_nonfinite`)."""
         registry = registry or default_registry()

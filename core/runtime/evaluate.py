@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.kv_cache import KVCache, blocks_for

@@ -28,9 +28,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
 from bestiary.core.format.errors import BestiaryError
-from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.kernels.attention_window import blocks_held_at_most, releasable_blocks
+from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.lora.adapter import LoraAdapter
 from bestiary.core.lora.batch import AdapterStack, StepLora
 from bestiary.core.runtime.beam import Beam, BeamSearch, fork_block_tables

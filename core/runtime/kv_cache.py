@@ -19,8 +19,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from bestiary.core.format.errors import EnvironmentFault
 from pydantic import BaseModel, ConfigDict, Field
+
+from bestiary.core.format.errors import EnvironmentFault
 
 
 def blocks_for(tokens: int, tokens_per_block: int) -> int:
@@ -125,7 +126,7 @@ class KVCache:
         return kv_cache_dtype(model.config, model.dtype)
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, tokens_per_block: int) -> "KVCache":
+    def for_model(cls, model, num_blocks: int, tokens_per_block: int) -> KVCache:
         """Pools sized for `model`'s local layers and the kv heads its tp rank holds."""
         layers, kv_heads, head_dim = cls.shape_for(model)
         device = next(model.parameters()).device

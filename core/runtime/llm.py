@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.cache import cache_dir, record_entry, source_key
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.format.output_dir import config_kind
@@ -27,11 +28,11 @@ from bestiary.core.lora.adapter import LoraAdapter
 from bestiary.core.lora.bundle import bundled_adapters, engine_lora
 from bestiary.core.lora.cache import LoraCache, LoraCacheConfig
 from bestiary.core.lora.request import LoraRequest
+from bestiary.core.runtime.engine import load_engine
 from bestiary.core.runtime.executor import Executor, Request
 from bestiary.core.runtime.kv_cache import KvCacheConfig
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, speculative_config
-from bestiary.core.runtime.engine import load_engine
 from bestiary.core.runtime.step_broadcast import release
 from bestiary.core.runtime.text_deltas import TextDeltas
 from bestiary.core.runtime.worker_group import check_device

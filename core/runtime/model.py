@@ -19,6 +19,8 @@ index = `layer_offset` + local).
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.metadata import AttentionMetadata
@@ -26,7 +28,6 @@ from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.moe import ExpertLinear
-from torch import nn
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels.metadata import AttentionMetadata
 

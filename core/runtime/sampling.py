@@ -17,10 +17,11 @@ import math
 from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.sampling_ref import filter_logits
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 WordList = list[list[int] | str]
 

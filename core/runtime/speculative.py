@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bestiary.core.runtime.cpu_plan import MAX_BATCH
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels.metadata import AttentionMetadata
-from bestiary.core.runtime.sampling import SamplingConfig, draw
 from bestiary.core.kernels.sampling_ref import filter_logits
+from bestiary.core.runtime.cpu_plan import MAX_BATCH
+from bestiary.core.runtime.sampling import SamplingConfig, draw
 from bestiary.core.runtime.speculative_config import SpeculativeConfig, speculative_config  # noqa: F401 - re-exported
 
 

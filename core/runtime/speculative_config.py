@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from bestiary.core.format.errors import BestiaryError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from bestiary.core.format.errors import BestiaryError
 
 
 class SpeculativeConfig(BaseModel):

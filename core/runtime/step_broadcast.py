@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.metadata import AttentionMetadata

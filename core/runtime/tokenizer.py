@@ -64,7 +64,7 @@ class Tokenizer:
             self.chat_template = named.get("default", next(iter(named.values()), None))
 
     @classmethod
-    def from_dir(cls, directory: Path) -> "Tokenizer | None":
+    def from_dir(cls, directory: Path) -> Tokenizer | None:
         """The tokenizer stored in a checkpoint/engine dir, or None if it has none."""
         tok = Path(directory) / "tokenizer.json"
         if not tok.is_file():

@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
+
 from bestiary.core.format.errors import BestiaryError
 
 STEP_TIMEOUT_S = float(os.environ.get("BESTIARY_DIST_TIMEOUT", "20"))

@@ -20,6 +20,12 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.llm import LLM
@@ -27,11 +33,6 @@ from bestiary.core.serve.generation import Formatter, choice_deltas, collect, ss
 from bestiary.core.serve.metrics import RequestTimer, ServerMetrics
 from bestiary.core.serve.protocol import ChatCompletionRequest, CompletionRequest
 from bestiary.core.serve.web import add_web_routes
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class ServeSettings(BaseModel):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from bestiary.core.runtime.sampling import SamplingConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from bestiary.core.runtime.sampling import SamplingConfig
 
 
 class StreamOptions(BaseModel):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.flm_format import TYPES, VERSION, FlmType, data_bytes
 

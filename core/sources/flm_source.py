@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import ModelSource, slice_dim
 from bestiary.core.sources.flm_format import NUMPY_FLOAT, low_bit_grid, unpack_nibbles

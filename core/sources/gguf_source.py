@@ -26,6 +26,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.sources.base import ModelSource, slice_dim
 from bestiary.core.sources.gguf_reader import CompactGGUFReader

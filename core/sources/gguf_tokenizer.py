@@ -24,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.sources.base import TokenizerFiles
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 # llama.cpp's `llama_token_type` values (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3

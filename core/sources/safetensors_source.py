@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import slice_dim
-from safetensors import safe_open
 
 
 class SafetensorsWeights:

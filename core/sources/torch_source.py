@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.sources.base import slice_dim
 

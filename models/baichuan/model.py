@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+from torch import nn
+
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.alibi import rank_alibi_slopes
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from pydantic import Field
-from torch import nn
 
 BAICHUAN2_VOCAB = 125696
 

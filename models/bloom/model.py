@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+from torch import nn
+
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.alibi import rank_alibi_slopes
 from bestiary.core.layers.builder import standard_layer
 from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.runtime.model import DecoderLM
-from torch import nn
 
 
 class BloomConfig(DecoderConfig):

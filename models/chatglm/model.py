@@ -25,12 +25,13 @@ import math
 from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
+from torch import nn
+
 from bestiary.core.format.config import Mapping
 from bestiary.core.format.hf_config import DecoderConfig, first_present, hf_config_reader
 from bestiary.core.layers.builder import layer_norm, rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from pydantic import Field, model_validator
-from torch import nn
 
 
 class ChatGLMConfig(DecoderConfig):

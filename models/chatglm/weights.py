@@ -19,6 +19,7 @@ when tp exceeds them.
 from __future__ import annotations
 
 import torch
+
 from bestiary.core.convert.loader import slices_itself
 from bestiary.core.layers.self_attention import qkv_rank_slice
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from torch import nn
+
 from bestiary.core.format.hf_config import (
     WindowFields,
     first_present,
@@ -23,7 +25,6 @@ from bestiary.core.format.hf_config import (
 )
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from torch import nn
 
 
 class Exaone4Config(WindowFields):

@@ -18,12 +18,13 @@ import math
 from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
+from torch import nn
+
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.attention import alibi_slopes
 from bestiary.core.layers.builder import layer_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from pydantic import Field, model_validator
-from torch import nn
 
 # HF FalconConfig's defaults (falcon-7b) by bestiary field, where config.json omits a field.
 HF_DEFAULTS = dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,

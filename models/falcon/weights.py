@@ -14,6 +14,7 @@ heads than ranks, the one kv head each rank's queries use, replicated.
 from __future__ import annotations
 
 import torch
+
 from bestiary.core.convert.loader import slices_itself
 from bestiary.core.layers.self_attention import qkv_rank_slice
 

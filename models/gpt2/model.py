@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+from torch import nn
+
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.builder import standard_layer
 from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.layers.position_embedding import LearnedPositionEmbedding
 from bestiary.core.runtime.model import DecoderLM
-from pydantic import Field
-from torch import nn
 
 
 class GPT2Config(DecoderConfig):

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from torch import nn
+
 from bestiary.core.format.hf_config import WindowFields, first_present, hf_config_reader
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from torch import nn
 
 # HF max_position_embeddings defaults: LlamaConfig 2048, MistralConfig 4096 * 32.
 MAX_POSITIONS = {"mistral": 4096 * 32}

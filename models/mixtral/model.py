@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+from torch import nn
+
 from bestiary.core.format.hf_config import MoEFields, hf_config_reader
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.layers.moe import MoE
 from bestiary.core.runtime.model import DecoderLM
-from torch import nn
 
 # HF MixtralConfig's defaults (Mixtral-8x7B) by bestiary field, where config.json omits a field.
 HF_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field, model_validator
+from torch import nn
+
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.builder import layer_norm, standard_layer
 from bestiary.core.layers.linear import Linear
 from bestiary.core.layers.position_embedding import LearnedPositionEmbedding
 from bestiary.core.runtime.model import DecoderLM
-from pydantic import Field, model_validator
-from torch import nn
 
 # HF OPTConfig's defaults (opt-125m) by bestiary field; OPT has no norm epsilon field (torch's 1e-5).
 HF_DEFAULTS = dict(vocab_size=50272, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,

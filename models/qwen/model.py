@@ -16,12 +16,13 @@ import math
 from typing import Literal
 
 import torch
+from pydantic import Field
+from torch import nn
+
 from bestiary.core.format.hf_config import DecoderConfig, first_present, hf_config_reader
 from bestiary.core.layers.attention import AttentionMetadata, PagedAttention
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from pydantic import Field
-from torch import nn
 
 
 class QwenConfig(DecoderConfig):

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from torch import nn
+
 from bestiary.core.format.hf_config import WindowFields, hf_config_reader, window_layer_types
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from torch import nn
 
 MAX_WINDOW_LAYERS = 28  # HF Qwen2Config / Qwen2MoeConfig max_window_layers default
 

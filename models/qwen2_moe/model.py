@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+from torch import nn
+
 from bestiary.core.format.hf_config import MoEFields, hf_config_reader, window_layer_types
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.layers.moe import SharedExpertMoE
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.models.qwen2.model import max_window_layers, sliding_window
-from pydantic import Field
-from torch import nn
 
 
 class Qwen2MoeConfig(MoEFields):

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_errors import one_line
+from tiny_llama import make_tiny_engine
 
 from bestiary.core.bench.config import BenchConfig
 from bestiary.core.bench.workload import (
@@ -17,8 +19,6 @@ from bestiary.core.bench.workload import (
     percentile,
     prompt_ids,
 )
-from cli_errors import one_line
-from tiny_llama import make_tiny_engine
 
 SMALL = ["--new_tokens", "24", "--repeats", "3", "--prompt_lens", "8", "40", "--mixed_requests", "5",
          "--mixed_prompt_lens", "3", "12", "--mixed_output_lens", "2", "6", "--num_threads", "1", "--bandwidth_mib", "64"]
@@ -225,9 +225,10 @@ def test_report_names_the_cpu_kernel_build(tiny, capsys, monkeypatch):
 def chat_engine(tmp_path_factory) -> Path:
     """The tiny LLaMA with a BPE tokenizer and ChatML (tests/helpers/tiny_chat.py), built to take the rewrite
     prompts (~190 tokens with this small vocabulary)."""
+    from tiny_chat import make_tiny_chat_hf
+
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import convert
-    from tiny_chat import make_tiny_chat_hf
 
     base = tmp_path_factory.mktemp("bench-chat")
     convert(make_tiny_chat_hf(base), base / "ckpt", show_progress=False)
@@ -323,8 +324,9 @@ def test_dense_hf_dir_is_the_ggufs_own_dequantization(smollm2_gguf, hf_model, tm
     matmul); made once into the cache; the untied copy for FastLLM holds lm_head = the embedding."""
     import torch
     import transformers
-    from bestiary.core.bench.dense_hf import dense_hf_dir
     from safetensors import safe_open
+
+    from bestiary.core.bench.dense_hf import dense_hf_dir
 
     monkeypatch.setenv("BESTIARY_CACHE", str(tmp_path))
     dense = dense_hf_dir(smollm2_gguf)

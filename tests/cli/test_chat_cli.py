@@ -15,12 +15,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from rich.console import Console  # noqa: E402
+from tiny_chat import make_tiny_chat_engine  # noqa: E402
+
 from bestiary.core.cli.chat import Conversation, prompt_ids  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from rich.console import Console  # noqa: E402
-from tiny_chat import make_tiny_chat_engine  # noqa: E402
 
 NEW_TOKENS = 8
 STATS = re.compile(r"^\[(\d+) tokens, [\d.]+ tokens/s\]$")

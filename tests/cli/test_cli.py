@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bestiary.core.cli.main import main  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
+
+from bestiary.core.cli.main import main  # noqa: E402
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

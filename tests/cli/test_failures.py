@@ -16,10 +16,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bestiary.core.cli.main import main  # noqa: E402
-from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from cli_errors import one_line  # noqa: E402
 from tiny_llama import make_tiny_engine  # noqa: E402
+
+from bestiary.core.cli.main import main  # noqa: E402
+from bestiary.core.format.errors import BestiaryError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +209,9 @@ def test_token_ids_that_are_not_integers(llm, prompt, words):
 @pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "length_penalty",
                                    "presence_penalty", "beam_search_diversity_rate"])
 def test_non_finite_sampling_values_are_refused(tiny, capsys, field):
-    from bestiary.core.runtime.sampling import SamplingConfig
     from pydantic import ValidationError
+
+    from bestiary.core.runtime.sampling import SamplingConfig
 
     for value in (float("inf"), float("nan")):
         with pytest.raises(ValidationError, match=field):

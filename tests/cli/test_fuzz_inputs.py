@@ -25,8 +25,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from bestiary.core.cli.main import main  # noqa: E402
 from tiny_llama import make_tiny_engine  # noqa: E402
+
+from bestiary.core.cli.main import main  # noqa: E402
 
 SEED = 15
 COUNTS = {"safetensors": 60, "gguf": 48, "config": 44, "engine_config": 44, "tokenizer": 44}  # 240 in all

@@ -14,13 +14,14 @@ import json
 import parity
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from bestiary.core.cli.main import main
 from bestiary.core.convert.lint import lint
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.runtime.engine import Engine
 from bestiary.registry import Registry, Supports
-from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,15 +18,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from test_gguf_source import write_tiny_llama
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format import packing
 from bestiary.core.format.checkpoint import FINITE_CHUNK, check_finite, load_rank_weights
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import WeightsError
-from bestiary.core.format import packing
 from bestiary.core.sources import gguf_source
 from bestiary.core.sources.gguf_reader import CompactField, CompactGGUFReader
-from test_gguf_source import write_tiny_llama
-from tiny_llama import make_tiny_llama
 
 
 def test_compact_reader_reads_every_field_as_gguf_py(tmp_path):

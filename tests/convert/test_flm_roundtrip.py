@@ -9,13 +9,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parity
+from safetensors.torch import load_file
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.cli.main import main
 from bestiary.core.convert.export_flm import export_flm
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.engine import Engine
-from safetensors.torch import load_file
-from tiny_llama import make_tiny_llama
 
 PROMPT = [3, 17, 45, 8, 90, 22, 61, 5]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from bestiary.core.convert.postprocess import fused_qkv, fused_qkv_transposed, per_head_qkv
 from bestiary.core.format.config import Mapping, PretrainedConfig
 

@@ -10,6 +10,7 @@ import dataclasses
 import parity
 import pytest
 import torch
+
 from bestiary.core.convert.lint import lint
 from bestiary.core.format.hf_config import hf_config_reader
 from bestiary.models.chatglm.model import from_hf_config_v2

@@ -11,11 +11,12 @@ from __future__ import annotations
 import parity
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.errors import BestiaryError
-from safetensors.torch import load_file, save_file
-from tiny_llama import make_tiny_llama
 
 
 def assert_reassembles(src, tmp_path, tp: int) -> dict[int, dict[str, torch.Tensor]]:

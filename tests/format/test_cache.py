@@ -10,12 +10,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 from bestiary.core.cli.main import main  # noqa: E402
 from bestiary.core.format.cache import cache_dir, cache_entries, source_key  # noqa: E402
 from bestiary.core.runtime.llm import LLM, ensure_engine  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.core.sources import source_files  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.checkpoint import StreamingSafetensorsWriter, atomic_directory  # noqa: E402
 from bestiary.core.format.config import read_json  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 
 def test_streaming_writer_any_order_roundtrip(tmp_path):
@@ -182,8 +183,9 @@ def test_transposed_source_slices_along_the_other_dim(tmp_path):
     same shards as the (out, in) source: the loader slices it along the other dim."""
     import dataclasses
 
-    from bestiary.registry import Registry
     from safetensors.torch import save_file
+
+    from bestiary.registry import Registry
 
     src = make_tiny_llama(tmp_path)
     state = load_file(str(src / "model.safetensors"))
@@ -208,8 +210,9 @@ def test_transposed_source_slices_along_the_other_dim(tmp_path):
 def test_loaded_tensors_are_64_byte_aligned(tmp_path):
     """safetensors maps tensors at 8-byte-aligned file offsets; kernels fed loaded tensors as-is
     (int8 weights, bf16 scales -> aten._weight_int8pack_mm) segfaulted on such addresses."""
-    from bestiary.core.format.checkpoint import load_rank_weights, rank_file
     from safetensors.torch import save_file
+
+    from bestiary.core.format.checkpoint import load_rank_weights, rank_file
 
     tensors = {f"t{i}": torch.arange(n, dtype=dtype) for i, (n, dtype) in
                enumerate([(3, torch.int8), (5, torch.bfloat16), (7, torch.float32), (9, torch.int8), (64, torch.int8)])}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig, validate_config
 from bestiary.core.format.errors import ConfigError
 

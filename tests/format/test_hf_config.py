@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
+
 from bestiary.core.format.config import Mapping
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader, read_rope

@@ -19,12 +19,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from cli_errors import one_line  # noqa: E402
+from tiny_llama import make_tiny_engine  # noqa: E402
+
 from bestiary.core.cli.main import main  # noqa: E402
 from bestiary.core.format import output_dir  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.format.output_dir import check_output_file  # noqa: E402
-from cli_errors import one_line  # noqa: E402
-from tiny_llama import make_tiny_engine  # noqa: E402
 
 
 def listing(root: Path) -> dict[str, str]:

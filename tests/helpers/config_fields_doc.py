@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 import json
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.format.hf_config import DecoderConfig, MoEFields, WindowFields
 from bestiary.registry import default_registry
-from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 
 BASES: tuple[type[BaseModel], ...] = (MoEFields, WindowFields, DecoderConfig)
 

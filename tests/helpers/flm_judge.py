@@ -189,6 +189,7 @@ def nudged_copy(flm: Path, out: Path, tensor: str = "model.embed_tokens.weight")
     import shutil
 
     import numpy as np
+
     from bestiary.core.sources.flm_reader import read_flm
 
     t = read_flm(flm).tensors[tensor]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from parity import EngineRunner
+
 from bestiary.core.convert.calibration import calibration_ids
 from bestiary.core.runtime.engine import Engine
-from parity import EngineRunner
 
 
 def expected_kv_scales(float_kv_engine: Engine, qmax: float) -> list[torch.Tensor]:

@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.lora.adapter import LoraAdapter
 from bestiary.core.lora.batch import AdapterStack, StepLora
 from bestiary.core.runtime.kv_cache import KVCache, blocks_for
-from safetensors.torch import save_file
 
 
 def peft_adapter(hf_model, directory: Path, seed: int = 0, b_scale: float = 1.0, **config):

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import torch
+
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import read_json
 

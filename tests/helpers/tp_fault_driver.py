@@ -12,6 +12,7 @@ import threading
 
 def main() -> None:
     import torch
+
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
 

@@ -13,8 +13,9 @@ import os
 
 import pytest
 import torch
-from bestiary.core.kernels.metadata import AttentionMetadata
+
 from bestiary.core.kernels.attention_ref import write_kv
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 MISS = 100.0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import ALL_DTYPES, assert_close, assert_far
+
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.activations_ref import ACT_CODES, ACTIVATIONS
 from bestiary.core.layers.mlp import MLP, GatedMLP
-from kernel_helpers import ALL_DTYPES, assert_close, assert_far
 
 acts = dispatch.family("activations")
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bestiary.core.kernels import dispatch
-from bestiary.core.layers.attention import alibi_slopes
 from kernel_helpers import DOT_DTYPES, assert_close, assert_far
 from kernel_helpers import paged_inputs as _setup
+
+from bestiary.core.kernels import dispatch
+from bestiary.core.layers.attention import alibi_slopes
 
 attention = dispatch.family("attention")
 BLOCK_SIZE = 5

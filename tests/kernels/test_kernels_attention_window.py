@@ -12,10 +12,11 @@ import math
 
 import pytest
 import torch
-from bestiary.core.kernels import dispatch
-from bestiary.core.kernels.metadata import AttentionMetadata
-from bestiary.core.kernels.attention_window import releasable_blocks
 from kernel_helpers import assert_close, paged_inputs
+
+from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.attention_window import releasable_blocks
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 attention = dispatch.family("attention")
 BLOCK_SIZE = 5

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from bestiary.core.kernels import dispatch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels_end_to_end import BLOCK_SIZE, E2E_TOL, PROMPTS, TABLES, _cases, tiny_model
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.runtime import cuda_graph
 from bestiary.core.runtime.kv_cache import KVCache
-from test_kernels_end_to_end import BLOCK_SIZE, E2E_TOL, PROMPTS, TABLES, _cases, tiny_model
-
 
 
 def _decode_pair(model, kv) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import MISS
+
 from bestiary.core.format.config import validate_config
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.runtime.kv_cache import KVCache
 from bestiary.registry import default_registry, resolve
-from kernel_helpers import MISS
 
 TINY = dict(
     dtype="float32", vocab_size=101, max_position_embeddings=64, hidden_size=96, num_hidden_layers=2,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import DOT_DTYPES, assert_close, assert_far
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Linear
-from kernel_helpers import DOT_DTYPES, assert_close, assert_far
 
 lora = dispatch.family("lora")
 K, N = 96, 129

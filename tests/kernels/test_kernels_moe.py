@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import ALL_DTYPES, DOT_DTYPES, assert_close, assert_far
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.moe import route
-from kernel_helpers import ALL_DTYPES, DOT_DTYPES, assert_close, assert_far
 
 moe = dispatch.family("moe")
 E, TOP_K, T = 5, 2, 7

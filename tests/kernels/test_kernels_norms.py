@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import ALL_DTYPES, assert_close, assert_far
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.norm import LayerNorm, RMSNorm
-from kernel_helpers import ALL_DTYPES, assert_close, assert_far
 
 norms = dispatch.family("norms")
 HIDDEN = [96, 129, 300]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import ALL_DTYPES, assert_close, assert_far
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.rotary import Rotary
-from kernel_helpers import ALL_DTYPES, assert_close, assert_far
 
 rotary = dispatch.family("rotary")
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels import dispatch
 from kernel_helpers import assert_far
+
+from bestiary.core.kernels import dispatch
 
 sampling = dispatch.family("sampling")
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bestiary.core.kernels import dispatch
 from kernel_helpers import DOT_DTYPES, assert_close, assert_far
+
+from bestiary.core.kernels import dispatch
 
 woq = dispatch.family("woq_gemm")
 

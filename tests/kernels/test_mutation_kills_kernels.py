@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from bestiary.core.kernels import dispatch
 
 norms = dispatch.family("norms")
@@ -134,8 +135,9 @@ def test_paged_attention_entry_points_pass_scale_alibi_and_key_bias(decode, wind
     falls back to it). Kills paged_attention 23, 24, 31, 32, 39, 40, 47, 48 and paged_attention_ref
     8-10, 41, which no test reached: the bias tests call `decode` / `prefill` directly and the
     windowed ones pass no bias."""
-    from bestiary.core.layers.attention import alibi_slopes
     from kernel_helpers import assert_close, paged_inputs
+
+    from bestiary.core.layers.attention import alibi_slopes
 
     attention = dispatch.family("attention")
     torch.manual_seed(3)

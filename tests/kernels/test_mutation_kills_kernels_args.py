@@ -10,8 +10,9 @@ test with torch, not taken from the module's own `_ref` functions.
 from __future__ import annotations
 
 import torch
-from bestiary.core.kernels import dispatch
 from kernel_helpers import assert_close, assert_far, paged_inputs, sequence_kv
+
+from bestiary.core.kernels import dispatch
 
 
 def _dense(q, meta, k_pool, v_pool, scale, windows=None, sinks=None, prefix=None):

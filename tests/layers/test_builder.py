@@ -4,6 +4,7 @@ the families use (tests/models/test_family_shape.py checks that every family bui
 from __future__ import annotations
 
 import pytest
+
 from bestiary.core.format.config import validate_config
 from bestiary.core.layers.builder import LAYOUTS, layer_norm, standard_layer
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer

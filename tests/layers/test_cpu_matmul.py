@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
+from bestiary.core.format import packing
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.linear import Linear
-from bestiary.core.format import packing
 
 
 @pytest.mark.parametrize("native", [True, False])

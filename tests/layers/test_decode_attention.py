@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bestiary.core.kernels.metadata import AttentionMetadata
+
 from bestiary.core.kernels.attention_ref import _decode_padded, decode_attention
+from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.layers.attention import alibi_slopes
 
 

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bestiary.core.kernels.cpu import build as cpu_build
-from bestiary.core.kernels import dispatch
+from test_zoo_remote import get_interleave  # the ALiBi paper's get_slopes, as Baichuan ships it
+from torch import nn
+
 from bestiary.core.kernels import attention_ref as R
+from bestiary.core.kernels import dispatch
 from bestiary.core.kernels import metadata as M
-from bestiary.core.layers import attention as A
 from bestiary.core.kernels.attention_window import FULL
+from bestiary.core.kernels.cpu import build as cpu_build
+from bestiary.core.layers import attention as A
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer, add_and_norm
 from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLayer
 from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
 from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
 from bestiary.core.layers.self_attention import SelfAttention, kv_heads_of_rank
-from test_zoo_remote import get_interleave  # the ALiBi paper's get_slopes, as Baichuan ships it
-from torch import nn
 
 BLOCK = 4
 

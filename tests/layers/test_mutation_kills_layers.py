@@ -6,6 +6,7 @@ Each test names the mutants it kills; the references are counted out in the test
 from __future__ import annotations
 
 import pytest
+
 from bestiary.core.kernels.attention_window import blocks_held_at_most
 
 
@@ -37,6 +38,7 @@ def test_norm_layers_hold_frozen_parameters_of_the_asked_dtype_and_device() -> N
     device, frozen (norm RMSNorm.__init__ 1-13, LayerNorm.__init__ 1-28: defaults, requires_grad,
     dtype, device)."""
     import torch
+
     from bestiary.core.layers.norm import LayerNorm, RMSNorm
 
     assert RMSNorm(6).eps == 1e-6 and LayerNorm(6).eps == 1e-5
@@ -55,6 +57,7 @@ def test_rank_alibi_slopes_are_the_ranks_share_on_the_cpu() -> None:
     r H / tp .. (r + 1) H / tp; a tp that does not divide the heads is refused naming both; float32
     on the CPU even where the default device is meta (alibi rank_alibi_slopes 1, 2, 4, 14)."""
     import torch
+
     from bestiary.core.layers.alibi import rank_alibi_slopes
     from bestiary.core.layers.attention import alibi_slopes
 
@@ -73,6 +76,7 @@ def test_learned_position_embedding_holds_a_frozen_table_with_its_offset() -> No
     """LearnedPositionEmbedding: a table of num_positions + offset rows (OPT's offset 2), in the asked
     dtype and on the asked device, frozen (position_embedding __init__ 7, 10, 11, 14, 15, 17)."""
     import torch
+
     from bestiary.core.layers.position_embedding import LearnedPositionEmbedding
 
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "meta")):

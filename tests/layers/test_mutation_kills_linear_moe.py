@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe_ep import rank_moe
+
 from bestiary.core.layers import embedding as embedding_module
 from bestiary.core.layers import linear as linear_module
 from bestiary.core.layers import moe as moe_module
 from bestiary.core.layers.embedding import Embedding
 from bestiary.core.layers.linear import Linear, Parallel, tp_dim_of
 from bestiary.core.layers.moe import ExpertLinear, MoE, SharedExpertMoE, route, stack_experts
-from test_moe_ep import rank_moe
 
 
 def test_expert_linear_placement():

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.activations_ref import activation
 from bestiary.core.layers import cpu_matmul
 from bestiary.core.layers.linear import Linear
 from bestiary.core.layers.mlp import MLP, GatedMLP
-from bestiary.core.kernels.activations_ref import activation
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.slot import WeightOnlySlot
 
-H, I = 8, 12  # hidden != inter != 2 * inter (a swapped dim is a shape error or a wrong slice)
+H, INTER = 8, 12  # hidden != inter != 2 * inter (a swapped dim is a shape error or a wrong slice)
 FP32_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -80,8 +81,10 @@ def _gated_reference(x, w, lora=None, act=_silu):
 
 
 def _named_lora(mlp, lora: _Lora) -> dict:
-    return {name: (lambda z, m=getattr(mlp, name): lora.delta(m, z)) for name in ("fc", "gate", "proj")
-            if getattr(mlp, name, None) in lora.ab}
+    def delta(module):
+        return lambda z: lora.delta(module, z)
+
+    return {name: delta(getattr(mlp, name)) for name in ("fc", "gate", "proj") if getattr(mlp, name, None) in lora.ab}
 
 
 # --- mlp.py --------------------------------------------------------------------------------------
@@ -96,13 +99,13 @@ def test_unknown_activation_is_refused_naming_it_and_the_supported_ones() -> Non
 
 @pytest.mark.parametrize("cls", [GatedMLP, MLP])
 def test_mlp_linears_hold_the_ranks_slice_in_the_asked_dtype_and_device(cls) -> None:
-    """GatedMLP / MLP: fc (and gate) column-parallel [I / tp, H], proj row-parallel [H, I / tp], each knowing
+    """GatedMLP / MLP: fc (and gate) column-parallel [INTER / tp, H], proj row-parallel [H, INTER / tp], each knowing
     its tp_rank / tp_size, all in the asked dtype on the asked device; `act` is the activation called
     act_name (GatedMLP.__init__ 10, 13, 16, 19, 37, 40, 45, 48, 49; MLP.__init__ 6, 8, 9, 14, 16, 17, 23, 25,
     26, 31, 33, 34, 35)."""
-    m = cls(H, I, "relu", True, 1, 2, torch.bfloat16, device="meta")
+    m = cls(H, INTER, "relu", True, 1, 2, torch.bfloat16, device="meta")
     cols = [m.fc] + ([m.gate] if cls is GatedMLP else [])
-    for lin, shape in [(c, (I // 2, H)) for c in cols] + [(m.proj, (H, I // 2))]:
+    for lin, shape in [(c, (INTER // 2, H)) for c in cols] + [(m.proj, (H, INTER // 2))]:
         assert (lin.tp_rank, lin.tp_size) == (1, 2)
         for p in (lin.weight, lin.bias):
             assert p.dtype == torch.bfloat16 and p.device.type == "meta"
@@ -114,7 +117,7 @@ def test_mlp_linears_hold_the_ranks_slice_in_the_asked_dtype_and_device(cls) -> 
 def test_gated_mlp_unfused_equals_the_formula_with_lora() -> None:
     """Before fuse(): y = proj(silu(fc(x)) * gate(x)) with biases, each linear adding its own LoRA delta
     (GatedMLP.forward 6-26: the unfused path's arguments; __init__ 52: no fused weight yet)."""
-    mlp = _filled(GatedMLP(H, I, "silu", True, 0, 1, torch.float32), seed=1)
+    mlp = _filled(GatedMLP(H, INTER, "silu", True, 0, 1, torch.float32), seed=1)
     w = {k: v.clone() for k, v in mlp.state_dict().items()}
     lora = _Lora([mlp.fc, mlp.gate, mlp.proj], seed=2)
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(3))
@@ -128,7 +131,7 @@ def test_gated_mlp_fused_on_the_cpu_runs_one_gate_matmul_and_keeps_lora(adapters
     fc / gate added to the fused [T, 2I] output and proj's to its own, and fc + gate run as one
     cpu_matmul.matmul_t over the transposed fused weight [H, 2I] (GatedMLP.forward 5, 7, 31-34: the fused
     CPU path skipped; 49-63: the fused LoRA delta lost, negated or called wrong)."""
-    mlp = _filled(GatedMLP(H, I, "silu", True, 0, 1, torch.float32), seed=4)
+    mlp = _filled(GatedMLP(H, INTER, "silu", True, 0, 1, torch.float32), seed=4)
     w = {k: v.clone() for k, v in mlp.state_dict().items()}
     lora = _Lora([mlp.fc, mlp.gate, mlp.proj] if adapters == "all" else [mlp.fc], seed=5)
     _prepare(mlp)
@@ -142,7 +145,7 @@ def test_gated_mlp_fused_on_the_cpu_runs_one_gate_matmul_and_keeps_lora(adapters
     monkeypatch.setattr(cpu_matmul, "matmul_t", spy)
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(mlp(x, lora), _gated_reference(x, w, _named_lora(mlp, lora)), **FP32_TOL)
-    assert shapes[0] == (H, 2 * I) and (H, I) not in shapes  # one matmul for fc + gate, none apart
+    assert shapes[0] == (H, 2 * INTER) and (H, INTER) not in shapes  # one matmul for fc + gate, none apart
 
 
 def test_gated_mlp_fuse_keeps_the_state_dict_and_holds_the_weights_once() -> None:
@@ -151,7 +154,7 @@ def test_gated_mlp_fuse_keeps_the_state_dict_and_holds_the_weights_once() -> Non
     CPU it is held transposed so Linear.fuse finds them column-major and does not copy them
     (GatedMLP.fuse 2, 3: float weights sent to the quantized fusion; 8, 9: fc / gate sliced at the wrong
     row; 12-14: the fused weight not held transposed on the CPU)."""
-    mlp = _filled(GatedMLP(H, I, "gelu_pytorch_tanh", True, 0, 1, torch.float32), seed=7)
+    mlp = _filled(GatedMLP(H, INTER, "gelu_pytorch_tanh", True, 0, 1, torch.float32), seed=7)
     before = {k: v.clone() for k, v in mlp.state_dict().items()}
     _prepare(mlp)
     after = mlp.state_dict()
@@ -168,7 +171,7 @@ def test_gated_mlp_fused_off_the_cpu_multiplies_the_fused_weight_as_is() -> None
     """A GatedMLP fused on a non-CPU device (meta here: shapes only) computes the fused gate output
     F.linear(x, [2I, H], bias) and returns [T, H] on that device (GatedMLP.forward 42-44, 46, 47)."""
     for bias in (True, False):
-        mlp = GatedMLP(H, I, "silu", bias, 0, 1, torch.float32, device="meta")
+        mlp = GatedMLP(H, INTER, "silu", bias, 0, 1, torch.float32, device="meta")
         _prepare(mlp)
         y = mlp(torch.empty(3, H, device="meta"))
         assert y.shape == (3, H) and y.device.type == "meta"
@@ -178,7 +181,7 @@ def test_gated_mlp_fused_off_the_cpu_multiplies_the_fused_weight_as_is() -> None
 def test_gated_mlp_fused_on_cuda_equals_the_formula() -> None:
     """Fused on a CUDA device (no transposed copy there), y = proj(silu(fc(x)) * gate(x)) with the fused
     bias of fc / gate added (GatedMLP.forward 45, 48: the fused bias dropped; skipped without a GPU)."""
-    mlp = _filled(GatedMLP(H, I, "silu", True, 0, 1, torch.float32), seed=27)
+    mlp = _filled(GatedMLP(H, INTER, "silu", True, 0, 1, torch.float32), seed=27)
     w = {k: v.clone() for k, v in mlp.state_dict().items()}
     mlp = mlp.to("cuda")
     _prepare(mlp)
@@ -246,7 +249,7 @@ def test_gated_mlp_with_only_fc_quantized_runs_each_layer_apart() -> None:
 def test_plain_mlp_adds_lora_deltas_of_fc_and_proj() -> None:
     """MLP: y = proj(relu(fc(x))) with biases, fc's LoRA delta added before the activation and proj's to
     its output (MLP.forward 2, 4, 10, 12)."""
-    mlp = _filled(MLP(H, I, "relu", True, 0, 1, torch.float32), seed=15)
+    mlp = _filled(MLP(H, INTER, "relu", True, 0, 1, torch.float32), seed=15)
     w = {k: v.clone() for k, v in mlp.state_dict().items()}
     for lora in (_Lora([mlp.fc, mlp.proj], seed=16), _Lora([mlp.fc], seed=17), _Lora([mlp.proj], seed=18)):
         x = torch.randn(4, H, generator=torch.Generator().manual_seed(19))
@@ -450,7 +453,7 @@ def test_gated_mlp_in_heap_pieces_gives_the_whole_output(monkeypatch, lora):
     LoRA delta (per-token adapters) runs whole."""
     from bestiary.core.kernels.cpu import malloc
 
-    mlp = _filled(GatedMLP(H, I, "silu", False, 0, 1, torch.float32), 3)
+    mlp = _filled(GatedMLP(H, INTER, "silu", False, 0, 1, torch.float32), 3)
     _prepare(mlp)
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(4))
     delta = _Lora({mlp.fc: None}, 5) if lora else None

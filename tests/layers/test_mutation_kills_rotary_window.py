@@ -13,10 +13,11 @@ import re
 
 import pytest
 import torch
+
 from bestiary.core.format.errors import ConfigError
-from bestiary.core.layers import rotary as rotary_module
-from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.kernels.attention_window import check_sinks, effective_window, visible_keys, window_visible
+from bestiary.core.kernels.metadata import AttentionMetadata
+from bestiary.core.layers import rotary as rotary_module
 from bestiary.core.layers.rotary import Rotary, rope_inv_freq
 from bestiary.core.layers.rotary_2d import Rotary2D
 

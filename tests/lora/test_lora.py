@@ -15,9 +15,10 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import parity  # noqa: E402
-from bestiary.core.lora.adapter import load_adapter  # noqa: E402
 from lora_helpers import peft_adapter, run_logits, write_adapter  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+
+from bestiary.core.lora.adapter import load_adapter  # noqa: E402
 
 PROMPT = [5, 17, 60, 3, 42, 8, 61, 27, 11, 70, 7, 33]
 DECODE = [9, 44, 2, 30]

@@ -12,13 +12,14 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import parity  # noqa: E402
+from lora_helpers import peft_adapter, tiny_llama  # noqa: E402
+
 from bestiary.core.cli.main import main  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from lora_helpers import peft_adapter, tiny_llama  # noqa: E402
 
 PROMPTS = ["5,17,60,3,42", "8,61,27", "11,70,7,33,2"]
 

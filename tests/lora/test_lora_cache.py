@@ -12,12 +12,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parity  # noqa: E402
+from lora_helpers import tiny_llama  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from lora_helpers import tiny_llama  # noqa: E402
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=5, ignore_eos=True)
 PROMPT = [5, 17, 60, 3, 42, 9, 11]

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from bestiary.core.kernels.cpu import build, ops
 from bestiary.core.layers.linear import Parallel
 from bestiary.core.lora.adapter import LoraAdapter, LoraPiece

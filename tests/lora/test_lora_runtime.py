@@ -13,12 +13,13 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import parity  # noqa: E402
+from lora_helpers import peft_adapter  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from lora_helpers import peft_adapter  # noqa: E402
 
 LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)

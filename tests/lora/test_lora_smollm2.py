@@ -12,12 +12,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from lora_helpers import peft_adapter  # noqa: E402
+from parity import greedy_mismatch, hf_greedy  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from lora_helpers import peft_adapter  # noqa: E402
-from parity import greedy_mismatch, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

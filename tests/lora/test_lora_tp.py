@@ -11,6 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from lora_helpers import peft_adapter  # noqa: E402
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert, instantiate  # noqa: E402
 from bestiary.core.format.config import read_json  # noqa: E402
 from bestiary.core.lora.adapter import load_adapter, place, read_peft  # noqa: E402
@@ -20,8 +23,6 @@ from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.core.runtime.step_broadcast import check_mirror  # noqa: E402
 from bestiary.registry import default_registry  # noqa: E402
-from lora_helpers import peft_adapter  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 17, 60, 3, 42], [8, 61, 27, 9], [11, 70, 7, 33, 2, 90, 14], [4, 4, 9]]

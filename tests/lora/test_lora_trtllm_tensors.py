@@ -13,17 +13,18 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import parity  # noqa: E402
+from lora_helpers import peft_adapter, run_logits, tiny_llama  # noqa: E402
+
 from bestiary.core.cli.main import main  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora import trtllm_tensors  # noqa: E402
 from bestiary.core.lora.adapter import load_adapter, module_dims  # noqa: E402
-from bestiary.core.lora.trtllm_convert import peft_to_trtllm, trtllm_to_peft, write_peft  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
+from bestiary.core.lora.trtllm_convert import peft_to_trtllm, trtllm_to_peft, write_peft  # noqa: E402
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.registry import default_registry  # noqa: E402
-from lora_helpers import peft_adapter, run_logits, tiny_llama  # noqa: E402
 
 # TensorRT-LLM's example: tp 1, pp 1, 4 layers, hidden 4 (2 heads of 2: q, k and v are 4 rows each).
 EXAMPLE = dict(vocab_size=32, hidden_size=4, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,

@@ -28,6 +28,9 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import parity
+from safetensors.torch import load_file, save_file
+from split_dims import DENSE_TP_DIMS, assert_split_dims
+
 from bestiary.core.convert.loader import model_targets
 from bestiary.core.convert.source_to_checkpoint import convert, instantiate
 from bestiary.core.format.checkpoint import load_rank_weights
@@ -39,8 +42,6 @@ from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.models.chatglm.model import ChatGLM2Config, ChatGLMConfig, from_hf_config_v1, from_hf_config_v2
 from bestiary.plugins import hookimpl
 from bestiary.registry import Registry, default_registry
-from safetensors.torch import load_file, save_file
-from split_dims import DENSE_TP_DIMS, assert_split_dims
 
 V1, V2 = "ChatGLMForCausalLM", "ChatGLM2ForCausalLM"
 GLM_CONFIG = {
@@ -557,9 +558,10 @@ def test_architecture_override_in_convert(sources, checkpoints, tmp_path):
 
 def test_v1_perplexity_and_kv_calibration_use_its_2d_positions(sources, checkpoints, tmp_path):
     """eval and the calibration passes run v1 with its 2D position ids (they crashed on 1D ones)."""
+    from kv_scales import expected_kv_scales
+
     from bestiary.core.format.config import QuantConfig
     from bestiary.core.runtime.evaluate import perplexity
-    from kv_scales import expected_kv_scales
 
     engine = Engine.load(checkpoints("v1"))
     ids = prompt_of("v1")

@@ -21,6 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parity  # noqa: E402
+from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.checkpoint import load_rank_weights  # noqa: E402
 from bestiary.core.format.config import Mapping  # noqa: E402
@@ -29,7 +31,6 @@ from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.models.falcon.model import FalconConfig, from_hf_config  # noqa: E402
-from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from bestiary.core.format.hf_config import DecoderConfig
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.registry import default_registry

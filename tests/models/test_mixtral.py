@@ -14,6 +14,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parity  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+
 from bestiary.core.convert import source_to_checkpoint as convert_module  # noqa: E402
 from bestiary.core.convert.loader import model_targets  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
@@ -27,9 +31,6 @@ from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.models.mixtral.model import MixtralConfig, from_hf_config  # noqa: E402
 from bestiary.registry import default_registry  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
 
 HF_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

@@ -96,6 +96,7 @@ def test_qwen2_window_layers_from_published_fields(model_type):
     """A config.json without layer_types (as published): bestiary's per-layer windows equal the ones
     transformers' config derives from use_sliding_window / sliding_window / max_window_layers."""
     import transformers
+
     from bestiary.core.format.config import Mapping
     from bestiary.core.kernels.attention_window import layer_window
     from bestiary.models.qwen2.model import from_hf_config as qwen2

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bestiary.testing import FunctionReference, conformance
 from safetensors.torch import save_file
+
+from bestiary.testing import FunctionReference, conformance
 
 W = dict[str, torch.Tensor]
 

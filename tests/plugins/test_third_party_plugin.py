@@ -20,13 +20,14 @@ import parity
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
 from bestiary.core.convert.source_to_checkpoint import convert
-from bestiary.core.runtime.engine import Engine
 from bestiary.core.format.errors import WeightsError
+from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.registry import Registry
-from safetensors.torch import load_file, save_file
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "data" / "tinygpt_plugin" / "bestiary_tinygpt"
 NAME = "TinyGPTForCausalLM"

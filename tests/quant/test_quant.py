@@ -16,23 +16,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from bestiary.core.kernels import dispatch
 from safetensors.torch import load_file, save_file
+
+from bestiary.core.kernels import dispatch
 
 pytest.importorskip("transformers")
 
+from parity import EngineRunner
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format import packing
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.layers.linear import Linear, Parallel
-from bestiary.core.format import packing
 from bestiary.core.quant.apply import quantized_linears, set_compute_dtype, set_max_kernel_tokens
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.options import QuantFlags, quant_config_from_flags
 from bestiary.core.quant.slot import WeightOnlySlot
 from bestiary.core.runtime.engine import Engine
-from parity import EngineRunner
-from tiny_llama import make_tiny_llama
 
 MODES = {
     "int8": QuantConfig(quant_algo="W8A16"),
@@ -138,8 +140,8 @@ def test_int4_layout_follows_the_kernel_build(monkeypatch):
     """On a build with the vdpbf16ps int4 GEMV the weight of a bfloat16 layer is repacked in place into
     the dot layout (codes unchanged; a float32 layer keeps the checkpoint layout); prepared again under a build without it (BESTIARY_CPU_ISA switched in-process,
     benchmarks/cpu_isa.py) it goes back to the checkpoint layout, and both give the same outputs."""
-    from bestiary.core.kernels.cpu import ops
     from bestiary.core.format import packing
+    from bestiary.core.kernels.cpu import ops
 
     lin, _ = _quant_linear(LinearQuant("W4A16", 4, 64, True), n=40, k=128, scale_dtype=torch.bfloat16)
     checkpoint_bytes, codes = lin.weight.detach().clone(), lin.quant.codes(lin)

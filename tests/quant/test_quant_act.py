@@ -21,19 +21,20 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
+from parity import EngineRunner
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format import packing
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.layers.linear import Linear, Parallel
-from bestiary.core.format import packing
 from bestiary.core.quant.act_slot import ActQuantSlot
-from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.apply import quantized_linears
+from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.options import QuantFlags, quant_config_from_flags
 from bestiary.core.runtime.engine import Engine
-from parity import EngineRunner
-from tiny_llama import make_tiny_llama
 
 MODES = {
     "fp8": QuantConfig(quant_algo="FP8"),

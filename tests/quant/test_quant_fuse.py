@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.fuse import fuse_quantized

@@ -18,25 +18,26 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.convert.source_to_checkpoint import convert
-from bestiary.core.format.config import QuantConfig
-from bestiary.core.format.errors import ConfigError
-from bestiary.core.layers.linear import Linear, Parallel
-from bestiary.core.format import packing
-from bestiary.core.quant import gptq
-from bestiary.core.quant.input_stats import LinearInputStats
-from bestiary.core.convert.calibration import collect_linear_inputs
-from bestiary.core.quant.apply import quantized_linears, set_compute_dtype
-from bestiary.core.quant.awq import awq_scale, search_awq_scale
-from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
-from bestiary.core.convert.quantize_calibrated import check_weight_quantizer, float_model
-from bestiary.core.quant.gptq import act_order_perm, gptq_int4, hessian_error
-from bestiary.core.quant.modes import LinearQuant
-from bestiary.core.quant.slot import WeightOnlySlot
-from bestiary.core.runtime.engine import Engine
 from kv_scales import expected_kv_scales
 from test_quant import _logits, float_reference
 from tiny_llama import make_tiny_llama
+
+from bestiary.core.convert.calibration import collect_linear_inputs
+from bestiary.core.convert.quantize_calibrated import check_weight_quantizer, float_model
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format import packing
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
+from bestiary.core.layers.linear import Linear, Parallel
+from bestiary.core.quant import gptq
+from bestiary.core.quant.apply import quantized_linears, set_compute_dtype
+from bestiary.core.quant.awq import awq_scale, search_awq_scale
+from bestiary.core.quant.awq_fold import fold_awq_scales, scale_folds
+from bestiary.core.quant.gptq import act_order_perm, gptq_int4, hessian_error
+from bestiary.core.quant.input_stats import LinearInputStats
+from bestiary.core.quant.modes import LinearQuant
+from bestiary.core.quant.slot import WeightOnlySlot
+from bestiary.core.runtime.engine import Engine
 
 
 def correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -368,9 +369,9 @@ def test_builtin_weight_calibration_text_is_long_and_read_whole():
     WEIGHT_CALIB_TOKENS reads all of it (text added past the limit would be silently dropped)."""
     gguf = pytest.importorskip("gguf")
     from bestiary.core.cli.demo import demo_model_path
+    from bestiary.core.convert.quantize_calibrated import WEIGHT_CALIB_TOKENS, weight_calibration_ids
     from bestiary.core.format.errors import BestiaryError
     from bestiary.core.quant.calib_text import WEIGHT_CALIB_TEXT
-    from bestiary.core.convert.quantize_calibrated import WEIGHT_CALIB_TOKENS, weight_calibration_ids
     from bestiary.core.runtime.tokenizer import Tokenizer
     from bestiary.core.sources.gguf_tokenizer import tokenizer_from_gguf
 

@@ -20,6 +20,9 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
+from parity import EngineRunner, reassemble_checkpoint
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.layers.linear import Linear, Parallel
@@ -28,8 +31,6 @@ from bestiary.core.quant.apply import quantized_linears, set_compute_dtype
 from bestiary.core.quant.modes import LinearQuant
 from bestiary.core.quant.slot import WeightOnlySlot
 from bestiary.core.runtime.engine import Engine
-from parity import EngineRunner, reassemble_checkpoint
-from tiny_llama import make_tiny_llama
 
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AWQ: nibble j of a word holds column ORDER[j]
 

@@ -10,13 +10,14 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.convert.source_to_checkpoint import convert
-from bestiary.core.format.config import QuantConfig
-from bestiary.core.convert.calibration import calibration_ids
-from bestiary.core.runtime.engine import Engine
-from bestiary.core.runtime.kv_cache import KVCache
 from parity import EngineRunner
 from tiny_llama import make_tiny_llama
+
+from bestiary.core.convert.calibration import calibration_ids
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.runtime.engine import Engine
+from bestiary.core.runtime.kv_cache import KVCache
 
 ALGOS = {"INT8": (torch.int8, 127.0), "FP8": (torch.float8_e4m3fn, 448.0)}
 SCALE = "transformer.layers.{}.attention.kv_cache_scaling_factor"

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+
 from bestiary.core.convert.calibration import shared_calibration
+from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig

@@ -14,13 +14,12 @@ from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-from bestiary.core.convert.source_to_checkpoint import convert
-from bestiary.core.format.config import QuantConfig
-from bestiary.core.format.errors import ConfigError
-from bestiary.core.format import packing
+from test_quant_gptq import _float_model
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.calibration import calibration_chunks, chunk_logits
 from bestiary.core.convert.quantize_calibrated import check_tune_steps, load_tensors, weight_calibration_ids
-from bestiary.core.format.packing import Int4Codes
+from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.convert.tune import (
     DEFAULT_STEPS,
     GroupScaled,
@@ -28,8 +27,10 @@ from bestiary.core.convert.tune import (
     distillation_loss,
     tune_group_scales,
 )
-from test_quant_gptq import _float_model
-from tiny_llama import make_tiny_llama
+from bestiary.core.format import packing
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.format.errors import ConfigError
+from bestiary.core.format.packing import Int4Codes
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +180,10 @@ def _source(arch: str, directory):
 def test_tuned_convert_of_every_architecture_is_packed_exactly(arch, tmp_path):
     """Tuning runs through every architecture's layers (a gradient for every op in torch mode) and the
     tuned checkpoint's logits equal the hand-dequantized reference's."""
+    from test_quant import _logits, float_reference
+
     from bestiary.core.quant.apply import set_compute_dtype
     from bestiary.core.runtime.engine import Engine
-    from test_quant import _logits, float_reference
 
     src = _source(arch, tmp_path / "src")
     quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)

@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+
 from bestiary.core.format.errors import BestiaryError
 from bestiary.plugins import hookimpl
 from bestiary.registry import ArchitectureSpec, DuplicateArchitectureError, Registry

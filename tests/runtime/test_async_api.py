@@ -8,11 +8,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 40)), [42]]

@@ -17,6 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import parity  # noqa: E402
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.build_config import BuildConfig, finalize_build_config  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
@@ -26,7 +28,6 @@ from bestiary.core.runtime.executor import Executor  # noqa: E402
 from bestiary.core.runtime.kv_cache import KvCacheConfig  # noqa: E402
 from bestiary.core.runtime.kv_window import held  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 WINDOW = 16
@@ -339,8 +340,9 @@ CLI_SETTINGS = [(None, None), (8, 0), (8, 2)]  # (max_attention_window, sink_tok
 @pytest.fixture(scope="module")
 def window_engine(tmp_path_factory):
     """A tiny LLaMA with a tokenizer, built by `bestiary build --max_attention_window 16 --sink_token_length 0`."""
-    from bestiary.core.cli.main import main
     from tiny_chat import make_tiny_chat_hf
+
+    from bestiary.core.cli.main import main
 
     base = tmp_path_factory.mktemp("window_cli")
     convert(make_tiny_chat_hf(base), base / "ckpt", show_progress=False)

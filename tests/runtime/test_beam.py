@@ -9,6 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 import bestiary.core.runtime.executor as executor_module  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.build_config import BuildConfig, finalize_build_config  # noqa: E402
@@ -16,7 +18,6 @@ from bestiary.core.runtime.beam import Beam, BeamSearch, fork_block_tables  # no
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.executor import Executor  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig, pad_outputs  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 PAD = 95
 # Prompts of the tiny model for which end id 43 ends some beams early (checked in the test).

@@ -12,17 +12,18 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
 from bestiary.core.convert.source_to_checkpoint import convert
-from bestiary.core.kernels.cpu import build as cpu_build
-from bestiary.core.runtime.cpu_plan import MAX_BATCH, OP_ATTENTION, DecodePlan, plan_for
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.kernels import dispatch
+from bestiary.core.kernels.cpu import build as cpu_build
 from bestiary.core.quant.apply import set_compute_dtype
+from bestiary.core.runtime.cpu_plan import MAX_BATCH, OP_ATTENTION, DecodePlan, plan_for
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.sampling import SamplingConfig
-from tiny_llama import make_tiny_llama
 
 # skipped only where nothing can build the kernels: with a compiler, a kernels.c that does not build
 # fails here (tests/kernels/cpu/test_cpu_isa.py::test_kernels_build_where_a_compiler_is) instead of skipping

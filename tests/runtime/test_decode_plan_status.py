@@ -6,6 +6,7 @@ from __future__ import annotations
 import parity
 import pytest
 import transformers
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.kernels.cpu.build import library
 from bestiary.core.runtime.engine import Engine

@@ -9,11 +9,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.evaluate import perplexity  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 
 def test_perplexity_matches_hf_with_chunks(tmp_path):

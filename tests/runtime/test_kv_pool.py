@@ -12,8 +12,16 @@ import torch
 
 import bestiary.core.runtime.kv_cache as kv_cache
 from bestiary.core.format.errors import EnvironmentFault
-from bestiary.core.runtime.kv_cache import (BlockAllocator, BlockKey, KvCacheConfig, KVCache, check_pool_fits,
-                                            fork_table, free_memory_bytes, pool_tokens)
+from bestiary.core.runtime.kv_cache import (
+    BlockAllocator,
+    BlockKey,
+    KVCache,
+    KvCacheConfig,
+    check_pool_fits,
+    fork_table,
+    free_memory_bytes,
+    pool_tokens,
+)
 
 GIB = 2**30
 

@@ -10,12 +10,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_chat import make_tiny_chat_engine  # noqa: E402
+
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.runtime.chat_template import render_chat  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.core.runtime.text_deltas import TextDeltas  # noqa: E402
-from tiny_chat import make_tiny_chat_engine  # noqa: E402
 
 FREE = dict(max_new_tokens=12, ignore_eos=True)
 

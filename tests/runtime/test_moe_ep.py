@@ -15,6 +15,9 @@ from pathlib import Path
 import parity
 import pytest
 import torch
+from cli_errors import one_line
+from safetensors.torch import load_file
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig, read_json, validate_config
@@ -23,8 +26,6 @@ from bestiary.core.layers.moe import MoE, route
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
-from cli_errors import one_line
-from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,8 +161,8 @@ def test_rank_files_hold_only_their_experts(layout, checkpoints):
         assert set(weights) == tp1_keys  # no per-expert or extra tensors
         for layer in range(2):
             hf_moe, ours = f"model.layers.{layer}.block_sparse_moe", f"transformer.layers.{layer}.mlp"
-            for name, hf_name, cut in (("fc", "w1", lambda t: t[rows]), ("gate", "w3", lambda t: t[rows]),
-                                       ("proj", "w2", lambda t: t[:, rows])):
+            for name, hf_name, cut in (("fc", "w1", lambda t, r=rows: t[r]), ("gate", "w3", lambda t, r=rows: t[r]),
+                                       ("proj", "w2", lambda t, r=rows: t[:, r])):
                 want = torch.stack([cut(hf[f"{hf_moe}.experts.{e}.{hf_name}.weight"]) for e in experts])
                 assert torch.equal(weights[f"{ours}.{name}.weight"], want), (rank, layer, name)
             assert torch.equal(weights[f"{ours}.router.weight"], hf[f"{hf_moe}.gate.weight"])  # replicated
@@ -302,11 +303,12 @@ def test_qwen2_moe_shared_expert_under_ep(tmp_path):
 
 def test_expert_lora_is_refused_under_ep(checkpoints, tmp_path):
     """LoRA on the experts is not placed by expert group: loading such an adapter on an ep rank is one line."""
+    from lora_helpers import write_adapter
+
     from bestiary.core.format.errors import BestiaryError
     from bestiary.core.lora.adapter import load_adapter
     from bestiary.core.runtime.engine import validate_model_config
     from bestiary.models.mixtral.model import MixtralForCausalLM
-    from lora_helpers import write_adapter
 
     config = validate_model_config(read_json(checkpoints(4, 2, "ep2") / "config.json"), "config.json")
     model = MixtralForCausalLM(config, 1, device="cpu")

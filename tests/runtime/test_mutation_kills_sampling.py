@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, pad_outputs, sample
 from bestiary.core.kernels.sampling_ref import filter_logits
+from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, pad_outputs, sample
 
 
 def test_filter_logits_boundaries() -> None:

@@ -16,6 +16,8 @@ import parity
 import pytest
 import test_tp_runtime as tpr
 import torch
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import global_layer_key, load_rank_weights
 from bestiary.core.format.config import QuantConfig
@@ -26,7 +28,6 @@ from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.pipeline import micro_batches, slice_meta
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.step_broadcast import check_mirror
-from tiny_llama import make_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 

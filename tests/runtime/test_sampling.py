@@ -10,12 +10,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from bestiary.core.format.errors import BestiaryError  # noqa: E402
-from bestiary.core.runtime.logits_processors import LogitsPipeline  # noqa: E402
-from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, pad_outputs
-from bestiary.core.kernels.sampling_ref import filter_logits
 from test_beam import make_executor, make_tiny_pair, run_checked  # noqa: E402
 from transformers.generation import logits_process as hf_lp  # noqa: E402
+
+from bestiary.core.format.errors import BestiaryError  # noqa: E402
+from bestiary.core.kernels.sampling_ref import filter_logits
+from bestiary.core.runtime.logits_processors import LogitsPipeline  # noqa: E402
+from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, pad_outputs
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +221,9 @@ def test_stop_words_end_generation_at_the_right_token(tiny):
 
 def test_log_probs_and_logits_outputs(tiny, tmp_path):
     """Context logits == HF's prompt logits; generation logits == HF's step logits; log probs of them."""
-    from bestiary.core.runtime.llm import LLM
     from parity import hf_logits
+
+    from bestiary.core.runtime.llm import LLM
 
     hf, engine = tiny
     llm = LLM(engine.directory)

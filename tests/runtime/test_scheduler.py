@@ -13,13 +13,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tiny_llama import make_tiny_llama  # noqa: E402
+
 from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
 from bestiary.core.format.build_config import BuildConfig, finalize_build_config  # noqa: E402
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.executor import Executor, supports_block_reuse  # noqa: E402
 from bestiary.core.runtime.kv_cache import KvCacheConfig  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
-from tiny_llama import make_tiny_llama  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK = 16

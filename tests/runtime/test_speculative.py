@@ -12,6 +12,8 @@ import torch
 pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
 
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.build_config import BuildConfig, finalize_build_config
 from bestiary.core.format.errors import BestiaryError
@@ -26,7 +28,6 @@ from bestiary.core.runtime.speculative import (
     speculative_config,
     target_probs,
 )
-from tiny_llama import make_tiny_llama
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 DTYPES = ("float32", "bfloat16")
@@ -227,8 +228,10 @@ def test_sampled_tokens_match_plain_sampling(engines, dirs):
     unrelated draft model (mostly rejected: the residual path) vs plain sampling: chi-square per position.
     Token 1 comes from the prompt step, token 2 from a verification, token 3 is its bonus or the next step's."""
     prompt = [5, 17, 33, 5, 17, 40, 2]
-    s = lambda i, seed0: SamplingConfig(max_new_tokens=3, temperature=1.0, top_k=12, random_seed=seed0 + i,
-                                        ignore_eos=True)
+
+    def s(i: int, seed0: int) -> SamplingConfig:
+        return SamplingConfig(max_new_tokens=3, temperature=1.0, top_k=12, random_seed=seed0 + i, ignore_eos=True)
+
     spec = SpeculativeConfig(method="draft", num_draft_tokens=2, draft_engine_dir=str(dirs["other"]),
                              max_verify_rows=1000)
     samples = {}

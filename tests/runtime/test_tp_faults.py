@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.runtime.worker_group import describe_exit, settled_exitcode
-from tiny_llama import make_tiny_llama
 
 DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "tp_fault_driver.py"
 LIMIT_S = 30

@@ -14,14 +14,15 @@ import json
 from pathlib import Path
 
 import pytest
+from test_tp_runtime import DEFAULT_PROMPT, checkpoints  # noqa: F401 - the fixture, reused
+from tiny_llama import make_tiny_llama, write_tiny_tokenizer
+
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
 from bestiary.core.runtime import engine as engine_module
 from bestiary.core.runtime import step_broadcast
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.step_broadcast import check_mirror
-from test_tp_runtime import DEFAULT_PROMPT, checkpoints  # noqa: F401 - the fixture, reused
-from tiny_llama import make_tiny_llama, write_tiny_tokenizer
 
 LOG_PROB_TOL = 1e-5
 PROMPTS = [DEFAULT_PROMPT, [56, 30, 82, 39, 44, 40], [5, 6]]

@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parity import reassemble_checkpoint
+from test_tp_runtime import LOGIT_TOL, STEPS, teacher_forced
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
-from parity import reassemble_checkpoint
-from test_tp_runtime import LOGIT_TOL, STEPS, teacher_forced
-from tiny_llama import make_tiny_llama
 
 pytest.importorskip("transformers")
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import parity
 import pytest
 import torch
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig
@@ -22,7 +24,6 @@ from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.step_broadcast import check_mirror
-from tiny_llama import make_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_executor import alone, executor, staggered
+from test_tp_runtime import STEPS, first_near_tie, teacher_forced
+from tiny_llama import make_tiny_llama
+
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.step_broadcast import check_mirror
-from test_executor import alone, executor, staggered
-from test_tp_runtime import STEPS, first_near_tie, teacher_forced
-from tiny_llama import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_llama import make_tiny_llama, write_tiny_tokenizer
+
 from bestiary.core.cli.main import main
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.runtime.worker_group import free_port
-from tiny_llama import make_tiny_llama, write_tiny_tokenizer
 
 RUN = ["run", "--input_ids", "3,17,45,8,60,22", "4,5,6", "--max_output_len", "12", "--num_threads", "1"]
 IDS = [*RUN, "--output_ids"]

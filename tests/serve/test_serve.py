@@ -17,11 +17,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
+from tiny_chat import make_tiny_chat_engine  # noqa: E402
+
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.core.runtime.tokenizer import Tokenizer  # noqa: E402
 from bestiary.core.serve.process import ServerProcess  # noqa: E402
-from tiny_chat import make_tiny_chat_engine  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-test"

@@ -11,10 +11,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
+from tiny_chat import make_tiny_chat_engine  # noqa: E402
+
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.core.serve.process import ServerProcess  # noqa: E402
-from tiny_chat import make_tiny_chat_engine  # noqa: E402
 
 MODEL = "tiny"
 # repeated phrases: prompt lookup finds drafts in the prompt, and the random model's greedy loops in its output

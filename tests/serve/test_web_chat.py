@@ -20,15 +20,16 @@ pytest.importorskip("fastapi")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from lora_helpers import peft_adapter  # noqa: E402
+from tiny_chat import make_tiny_chat_engine  # noqa: E402
+from web_browser import answer_of, chromium, open_chat, screenshot, send, set_sampling, wait_for_models  # noqa: E402
+
 from bestiary.core.cli.serve import lora_modules  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.core.serve.process import ServerProcess  # noqa: E402
-from lora_helpers import peft_adapter  # noqa: E402
-from tiny_chat import make_tiny_chat_engine  # noqa: E402
-from web_browser import answer_of, chromium, open_chat, screenshot, send, set_sampling, wait_for_models  # noqa: E402
 
 MODEL, ADAPTER, KEY = "tiny", "tiny-lora", "sk-web"
 NEW_TOKENS = 12

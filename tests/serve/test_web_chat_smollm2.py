@@ -11,9 +11,10 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from web_browser import answer_of, chromium, figure_dir, open_chat, screenshot, send, set_sampling  # noqa: E402
+
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine  # noqa: E402
 from bestiary.core.serve.process import ServerProcess  # noqa: E402
-from web_browser import answer_of, chromium, figure_dir, open_chat, screenshot, send, set_sampling  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 32

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import parity
 import test_chatglm as cg
+
 from bestiary.core.cli.main import main
 from bestiary.core.convert.source_to_checkpoint import convert
 from bestiary.core.runtime.tokenizer import Tokenizer

@@ -28,10 +28,6 @@ import pytest
 pytest.importorskip("ftllm")
 transformers = pytest.importorskip("transformers")
 
-from bestiary.core.convert.export_flm import export_flm
-from bestiary.core.convert.source_to_checkpoint import convert
-from bestiary.core.format.config import QuantConfig
-from bestiary.core.runtime.engine import Engine
 from flm_judge import (
     agreement,
     bestiary_greedy,
@@ -45,6 +41,11 @@ from flm_judge import (
     untied_smollm2,
 )
 from tiny_llama import make_tiny_llama
+
+from bestiary.core.convert.export_flm import export_flm
+from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.format.config import QuantConfig
+from bestiary.core.runtime.engine import Engine
 
 TINY_PROMPTS = [[3, 17, 99, 45, 8], [1, 2, 3], [120, 64, 7, 7, 90, 11], [55], [9, 81, 33, 101]]
 SMOL_PROMPTS = [[1, 504, 3458, 314, 5549, 30], [1, 2683, 314, 253, 1692], [1, 1978, 549, 260, 1345, 282],
@@ -119,8 +120,9 @@ def int4_files(tiny, tmp_path) -> list[tuple[str, object, int | None]]:
 
 
 def test_int4_files_compute_in_ftllm_what_bestiary_reads(tiny, tmp_path):
-    from bestiary.core.sources import open_source
     from flm_judge import emulated_fastllm_logits, ftllm_logits
+
+    from bestiary.core.sources import open_source
 
     hf = transformers.LlamaForCausalLM.from_pretrained(tiny).float().eval()
     for label, flm, group in int4_files(tiny, tmp_path):
@@ -265,9 +267,10 @@ def test_model_save_files_of_the_tiny_llama(tiny_fp16_hf, tmp_path, dtype):
     """ftllm's model.save() of an HF dir: float16 splits back to the HF tensors to the bit; int8 / int4
     files convert and compute ftllm's logits within the bounds of torch2flm's files."""
     import torch
+    from safetensors.torch import load_file
+
     from bestiary.core.sources import open_source
     from bestiary.core.sources.flm_reader import read_flm
-    from safetensors.torch import load_file
 
     flm = tmp_path / f"saved_{dtype}.flm"
     ftllm_save(tiny_fp16_hf, flm, dtype)

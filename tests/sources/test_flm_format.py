@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from bestiary.core.cli.main import main
 from bestiary.core.sources import open_source
 from bestiary.core.sources.flm_reader import FlmFormatError, read_flm

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from bestiary.core.cli.main import main
 from bestiary.core.convert.flm_encode import fastllm_quantize
 from bestiary.core.sources.flm_format import CODES, pack_int, pack_nibbles, pack_string

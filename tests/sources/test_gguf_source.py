@@ -14,10 +14,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
+
 from bestiary.core.format.errors import BestiaryError, WeightsError
 from bestiary.core.sources.gguf_source import hf_config_from_gguf, open_gguf
 from bestiary.core.sources.gguf_tokenizer import tokenizer_from_gguf
-from tokenizers import Tokenizer
 
 Q = gguf.GGMLQuantizationType
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch  # (loaded first: the library then shares torch's libgomp, its thread pool)
+
 from bestiary.core.format.cache import cache_dir
 from bestiary.core.format.errors import BestiaryError
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from bestiary.core.kernels.cpu.build import isa_name, library
-from bestiary.core.kernels.activations_ref import ACT_CODES, ACTIVATIONS
+
 from bestiary.core.format import packing
+from bestiary.core.kernels.activations_ref import ACT_CODES, ACTIVATIONS
+from bestiary.core.kernels.cpu.build import isa_name, library
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.quant.kv): codes * scale

@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from bestiary.core.kernels.cpu import build
+
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.kernels.cpu import build
 
 AVX2_LAPTOP = frozenset({"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "fma", "f16c", "avx2", "bmi1", "bmi2"})
 AVX512_SERVER = AVX2_LAPTOP | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
@@ -132,8 +133,9 @@ def test_inspect_shows_the_chosen_path(tmp_path):
 
 def test_unknown_isa_is_a_user_error_at_run(tmp_path):
     pytest.importorskip("transformers")
-    from bestiary.core.cli.main import main
     from tiny_llama import make_tiny_llama
+
+    from bestiary.core.cli.main import main
 
     src = make_tiny_llama(tmp_path)
     assert main(["convert", "--model_dir", str(src), "--output_dir", str(tmp_path / "ckpt")]) == 0

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bestiary.core.kernels.cpu import build, ops
+
 from bestiary.core.format import packing
+from bestiary.core.kernels.cpu import build, ops
 from bestiary.core.kernels.kv_codes import as_bytes, quantize_kv
 
 # skipped only where nothing can build the kernels: with a compiler, a kernels.c that does not build

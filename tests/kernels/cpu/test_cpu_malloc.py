@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from bestiary.core.kernels.cpu import malloc
 
 pytestmark = pytest.mark.skipif(malloc.glibc_mallopt() is None, reason="glibc only")

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from torch import nn
+
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
-from torch import nn
 
 
 class Qwen2Config(DecoderConfig):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
 from pydantic import Field
+
+from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
 
 
 class TinyGPTConfig(PretrainedConfig):

@@ -7,14 +7,14 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from bestiary.core.layers.decoder_layer import PreNormDecoderLayer
 from bestiary.core.layers.mlp import MLP
 from bestiary.core.layers.norm import LayerNorm
 from bestiary.core.layers.rotary import Rotary
 from bestiary.core.layers.self_attention import SelfAttention
 from bestiary.core.runtime.model import DecoderLM
-from torch import nn
-
 from bestiary_tinygpt.config import TinyGPTConfig
 
 
