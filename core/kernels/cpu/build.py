@@ -1,15 +1,17 @@
 """Compile kernels.c for this CPU's instruction set, and load it with ctypes.
 
-kernels.c is one source for four builds: AVX-512 with AVX512_BF16 (vdpbf16ps where both
-operands are bfloat16), AVX-512 (F, BW, VL with FMA and F16C), AVX2 (+ FMA, F16C) and scalar C.
-At load the best ISA whose flags the CPU lists (/proc/cpuinfo; torch's CPU capability where
-there is no such file, which cannot tell avx512_bf16: avx512 then) is chosen;
-BESTIARY_CPU_ISA=avx512bf16|avx512|avx2|scalar forces one (a BestiaryError, one line, for an
-ISA this CPU lacks or an unknown name). Each ISA's
-library is built once per source text, compiler and flags into <cache>/cpu-kernels/<key>/
-($BESTIARY_CACHE or ~/.cache/bestiary), through a temporary file renamed into place, so
-concurrent processes never load half a library. `describe()` says what was chosen and why
-(`bestiary inspect` prints it).
+kernels.c is the one translation unit of the CPU kernels: it #includes common.h, vector.h and a
+part per op family (linear_*.c, kv_cache.c, attention_*.c, ..., plan.c: the list heads kernels.c),
+so a build is one compiler run. It is one source for four builds: AVX-512 with AVX512_BF16
+(vdpbf16ps where both operands are bfloat16), AVX-512 (F, BW, VL with FMA and F16C), AVX2
+(+ FMA, F16C) and scalar C. At load the best ISA whose flags the CPU lists (/proc/cpuinfo;
+torch's CPU capability where there is no such file, which cannot tell avx512_bf16: avx512 then)
+is chosen; BESTIARY_CPU_ISA=avx512bf16|avx512|avx2|scalar forces one (a BestiaryError, one line,
+for an ISA this CPU lacks or an unknown name). Each ISA's library is built once per source text
+(every .c and .h file beside kernels.c: a change in any part rebuilds), compiler and flags into
+<cache>/cpu-kernels/<key>/ ($BESTIARY_CACHE or ~/.cache/bestiary), through a temporary file
+renamed into place, so concurrent processes never load half a library. `describe()` says what
+was chosen and why (`bestiary inspect` prints it).
 
 BESTIARY_CPU_KERNELS=off (or 0) turns the kernels off: every op then runs its torch
 reference. Without a C compiler (`$CC`, else cc / gcc), or if the build fails, the same
@@ -35,7 +37,8 @@ import torch  # (loaded first: the library then shares torch's libgomp, its thre
 from bestiary.core.format.cache import cache_dir
 from bestiary.core.format.errors import BestiaryError
 
-SOURCE = Path(__file__).with_name("kernels.c")
+# resolved: a strict editable install's link tree holds only the files it had when it was made
+SOURCE = Path(__file__).resolve().with_name("kernels.c")
 ENV_VAR = "BESTIARY_CPU_KERNELS"
 ISA_ENV_VAR = "BESTIARY_CPU_ISA"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -172,15 +175,24 @@ def compiler() -> str | None:
     return cc if cc else (shutil.which("cc") or shutil.which("gcc"))
 
 
+def sources() -> list[Path]:
+    """The files a build reads: kernels.c and the parts it #includes, i.e. every .c and .h file beside
+    it, by name."""
+    return sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".c", ".h"))
+
+
 def _key(cc: str, isa: str) -> str:
-    """Hash of the source, the compiler's version and the flags of this ISA's build."""
+    """Hash of the sources (each file's name and text), the compiler's version and the flags of this
+    ISA's build."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-    text = "\n".join([SOURCE.read_text(), version, " ".join(FLAGS), isa, " ".join(ISAS[isa].cc_flags)])
+    text = "\n".join([*(f"{p.name}\n{p.read_text()}" for p in sources()), version, " ".join(FLAGS), isa,
+                      " ".join(ISAS[isa].cc_flags)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def compile_library(cc: str, out: Path, isa: str) -> None:
-    """cc kernels.c -> out for `isa` (atomically: built beside it, then renamed)."""
+    """cc kernels.c (one translation unit: it #includes the other sources) -> out for `isa`
+    (atomically: built beside it, then renamed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
