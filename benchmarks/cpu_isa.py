@@ -132,7 +132,7 @@ def main() -> None:
 
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.kernels.cpu import build
     from bestiary.core.runtime.llm import LLM
 
@@ -160,8 +160,9 @@ def main() -> None:
         for mode in args.modes:
             dtype, quant = settings[mode]
             ckpt, engine = Path(tmp) / f"{mode}-ckpt", Path(tmp) / f"{mode}-engine"
-            convert(gguf, ckpt, dtype=dtype, show_progress=False, quantization=quant,
-                    weight_quantizer="rtn" if quant else None)
+            convert(gguf, ckpt,
+                    ConvertOptions(dtype=dtype, quantization=quant, weight_quantizer="rtn" if quant else None),
+                    show_progress=False)
             build_engine(ckpt, engine, BuildConfig(max_batch_size=1, max_seq_len=512))
             llm = LLM(engine)
             runners = {isa: functools.partial(ours_seconds, llm, ids) for isa in isas}

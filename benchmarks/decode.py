@@ -51,7 +51,7 @@ def main() -> None:
     from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.runtime.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             ckpt, engine = Path(tmp) / f"{dtype}-ckpt", Path(tmp) / f"{dtype}-engine"
-            convert(gguf, ckpt, dtype=dtype, show_progress=False)
+            convert(gguf, ckpt, ConvertOptions(dtype=dtype), show_progress=False)
             build_engine(ckpt, engine, BuildConfig(max_batch_size=1, max_seq_len=512))
             llm = LLM(engine)
             hf = transformers.AutoModelForCausalLM.from_pretrained(

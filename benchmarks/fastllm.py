@@ -49,11 +49,12 @@ def quant_config(dtype: str, activation_quant: bool):
 
 
 def bestiary_checkpoint(hf_dir: Path, out: Path, dtype: str) -> Path:
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 
     if not (out / "config.json").is_file():  # computes as FastLLM does (activation_quant), as ftllm will run it
         quant = quant_config(dtype, activation_quant=True)
-        convert(hf_dir, out, dtype="float16", quantization=quant, weight_quantizer="rtn" if quant else None,
+        convert(hf_dir, out,
+                ConvertOptions(dtype="float16", quantization=quant, weight_quantizer="rtn" if quant else None),
                 show_progress=False)
     return out
 
@@ -93,7 +94,7 @@ def prepare_speed(hf_dir: Path, work: Path, dtype: str, from_flm: bool) -> tuple
     from flm_judge import ftllm_export
 
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 
     flm = ftllm_export(hf_dir, work / f"ft_{dtype}.flm", dtype)
     tag = f"{dtype}_flm" if from_flm else dtype
@@ -103,7 +104,8 @@ def prepare_speed(hf_dir: Path, work: Path, dtype: str, from_flm: bool) -> tuple
             convert(flm, ours_ck, show_progress=False)
         else:
             quant = quant_config(dtype, activation_quant=False)
-            convert(hf_dir, ours_ck, dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None,
+            convert(hf_dir, ours_ck,
+                    ConvertOptions(dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None),
                     show_progress=False)
     if not (work / f"engine_{tag}" / "config.json").is_file():
         build_engine(ours_ck, work / f"engine_{tag}", BuildConfig(max_batch_size=1, max_seq_len=256))

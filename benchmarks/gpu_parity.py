@@ -90,13 +90,14 @@ def reference_on(case, device: str, dtype: torch.dtype, workdir: Path):
 
 def fp32_row(case, device: str, workdir: Path) -> dict:
     """max |ours - reference| in fp32 (TF32 off) over prefill + decode, and whether graphs ran."""
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.runtime.engine import Engine
     from bestiary.testing.parity import reference_diffs
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     source, ref = reference_on(case, device, torch.float32, workdir)
-    engine = Engine.load(convert(source, workdir / "fp32", dtype="float32", show_progress=False), device=device)
+    engine = Engine.load(convert(source, workdir / "fp32", ConvertOptions(dtype="float32"), show_progress=False),
+                         device=device)
     diff, scale = reference_diffs(engine, ref.logits, PROMPT, DECODE_STEPS)
     bound = FP32_BOUND * max(1.0, scale)
     return {"fp32_diff": diff, "fp32_bound": bound, "fp32_pass": diff <= bound, **graph_state(engine.model)}
@@ -104,13 +105,13 @@ def fp32_row(case, device: str, workdir: Path) -> dict:
 
 def bf16_row(case, device: str, workdir: Path) -> dict:
     """bf16 greedy tokens of LLM.generate against the reference's bf16 chain (near-ties excused)."""
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
     from bestiary.testing.suite import reference_chain
 
     source, ref = reference_on(case, device, torch.bfloat16, workdir / "bf16ref")
-    ckpt = convert(source, workdir / "bf16", dtype="bfloat16", show_progress=False)
+    ckpt = convert(source, workdir / "bf16", ConvertOptions(dtype="bfloat16"), show_progress=False)
     llm = LLM(ckpt, device=device)
     greedy = SamplingConfig(temperature=0, max_new_tokens=GREEDY_TOKENS, ignore_eos=True)
     ours = llm.generate([PROMPT], greedy)[0].output_ids

@@ -127,11 +127,12 @@ def hf_decode(model, batch: int, new_tokens: int, vocab: int) -> float:
 
 
 def engine_dir(source: Path, root: Path, name: str, batch: int, max_len: int, **convert_args) -> Path:
-    """Convert `source` (convert's keyword arguments) and build an engine for `batch` x `max_len` tokens."""
+    """Convert `source` (keyword arguments: ConvertOptions fields) and build an engine for `batch` x `max_len`
+    tokens."""
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 
-    ckpt = convert(source, root / f"{name}_ckpt", show_progress=False, **convert_args)
+    ckpt = convert(source, root / f"{name}_ckpt", ConvertOptions(**convert_args), show_progress=False)
     build = BuildConfig(max_batch_size=batch, max_seq_len=max_len + 1, max_input_len=max_len, max_num_tokens=max(max_len, batch))
     return build_engine(ckpt, root / f"{name}_engine", build)
 

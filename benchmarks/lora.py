@@ -83,7 +83,7 @@ def main() -> None:
 
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.lora.request import LoraRequest
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
@@ -103,7 +103,7 @@ def main() -> None:
         gguf = demo_model_path()
         hf_dir = dense_hf_dir(gguf, root / "hf")
         dirs = make_adapters(hf_dir, root)
-        convert(hf_dir, root / "ckpt", dtype=args.dtype, show_progress=False)
+        convert(hf_dir, root / "ckpt", ConvertOptions(dtype=args.dtype), show_progress=False)
         build_engine(root / "ckpt", root / "engine", BuildConfig(max_batch_size=BATCH, max_seq_len=512))
         llm = LLM(root / "engine")
         vocab = llm.engine.model.config.vocab_size

@@ -18,7 +18,7 @@ import torch
 
 CONFIG = dict(vocab_size=8000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512)
-LAYOUTS = {  # name -> convert keyword arguments
+LAYOUTS = {  # name -> ConvertOptions fields
     "tp 1": {},
     "tp 2 (experts split along FFN)": dict(tp_size=2),
     "ep 2 (tp 2, moe_tp 1)": dict(tp_size=2, moe_ep_size=2),
@@ -31,7 +31,7 @@ LAYOUTS = {  # name -> convert keyword arguments
 def main() -> None:
     import transformers
 
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.format.checkpoint import rank_file
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,7 +49,8 @@ def main() -> None:
         print("|---|---|---|")
         whole = None
         for i, (name, kwargs) in enumerate(LAYOUTS.items()):
-            out = convert(root / "hf", root / f"ckpt{i}", dtype="float32", show_progress=False, **kwargs)
+            out = convert(root / "hf", root / f"ckpt{i}", ConvertOptions(dtype="float32", **kwargs),
+                          show_progress=False)
             sizes = [rank_file(out, r).stat().st_size for r in range(kwargs.get("tp_size", 1))]
             whole = whole or sizes[0]
             print(f"| {name} | {', '.join(f'{s / 2**20:.1f}' for s in sizes)} | {max(sizes) / whole:.2f} |")

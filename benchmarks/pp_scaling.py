@@ -35,12 +35,12 @@ def rss_mib(pid: int) -> float:
 
 def make_checkpoints(workdir: Path) -> dict[str, Path]:
     from bestiary.core.cli.demo import demo_model_path
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 
     out = {"tp1": workdir / "tp1", "pp2": workdir / "pp2"}
     for name, pp in (("tp1", 1), ("pp2", 2)):
         if not out[name].exists():
-            convert(demo_model_path(), out[name], dtype="bfloat16", pp_size=pp, show_progress=False)
+            convert(demo_model_path(), out[name], ConvertOptions(dtype="bfloat16", pp_size=pp), show_progress=False)
     return out
 
 

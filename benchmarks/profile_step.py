@@ -24,15 +24,16 @@ from pathlib import Path
 def engine_dir(workdir: Path, dtype: str, quant: str | None) -> Path:
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.format.config import QuantConfig
 
     tag = f"{dtype}-{quant or 'float'}"
     engine = workdir / f"engine-{tag}"
     if not (engine / "config.json").is_file():
         q = QuantConfig(quant_algo=quant) if quant else None
-        ckpt = convert(demo_model_path(), workdir / f"ckpt-{tag}", dtype=dtype, quantization=q,
-                       weight_quantizer="rtn" if q else None, show_progress=False)
+        ckpt = convert(demo_model_path(), workdir / f"ckpt-{tag}",
+                       ConvertOptions(dtype=dtype, quantization=q, weight_quantizer="rtn" if q else None),
+                       show_progress=False)
         build_engine(ckpt, engine, BuildConfig(max_batch_size=64, max_seq_len=512))
     return engine
 

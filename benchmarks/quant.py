@@ -147,7 +147,7 @@ def main() -> None:
     from bestiary.core.bench.dense_hf import dense_hf_dir
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.runtime.llm import LLM
 
     all_modes = modes()
@@ -175,8 +175,9 @@ def main() -> None:
             ckpt, engine = Path(tmp) / f"{mode}-ckpt", Path(tmp) / f"{mode}-engine"
             # Weight-only modes run 16-bit activations (the "A16"); RTN: speed, not quality, is measured here
             dtype = "float32" if mode == "fp32" else "bfloat16"
-            convert(gguf, ckpt, dtype=dtype, show_progress=False, quantization=all_modes[mode],
-                    weight_quantizer=None if mode == "fp32" else "rtn")
+            convert(gguf, ckpt, ConvertOptions(dtype=dtype, quantization=all_modes[mode],
+                                               weight_quantizer=None if mode == "fp32" else "rtn"),
+                    show_progress=False)
             build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_seq_len=512))
             rss = peak_rss_mib(engine, ids)
             llm = LLM(engine)

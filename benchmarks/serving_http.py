@@ -116,11 +116,11 @@ async def inprocess_level(llm, clients: int, per_client: int, max_tokens: int) -
 def smollm2_engine(workdir: Path, dtype: str) -> Path:
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 
     engine = workdir / f"smollm2-{dtype}-serve-engine"
     if not (engine / "config.json").is_file():
-        convert(demo_model_path(), workdir / f"smollm2-{dtype}-ckpt", dtype=dtype, show_progress=False)
+        convert(demo_model_path(), workdir / f"smollm2-{dtype}-ckpt", ConvertOptions(dtype=dtype), show_progress=False)
         build_engine(workdir / f"smollm2-{dtype}-ckpt", engine, BuildConfig(max_batch_size=32, max_seq_len=512))
     return engine
 

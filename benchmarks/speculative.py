@@ -27,15 +27,16 @@ def engines(workdir: Path) -> tuple[Path, Path]:
     """The bf16 target engine and the W4A16 (group 64) draft engine, built once under workdir."""
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.format.config import QuantConfig
 
     gguf, out = demo_model_path(), []
     for name, quant in (("bf16", None), ("w4a16", QuantConfig(quant_algo="W4A16", group_size=64))):
         ckpt, engine = workdir / f"{name}-ckpt", workdir / f"{name}-engine"
         if not (engine / "config.json").is_file():
-            convert(gguf, ckpt, dtype="bfloat16", show_progress=False, quantization=quant,
-                    weight_quantizer="rtn" if quant else None)  # RTN: a draft needs speed, not the last bit
+            convert(gguf, ckpt,
+                    ConvertOptions(dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None),
+                    show_progress=False)  # RTN: a draft needs speed, not the last bit
             build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_input_len=1024, max_seq_len=2048))
         out.append(engine)
     return out[0], out[1]

@@ -35,14 +35,14 @@ def rss_mb(pid: int) -> float:
 def make_checkpoints(workdir: Path) -> tuple[Path, Path]:
     import transformers
 
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 
     if not (workdir / "tp2").exists():
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
         model.save_pretrained(workdir / "hf")
-        convert(workdir / "hf", workdir / "tp1", dtype="float32", show_progress=False)
-        convert(workdir / "hf", workdir / "tp2", dtype="float32", tp_size=2, show_progress=False)
+        convert(workdir / "hf", workdir / "tp1", ConvertOptions(dtype="float32"), show_progress=False)
+        convert(workdir / "hf", workdir / "tp2", ConvertOptions(dtype="float32", tp_size=2), show_progress=False)
     return workdir / "tp1", workdir / "tp2"
 
 

@@ -35,7 +35,7 @@ def zoo() -> dict[str, dict]:
 
 def measure(architecture: str, case, workdir: Path) -> dict:
     """One case's row: max diff, scale, greedy, tp/pp reassembly, W8A16 relative diff."""
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.format.checkpoint import load_rank_weights
     from bestiary.core.format.config import QuantConfig
     from bestiary.core.runtime.engine import Engine
@@ -55,12 +55,12 @@ def measure(architecture: str, case, workdir: Path) -> dict:
     tokens, _, tie = reference_chain(ref, PROMPT, 6)
     (out,) = LLM(ckpt, registry=reg).generate([PROMPT], SamplingConfig(max_new_tokens=6, temperature=0.0,
                                                                        ignore_eos=True))
-    split = convert(source, workdir / "tp2pp2", tp_size=2, pp_size=2, registry=reg, show_progress=False)
+    split = convert(source, workdir / "tp2pp2", ConvertOptions(tp_size=2, pp_size=2), registry=reg, show_progress=False)
     whole, joined = load_rank_weights(ckpt, 0), reassemble_checkpoint(split, reg)
     if "lm_head.weight" not in whole and engine.model.tie_word_embeddings:
         whole["lm_head.weight"] = whole["transformer.vocab_embedding.weight"]
     same = sorted(whole) == sorted(joined) and all(torch.equal(joined[k], v) for k, v in whole.items())
-    q = convert(source, workdir / "w8a16", quantization=QuantConfig(quant_algo="W8A16"), registry=reg,
+    q = convert(source, workdir / "w8a16", ConvertOptions(quantization=QuantConfig(quant_algo="W8A16")), registry=reg,
                 show_progress=False)
     ours_q = EngineRunner(Engine.load(q, registry=reg)).feed(PROMPT, all_logits=True)
     ref_logits = ref.logits(PROMPT)

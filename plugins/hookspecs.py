@@ -8,6 +8,7 @@ Built-in architectures use exactly this API.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pluggy
 
@@ -19,15 +20,18 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def bestiary_register_architectures(register: Callable) -> None:
+def bestiary_register_architectures(register: Callable[[Any], None]) -> None:
     """Register architectures: call `register(spec)` once per `ArchitectureSpec`.
+
+    (Typed `Any` here: ArchitectureSpec lives a layer above, in bestiary.registry; `register`
+    checks it at run time and raises TypeError for anything else.)
 
     The registry raises on a duplicate name, naming both packages.
     """
 
 
 @hookspec
-def bestiary_claim_hf_config(hf_config: dict) -> str | None:
+def bestiary_claim_hf_config(hf_config: dict[str, Any]) -> str | None:
     """Return the architecture name that handles this HF config.json dict, or None.
 
     Used when the HF architecture name / model_type is ambiguous (e.g. ChatGLM v1 and

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 from types import ModuleType
+from typing import Any
 
 from bestiary.core.format.errors import BestiaryError, PluginError
 from bestiary.plugins.manager import LoadedPlugins, PluginFailure, build_plugin_manager
@@ -87,7 +88,7 @@ class Registry:
         raise BestiaryError(f"unknown architecture {name!r}; registered: {', '.join(self.names()) or 'none'}"
                             + self._failures_note())
 
-    def for_hf_config(self, hf_config: dict, source: str, override: str | None = None) -> ArchitectureSpec:
+    def for_hf_config(self, hf_config: dict[str, Any], source: str, override: str | None = None) -> ArchitectureSpec:
         """The spec that handles an HF config dict read from `source`.
 
         Order: `override` (--architecture), then the claim hook, then HF `architectures`,

@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bestiary.core.format.errors import PluginError
 
@@ -92,6 +92,13 @@ def _top_level_names(path: str) -> set[str] | None:
     return names
 
 
+class HasExperts(Protocol):
+    """A config with routed experts (core.format.hf_config.MoEFields and its subclasses)."""
+
+    @property
+    def num_local_experts(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class PerExpert:
     """Key-map value: one canonical section -> `experts.{e}.{name}` for e in 0..E-1, E = the config's
@@ -99,7 +106,8 @@ class PerExpert:
 
     name: str
 
-    def __call__(self, config) -> list[str]:
+    def __call__(self, config: HasExperts) -> list[str]:
+        """The E source names of this section, one per expert of `config`."""
         return [f"experts.{e}.{self.name}" for e in range(config.num_local_experts)]
 
 

@@ -32,7 +32,10 @@ def find_pyproject(path: str | Path) -> Path | None:
 
 def declared_entry_points(pyproject: Path) -> dict[str, str]:
     """name -> module of the `bestiary.architectures` entry points a pyproject.toml declares."""
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: tomli, which pytest itself requires there (mypy on 3.11+ may not find it)
+        import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
     data = tomllib.loads(pyproject.read_text())
     return dict(data.get("project", {}).get("entry-points", {}).get(ENTRY_POINT_GROUP, {}))
@@ -48,5 +51,5 @@ def local_registry(path: str | Path) -> Registry:
     root = str(pyproject.parent)
     if wanted and root not in sys.path:
         sys.path.insert(0, root)
-    local = {f"{name} (local)": importlib.import_module(module) for name, module in wanted.items()}
+    local: dict[str, object] = {f"{name} (local)": importlib.import_module(module) for name, module in wanted.items()}
     return Registry.from_plugins(local, override=True)

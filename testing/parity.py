@@ -9,17 +9,25 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.kv_cache import KVCache, blocks_for
 from bestiary.registry import Registry
 
+if TYPE_CHECKING:
+    import transformers
 
-def reinit_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    from bestiary.core.format.config import PretrainedConfig
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def reinit_(model: M, seed: int = 0) -> M:
     """Weights ~ N(0, 1/fan_in) (matrices), norms ~ N(1, 0.1), biases ~ N(0, 0.1): bugs show."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -38,17 +46,17 @@ def tolerance(ref: torch.Tensor) -> float:
     return 1e-4 * max(1.0, ref.abs().max().item())
 
 
-def save_hf(model, tmp_path: Path, name: str = "hf") -> Path:
+def save_hf(model: transformers.PreTrainedModel, tmp_path: Path, name: str = "hf") -> Path:
     """`model.save_pretrained(tmp_path / name)`; returns that directory."""
     out = tmp_path / name
     model.save_pretrained(out)
     return out
 
 
-def convert_and_load(src: Path, tmp_path: Path, registry: Registry | None = None, **kwargs) -> Engine:
-    """Convert `src` to `tmp_path / "ckpt"` (convert's keyword arguments pass through) and load it."""
+def convert_and_load(src: Path, tmp_path: Path, registry: Registry | None = None, **kwargs: Any) -> Engine:
+    """Convert `src` to `tmp_path / "ckpt"` (keyword arguments: ConvertOptions' fields) and load it."""
     ckpt = tmp_path / "ckpt"
-    convert(src, ckpt, show_progress=False, registry=registry, **kwargs)
+    convert(src, ckpt, ConvertOptions(**kwargs), show_progress=False, registry=registry)
     return Engine.load(ckpt, registry=registry)
 
 
@@ -80,21 +88,23 @@ class EngineRunner:
             mask=self.model.mask_kind, device=self.device,
             prefix_lens=[self.model.prefix_len(self.tokens)] if self.model.mask_kind != "causal" else None,
         )
-        return self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=all_logits).float().cpu()
+        logits: torch.Tensor = self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=all_logits)
+        return logits.float().cpu()
 
 
-def device_of(model) -> torch.device:
+def device_of(model: object) -> torch.device:
     """Where a reference model computes: its `device` (transformers models), else the CPU."""
     return torch.device(getattr(model, "device", "cpu"))
 
 
-def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+def hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """HF logits [len(ids), V] for one sequence (fp32, on the CPU; the model may sit on any device)."""
     with torch.no_grad():
-        return hf_model(torch.tensor([ids], device=device_of(hf_model))).logits[0].float().cpu()
+        logits: torch.Tensor = hf_model(torch.tensor([ids], device=device_of(hf_model))).logits  # [1, T, V]
+        return logits[0].float().cpu()
 
 
-def prefill_and_decode_diffs(engine: Engine, hf_model, prompt: list[int], steps: int = 8,
+def prefill_and_decode_diffs(engine: Engine, hf_model: torch.nn.Module, prompt: list[int], steps: int = 8,
                              position_shift: int = 0) -> tuple[float, float]:
     """(max |ours - HF| over prefill + `steps` greedy decode steps, max |HF|)."""
     return reference_diffs(engine, lambda ids: hf_logits(hf_model, ids), prompt, steps, position_shift)
@@ -120,13 +130,15 @@ def reference_diffs(engine: Engine, logits: Callable[[list[int]], torch.Tensor],
 
 
 # --- greedy generation against HF ----------------------------------------------------------
-def hf_greedy(hf_model, prompt: list[int], new_tokens: int) -> tuple[list[int], int | None]:
+def hf_greedy(hf_model: transformers.GenerationMixin, prompt: list[int],
+              new_tokens: int) -> tuple[list[int], int | None]:
     """HF's greedy `generate` tokens (EOS ignored) and the first step whose top-2 logit
     margin is below 1e-3 * max|logit| (None when no step is that close to a tie)."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt], device=device_of(hf_model)), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                do_sample=False, eos_token_id=None, pad_token_id=0,
+        out = hf_model.generate(torch.tensor([prompt], device=device_of(hf_model)), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                                 output_logits=True, return_dict_in_generate=True)
+    assert not isinstance(out, torch.Tensor) and out.logits is not None  # return_dict_in_generate, output_logits
     tokens = out.sequences[0, len(prompt):].tolist()
     for step, logits in enumerate(out.logits):
         top2 = logits[0].float().topk(2).values
@@ -184,7 +196,7 @@ def _global_layer_key(key: str, layer_offset: int) -> str:
     return ".".join(parts)
 
 
-def _join_shards(key: str, tensors: list[torch.Tensor], tp_dim: int, config) -> torch.Tensor:
+def _join_shards(key: str, tensors: list[torch.Tensor], tp_dim: int, config: PretrainedConfig) -> torch.Tensor:
     if tp_dim < 0 or len(tensors) == 1:
         assert all(torch.equal(t, tensors[0]) for t in tensors), f"{key}: replicated copies differ"
         return tensors[0]
@@ -193,13 +205,16 @@ def _join_shards(key: str, tensors: list[torch.Tensor], tp_dim: int, config) -> 
     return torch.cat(tensors, dim=tp_dim)
 
 
-def _join_qkv(key: str, tensors: list[torch.Tensor], config) -> torch.Tensor:
+def _join_qkv(key: str, tensors: list[torch.Tensor], config: PretrainedConfig) -> torch.Tensor:
     tp, kvh, d = len(tensors), config.num_key_value_heads, config.head_size
+    assert kvh is not None and d is not None  # PretrainedConfig's validator fills both
     q_rows = config.num_attention_heads // tp * d
-    qs, ks, vs = [], {}, {}
+    qs: list[torch.Tensor] = []
+    ks: dict[int, torch.Tensor] = {}
+    vs: dict[int, torch.Tensor] = {}
     for rank, tensor in enumerate(tensors):
         kv_rows = (tensor.shape[0] - q_rows) // 2
-        q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+        q, k, v = torch.split(tensor, [q_rows, kv_rows, kv_rows])
         first = rank * kvh // tp
         if first in ks:
             same = torch.equal(ks[first], k) and torch.equal(vs[first], v)

@@ -16,17 +16,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from bestiary.testing.parity import hf_logits, reinit_
 
+if TYPE_CHECKING:
+    import transformers
 
-def hf_config_object(config: Any):
+
+class Reference(Protocol):
+    """What the conformance suite compares an architecture with."""
+
+    def save(self, directory: Path) -> Path:
+        """Write the source directory `bestiary convert` reads; returns it."""
+        ...
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [len(ids), V] (float32) of one token sequence, from the saved weights."""
+        ...
+
+
+def hf_config_object(config: Any) -> transformers.PretrainedConfig:
     """An HF config object from an object or a dict with `model_type`."""
     if not isinstance(config, dict):
-        return config
+        return cast("transformers.PretrainedConfig", config)  # an HF config object, as conformance() documents
     import transformers
 
     fields = dict(config)
@@ -39,15 +54,18 @@ class HFReference:
 
     config: Any
     seed: int = 0
-    _model: Any = field(default=None, repr=False)
+    _model: transformers.PreTrainedModel | None = field(default=None, repr=False)
 
     @property
-    def model(self):
+    def model(self) -> transformers.PreTrainedModel:
+        """The model, built on first use (seeded; weights re-drawn by parity.reinit_)."""
         if self._model is None:
             import transformers
 
             torch.manual_seed(self.seed)
-            model = transformers.AutoModelForCausalLM.from_config(hf_config_object(self.config))
+            config = hf_config_object(self.config)
+            # transformers leaves from_config unannotated
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
             self._model = reinit_(model.float(), self.seed)
         return self._model
 
@@ -70,17 +88,19 @@ class FunctionReference:
     _weights: Any = field(default=None, repr=False)
 
     def save(self, directory: Path) -> Path:
+        """Run `write` on `directory` (created) and keep the weights it returns."""
         directory.mkdir(parents=True, exist_ok=True)
         self._weights = self.write(directory)
         return directory
 
     def logits(self, ids: list[int]) -> torch.Tensor:
+        """`forward` of the saved weights, float32 [len(ids), V]."""
         if self._weights is None:
             raise RuntimeError("FunctionReference.logits before save(): no weights yet")
         with torch.no_grad():
             return self.forward(self._weights, ids).float()
 
 
-def as_reference(case: Any):
+def as_reference(case: Any) -> Reference:
     """A reference from what `conformance()` was given: a reference, an HF config object or dict."""
     return case if hasattr(case, "save") and hasattr(case, "logits") else HFReference(case)

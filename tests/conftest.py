@@ -49,9 +49,9 @@ def smollm2_fp32_checkpoint(tmp_path_factory, smollm2_gguf) -> Path:
     """The SmolLM2 GGUF converted once per session to a float32 checkpoint, shared by every module
     that runs it (read-only: a test that writes into it errors at the session's end; a test that
     needs a checkpoint of its own converts one)."""
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 
-    ckpt = convert(smollm2_gguf, tmp_path_factory.mktemp("smollm2_fp32") / "ckpt", dtype="float32",
+    ckpt = convert(smollm2_gguf, tmp_path_factory.mktemp("smollm2_fp32") / "ckpt", ConvertOptions(dtype="float32"),
                    show_progress=False)
     files = _files_of(ckpt)
     yield ckpt

@@ -14,6 +14,7 @@ crash. Every peer runs the same calls as an engine (core.bench.systems.System):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from collections.abc import Callable
@@ -76,32 +77,36 @@ def candidates(compare: list[str], opts: PeerOptions) -> list[Candidate]:
     return rows
 
 
-def check_hf_model(opts: PeerOptions, peer: str) -> None:
-    """PeerSkipped unless --hf_model is an HF dir or a .gguf file."""
+def check_hf_model(opts: PeerOptions, peer: str) -> Path:
+    """--hf_model; PeerSkipped unless it is an HF dir or a .gguf file."""
     if opts.hf_model is None:
         raise PeerSkipped(f"no --hf_model (an HF dir, or a .gguf made dense once) for {peer}")
     if not (opts.hf_model.suffix == ".gguf" and opts.hf_model.is_file()) and \
             not (opts.hf_model / "config.json").is_file():
         raise PeerSkipped(f"--hf_model {opts.hf_model}: not an HF dir (no config.json) or a .gguf file")
+    return opts.hf_model
 
 
-def _model_dir(opts: PeerOptions, untied: bool) -> Path:
+def _model_dir(hf_model: Path, untied: bool) -> Path:
     """--hf_model as a dense HF dir (a .gguf made dense once, cached; float16 and untied for FastLLM)."""
-    if opts.hf_model.suffix == ".gguf":
+    if hf_model.suffix == ".gguf":
         import torch
 
         from bestiary.core.bench.dense_hf import dense_hf_dir
 
-        return dense_hf_dir(opts.hf_model, torch.float16 if untied else torch.float32, untied=untied)
-    return opts.hf_model
+        return dense_hf_dir(hf_model, torch.float16 if untied else torch.float32, untied=untied)
+    return hf_model
 
 
 # --- HF transformers ---------------------------------------------------------------------
 def _hf_rows(opts: PeerOptions) -> list[Candidate]:
     transformers = require("hf")
-    check_hf_model(opts, "hf")
-    return [Candidate("hf", f"transformers {transformers.__version__} {d} (dense)",
-                      lambda d=d: HFSystem(_model_dir(opts, untied=False), d, opts.static_batch))
+    hf_model = check_hf_model(opts, "hf")
+
+    def opener(dtype: str) -> Callable[[], System]:
+        return lambda: HFSystem(_model_dir(hf_model, untied=False), dtype, opts.static_batch)
+
+    return [Candidate("hf", f"transformers {transformers.__version__} {d} (dense)", opener(d))
             for d in opts.hf_dtypes]
 
 
@@ -118,8 +123,8 @@ class HFSystem:
         self.static_batch = static_batch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=getattr(torch, dtype)).eval()
-        self.max_prompt_len = getattr(self.model.config, "max_position_embeddings", None)
-        self.bytes_per_token = _hf_weight_bytes(self.model)
+        self.max_prompt_len: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        self.bytes_per_token: int | None = _hf_weight_bytes(self.model)
 
     def _generate(self, ids, mask, n: int) -> None:
         with self.torch.inference_mode():
@@ -182,7 +187,7 @@ def _llama_cpp_rows(opts: PeerOptions) -> list[Candidate]:
             rows.append(Candidate("llama.cpp", f"llama.cpp {path.name}", skipped=f"--gguf {path}: no such file"))
             continue
         rows.append(Candidate("llama.cpp", f"llama.cpp {path.name} [{flags}]",
-                              lambda p=path: LlamaCppSystem(p, opts.num_threads, opts.n_ctx)))
+                              functools.partial(LlamaCppSystem, path, opts.num_threads, opts.n_ctx)))
     return rows
 
 
@@ -196,8 +201,8 @@ class LlamaCppSystem:
 
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
-        self.max_prompt_len = n_ctx - 1
-        self.bytes_per_token = gguf.stat().st_size  # every tensor is read once per token (tied output)
+        self.max_prompt_len: int | None = n_ctx - 1
+        self.bytes_per_token: int | None = gguf.stat().st_size  # every tensor is read once per token (tied output)
 
     def generate(self, prompt: list[int], n: int) -> Timed:
         self.llm.reset()
@@ -217,10 +222,13 @@ class LlamaCppSystem:
 # --- FastLLM -------------------------------------------------------------------------------
 def _fastllm_rows(opts: PeerOptions) -> list[Candidate]:
     ftllm = require("fastllm")
-    check_hf_model(opts, "fastllm")
+    hf_model = check_hf_model(opts, "fastllm")
     version = getattr(ftllm, "__version__", "")
-    return [Candidate("fastllm", f"FastLLM {version} {d}".replace("  ", " "),
-                      lambda d=d: FastLLMSystem(_model_dir(opts, untied=True), d, opts.num_threads))
+
+    def opener(dtype: str) -> Callable[[], System]:
+        return lambda: FastLLMSystem(_model_dir(hf_model, untied=True), dtype, opts.num_threads)
+
+    return [Candidate("fastllm", f"FastLLM {version} {d}".replace("  ", " "), opener(d))
             for d in opts.fastllm_dtypes]
 
 
@@ -244,8 +252,8 @@ class FastLLMSystem:
         # `threads` cores starve it (0.35 tok/s at 2 on 2 cores, 39 at 1: docs/fastllm.md)
         llm.set_cpu_threads(max(1, threads - 1))
         self.model = llm.model(str(model_dir), dtype=dtype)
-        self.max_prompt_len = None
-        self.bytes_per_token = None
+        self.max_prompt_len: int | None = None
+        self.bytes_per_token: int | None = None
 
     def _launch(self, prompt: list[int], n: int):
         import ctypes

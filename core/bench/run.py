@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from bestiary.core.bench.config import BenchConfig
 from bestiary.core.bench.machine import Machine, load_average
 from bestiary.core.bench.peers import Candidate, PeerSkipped
 from bestiary.core.bench.rewrite import RewriteResult, compare_to_plain, measure_rewrite
-from bestiary.core.bench.systems import System
+from bestiary.core.bench.systems import RewriteSystem, System
 from bestiary.core.bench.workload import (
     MixedResult,
     decode_rate,
@@ -38,6 +39,8 @@ from bestiary.core.bench.workload import (
     prompt_ids,
 )
 from bestiary.core.runtime.speculative import AcceptanceStats
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -117,7 +120,7 @@ def measure(system: System, row: Row, config: BenchConfig, vocab: int, on_step: 
                 row.ttft[length] = None
                 continue
             prompt = prompt_ids(length, vocab, config.seed + length)
-            row.ttft[length] = median_of(config.repeats, lambda p=prompt: system.generate(p, 1).seconds)
+            row.ttft[length] = median_of(config.repeats, _first_token_seconds(system, prompt))
     if "rewrite" in config.workloads:
         on_step(f"{row.label}: rewrite")
         _rewrite(system, row, config, spec)
@@ -131,8 +134,13 @@ def measure(system: System, row: Row, config: BenchConfig, vocab: int, on_step: 
         _keep_speculative(row, "mixed", spec())
 
 
+def _first_token_seconds(system: System, prompt: list[int]) -> Callable[[], float]:
+    """One timed prefill of `prompt` (a generation of 1 token): its seconds."""
+    return lambda: system.generate(prompt, 1).seconds
+
+
 def _rewrite(system: System, row: Row, config: BenchConfig, spec: Callable[[], AcceptanceStats | None]) -> None:
-    if not hasattr(system, "rewrite_prompts"):
+    if not isinstance(system, RewriteSystem):
         row.rewrite_note = "bestiary engines only (the prompts are text in the engine's own chat template)"
         return
     prompts = system.rewrite_prompts(config.rewrite_texts, config.rewrite_text_tokens)
@@ -161,6 +169,7 @@ def measure_round(config: BenchConfig, systems: list[Candidate], vocab: int,
         rows.append(row)
         if cand.skipped is not None:
             continue
+        assert cand.open is not None, "a candidate that is not skipped opens"
         try:
             system = cand.open()
         except PeerSkipped as why:
@@ -173,7 +182,7 @@ def measure_round(config: BenchConfig, systems: list[Candidate], vocab: int,
     return rows
 
 
-def _median_by(items: list, rate: Callable = lambda x: x) -> object:
+def _median_by(items: list[T | None], rate: Callable[[T], Any] = lambda x: x) -> T | None:
     """The item whose rate is the median of the measured ones (the lower middle of an even count);
     None if none was."""
     known = sorted((x for x in items if x is not None and rate(x) is not None), key=rate)

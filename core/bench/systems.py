@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from bestiary.core.bench.workload import MixedResult, Timed, Workload
 
@@ -30,6 +30,15 @@ class System(Protocol):
     def mixed(self, work: Workload) -> MixedResult | None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RewriteSystem(Protocol):
+    """The two more calls of the rewrite workload, which only engines have (EngineSystem)."""
+
+    def rewrite_prompts(self, count: int, tokens: int) -> list[list[int]]: ...
+
+    def complete(self, prompt: list[int], n: int) -> tuple[Timed, list[int]]: ...
 
 
 def engine_bytes_per_token(engine_dir: Path, shares_embedding: bool) -> int:
@@ -70,7 +79,7 @@ class EngineSystem:
         self._spec_seen = (0, 0, 0)  # the speculator's (steps, drafted, accepted) at the last speculative_since
         engine = self.llm.engine
         self.max_prompt_len = engine.build.max_input_len
-        self.bytes_per_token = engine_bytes_per_token(engine.directory, engine.model.shares_embedding)
+        self.bytes_per_token: int | None = engine_bytes_per_token(engine.directory, engine.model.shares_embedding)
         self.vocab_size = engine.model.config.vocab_size
 
     def _sampling(self, n: int):

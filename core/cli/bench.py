@@ -13,19 +13,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bestiary.core.bench.config import ALL_WORKLOADS, BenchConfig
 from bestiary.core.cli.main import command, positive_int
 from bestiary.core.cli.speculative_flags import add_speculative_flags, speculative_from_args
 from bestiary.core.format.errors import BestiaryError
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def add_bench_parser(sub) -> None:
+    from bestiary.core.bench.peers import Candidate
+    from bestiary.core.bench.run import BenchReport
+    from bestiary.core.cli.main import SubParsers
+    from bestiary.core.runtime.speculative_config import SpeculativeConfig
+
+
+def add_bench_parser(sub: SubParsers) -> None:
     """The `bench` subcommand's flags (defaults and help from BenchConfig)."""
     f = BenchConfig.model_fields
     p = sub.add_parser("bench", help="decode / prefill / mixed-workload (and rewrite) speed of engines, beside peers "
@@ -43,7 +53,8 @@ def add_bench_parser(sub) -> None:
                    help=f["workloads"].description)
     for name in ("new_tokens", "repeats", "rounds", "decode_prompt_len", "mixed_requests", "rewrite_texts",
                  "rewrite_text_tokens", "static_batch", "seed", "bandwidth_mib"):
-        g.add_argument(f"--{name}", type=int if name in ("seed", "bandwidth_mib") else positive_int, default=f[name].default,
+        kind = int if name in ("seed", "bandwidth_mib") else positive_int
+        g.add_argument(f"--{name}", type=kind, default=f[name].default,
                        help=f"{f[name].description} (default: {f[name].default})")
     g.add_argument("--prompt_lens", nargs="+", type=positive_int, default=f["prompt_lens"].default,
                    help=f"{f['prompt_lens'].description} (default: {f['prompt_lens'].default})")
@@ -52,7 +63,8 @@ def add_bench_parser(sub) -> None:
                        help=f"{f[name].description} (default: {f[name].default})")
     g = p.add_argument_group("peers")
     g.add_argument("--hf_model", default=None, help="hf and fastllm: an HF dir, or a .gguf made dense once (cached).")
-    g.add_argument("--hf_dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--hf_dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16", "float16"])
     g.add_argument("--gguf", nargs="+", default=[], metavar="FILE", help="llama.cpp: GGUF files, a row each.")
     add_speculative_flags(p)  # a second row per engine, decoding speculatively (docs/speculative.md)
     g.add_argument("--fastllm_dtypes", nargs="+", default=["float16", "int8", "int4"],
@@ -76,16 +88,17 @@ def compare_names(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def engine_candidates(dirs: list[str], threads: int | None, speculative=None) -> list:
+def engine_candidates(dirs: list[str], threads: int | None,
+                      speculative: SpeculativeConfig | None = None) -> list[Candidate]:
     """A row per engine dir; with `speculative` (a SpeculativeConfig) a second row per engine decoding with it."""
     from bestiary.core.bench.peers import Candidate
     from bestiary.core.bench.systems import EngineSystem
 
-    rows = [Candidate("engine", f"bestiary {Path(d).name}", lambda d=d: EngineSystem(d, threads)) for d in dirs]
+    rows = [Candidate("engine", f"bestiary {Path(d).name}", functools.partial(EngineSystem, d, threads)) for d in dirs]
     if speculative is not None:
         tag = f"{speculative.method} k={speculative.num_draft_tokens}"
         rows += [Candidate("engine", f"bestiary {Path(d).name} + {tag}",
-                           lambda d=d: EngineSystem(d, threads, speculative), plain=plain)
+                           functools.partial(EngineSystem, d, threads, speculative), plain=plain)
                  for d, plain in zip(dirs, rows, strict=True)]
     return rows
 
@@ -116,7 +129,7 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-@command("bench")
+@command("bench", add_bench_parser)
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -148,7 +161,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = PeerOptions(hf_model=Path(args.hf_model) if args.hf_model else None, hf_dtypes=args.hf_dtypes,
                        gguf=[Path(g) for g in args.gguf], fastllm_dtypes=args.fastllm_dtypes,
                        num_threads=torch.get_num_threads(), static_batch=config.static_batch, n_ctx=longest + 8)
-    systems = engine_candidates(args.engine_dir, args.num_threads, speculative_from_args(args)) + candidates(compare, opts)
+    engines = engine_candidates(args.engine_dir, args.num_threads, speculative_from_args(args))
+    systems = engines + candidates(compare, opts)
     err = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True, disable=not sys.stderr.isatty()) as progress, stdout_to_stderr():
@@ -158,7 +172,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=1))
     else:
         print_report(report, args.reference)
-    for r in report.differing:  # greedy speculative decoding must reproduce plain decoding: a failed check
+    print_differing(report, err)
+    return 1 if report.differing else 0
+
+
+def print_differing(report: BenchReport, err: Console) -> None:
+    """A red line per speculative row whose rewrite output is not its plain row's: greedy speculative
+    decoding must reproduce plain decoding, so each is a failed check."""
+    for r in report.differing:
+        assert r.rewrite is not None  # BenchReport.differing: rows with a rewrite result that differs
         err.print(f"{r.label}: rewrite output differs from {r.rewrite.plain_label} at {r.rewrite.differs}",
                   style="red", markup=False, highlight=False, soft_wrap=True)
-    return 1 if report.differing else 0

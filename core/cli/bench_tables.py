@@ -3,14 +3,17 @@ row (and, on rewrite, a speculative row's ratio to its own engine's plain row)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich.table import Table
 
+from bestiary.core.bench.config import BenchConfig
 from bestiary.core.bench.run import BenchReport, Row
 from bestiary.core.cli.commands import stdout_console
 from bestiary.core.format.errors import BestiaryError
 
 
-def reference_row(rows: list[Row], name: str | None, has_value) -> Row | None:
+def reference_row(rows: list[Row], name: str | None, has_value: Callable[[Row], object]) -> Row | None:
     """The first measured row named `name` (engine, hf, llama.cpp, fastllm); by default the first
     measured peer, else the first engine. `has_value(row)` says whether the row has the figure."""
     measured = [r for r in rows if r.skipped is None and has_value(r)]
@@ -22,7 +25,7 @@ def reference_row(rows: list[Row], name: str | None, has_value) -> Row | None:
     return next((r for r in measured if r.name != "engine"), measured[0] if measured else None)
 
 
-def rounds_note(c) -> str:
+def rounds_note(c: BenchConfig) -> str:
     """', median of R rounds' where the systems were measured R > 1 times in turn."""
     return f", median of {c.rounds} rounds" if c.rounds > 1 else ""
 
@@ -34,7 +37,14 @@ def vs_column(ref: Row | None) -> str:
 
 
 def ratio(value: float | None, ref: float | None) -> str:
+    """value / ref as '1.23x'; '-' where either is missing (or zero)."""
     return f"{value / ref:.2f}x" if value and ref else "-"
+
+
+def prompt_rate(row: Row, n: int | None) -> float | None:
+    """Prompt tokens per second of `row` at prompt length `n` (None: not measured)."""
+    seconds = row.ttft.get(n) if n else None
+    return n / seconds if n and seconds else None
 
 
 def decode_table(report: BenchReport, ref_name: str | None) -> Table:
@@ -49,7 +59,7 @@ def decode_table(report: BenchReport, ref_name: str | None) -> Table:
         if r.skipped is None:
             frac = r.bandwidth_fraction(gbps)
             tps = f"{r.decode_tps:.1f}" if r.decode_tps else "unstable"  # every repeat's longer run was not slower
-            table.add_row(r.label, tps, ratio(r.decode_tps, ref and ref.decode_tps),
+            table.add_row(r.label, tps, ratio(r.decode_tps, ref.decode_tps if ref else None),
                           f"{r.bytes_per_token / 1e6:.0f}" if r.bytes_per_token else "-",
                           f"{100 * frac:.0f}%" if frac else "-")
     return table
@@ -71,10 +81,9 @@ def prefill_table(report: BenchReport, ref_name: str | None) -> Table:
     for r in report.rows:
         if r.skipped is not None or not r.ttft:
             continue
-        n = longest(r)
-        rate = n / r.ttft[n] if n else None
-        ref_rate = ref.ttft.get(n) and n / ref.ttft[n] if ref and n else None
-        table.add_row(r.label, *(f"{1000 * r.ttft[m]:.0f}" if r.ttft.get(m) else "-" for m in lens),
+        at = longest(r)
+        rate, ref_rate = prompt_rate(r, at), prompt_rate(ref, at) if ref else None
+        table.add_row(r.label, *(f"{1000 * t:.0f}" if (t := r.ttft.get(m)) else "-" for m in lens),
                       f"{rate:,.0f}" if rate else "-", ratio(rate, ref_rate))
     return table
 
@@ -87,11 +96,11 @@ def mixed_table(report: BenchReport, ref_name: str | None) -> Table:
                         f"{c.mixed_output_lens[1]} (hf: static batches of {c.static_batch}){rounds_note(c)}")
     for col in ("system", "generated tok/s", vs_column(ref), "p50 latency s", "p99 latency s"):
         table.add_column(col, justify="left" if col == "system" else "right")
+    ref_tps = ref.mixed.tokens_per_second if ref and ref.mixed else None
     for r in report.rows:
         if r.skipped is None and r.mixed is not None:
             m = r.mixed
-            table.add_row(r.label, f"{m.tokens_per_second:.1f}", ratio(m.tokens_per_second, ref and ref.mixed and
-                                                                       ref.mixed.tokens_per_second),
+            table.add_row(r.label, f"{m.tokens_per_second:.1f}", ratio(m.tokens_per_second, ref_tps),
                           f"{m.percentile(50):.2f}", f"{m.percentile(99):.2f}")
         elif r.skipped is None and r.mixed_note:
             table.add_row(r.label, "-", "-", "-", "-", style="dim")
@@ -101,10 +110,10 @@ def mixed_table(report: BenchReport, ref_name: str | None) -> Table:
 def rewrite_table(report: BenchReport, ref_name: str | None) -> Table:
     c = report.config
     ref = reference_row(report.rows, ref_name, lambda r: r.rewrite and r.rewrite.tokens_per_second)
-    measured = [r for r in report.rows if r.skipped is None and r.rewrite is not None]
-    lens = sorted({n for r in measured for n in r.rewrite.prompt_tokens})
+    measured = [(r, r.rewrite) for r in report.rows if r.skipped is None and r.rewrite is not None]
+    lens = sorted({n for _, w in measured for n in w.prompt_tokens})
     prompts = f"prompts {lens[0]}..{lens[-1]} tokens" if lens else "no prompts"
-    texts = max((len(r.rewrite.prompt_tokens) for r in measured), default=c.rewrite_texts)
+    texts = max((len(w.prompt_tokens) for _, w in measured), default=c.rewrite_texts)
     table = Table(title=f"rewrite: batch-1 greedy decode of {texts} x \"Rewrite the following text ...\" "
                         f"(~{c.rewrite_text_tokens}-token passages, chat template, {prompts}), up to "
                         f"{c.new_tokens} new tokens (stop at EOS), tok/s = (t(1 + N) - t(1)) / N, median of {c.repeats}"
@@ -112,10 +121,11 @@ def rewrite_table(report: BenchReport, ref_name: str | None) -> Table:
     for col in ("system", "tok/s", vs_column(ref), "x plain", "acceptance",
                 "tokens / verify step", "output = plain"):
         table.add_column(col, justify="left" if col == "system" else "right")
-    for r in measured:
-        w, s = r.rewrite, r.speculative.get("rewrite")
+    ref_tps = ref.rewrite.tokens_per_second if ref and ref.rewrite else None
+    for r, w in measured:
+        s = r.speculative.get("rewrite")
         table.add_row(r.label, f"{w.tokens_per_second:.1f}" if w.tokens_per_second else "unstable",
-                      ratio(w.tokens_per_second, ref and ref.rewrite and ref.rewrite.tokens_per_second),
+                      ratio(w.tokens_per_second, ref_tps),
                       f"{w.vs_plain:.2f}x" if w.vs_plain else "-",
                       f"{s.acceptance_rate:.0%} ({s.accepted}/{s.drafted})" if s and s.drafted else "-",
                       f"{s.tokens_per_step:.2f}" if s and s.steps else "-",

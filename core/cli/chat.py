@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.live import Live
-from rich.markdown import Markdown
 
-from bestiary.core.cli.main import command
+from bestiary.core.cli.main import command, positive_int
 from bestiary.core.format.errors import BestiaryError
+
+if TYPE_CHECKING:
+    from bestiary.core.cli.main import SubParsers
 
 HELP = ("/reset: forget the conversation   /system TEXT: set the system prompt (empty: none)   "
         "/exit: leave   /help: this list")
@@ -88,14 +90,14 @@ class ChatScreen:
 
     def __init__(self, interactive: bool) -> None:
         self.interactive = interactive
-        self.out = Console(highlight=False) if interactive else None
+        self.out = Console(highlight=False) if interactive else None  # None exactly when not interactive
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per message, piped or not
 
     def lines(self) -> Iterator[str]:
         """The user's lines until end of input (or Ctrl-C / Ctrl-D at the prompt)."""
         while True:
             try:
-                line = self.out.input("[bold green]you>[/] ") if self.interactive else sys.stdin.readline()
+                line = self.out.input("[bold green]you>[/] ") if self.out is not None else sys.stdin.readline()
             except (EOFError, KeyboardInterrupt):
                 return
             if not self.interactive and not line:
@@ -105,8 +107,9 @@ class ChatScreen:
     def note(self, text: str) -> None:
         self.err.print(text, style="dim", markup=False)
 
-    def show_answer(self, pieces: Iterator[str]) -> str:
-        """Stream `pieces` to the screen; the answer so far (Ctrl-C in a terminal stops it)."""
+    def show_answer(self, pieces: Generator[str, None, None]) -> str:
+        """Stream `pieces` (LLM.generate_stream's text deltas) to the screen; the answer so far (Ctrl-C
+        in a terminal stops it, and closing `pieces` cancels the request)."""
         answer = ""
         if not self.interactive:
             for piece in pieces:
@@ -116,6 +119,9 @@ class ChatScreen:
             sys.stdout.write("\n")
             sys.stdout.flush()
             return answer
+        from rich.live import Live
+        from rich.markdown import Markdown  # markdown_it and pygments: loaded for a terminal's answers only
+
         try:
             with Live(Markdown(""), console=self.out, refresh_per_second=12, vertical_overflow="visible") as live:
                 for piece in pieces:
@@ -162,7 +168,20 @@ def answer_turn(llm, args: argparse.Namespace, conversation: Conversation, scree
     screen.note(f"[{stats.generated_tokens} tokens, {stats.tokens_per_second:.1f} tokens/s]")
 
 
-@command("chat")
+def add_chat_parser(sub: SubParsers) -> None:
+    """`bestiary chat`'s flags: the engine, the system prompt and the sampling of the answers."""
+    p = sub.add_parser("chat", help="chat with an engine in the terminal (or one answer per line from a pipe)")
+    p.add_argument("--engine_dir", required=True, help="An engine or checkpoint directory (or any source run takes).")
+    p.add_argument("--system", default=None, metavar="TEXT", help="The system prompt (/system TEXT changes it).")
+    p.add_argument("--max_output_len", type=positive_int, default=256, help="New tokens per answer at most.")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
+    p.add_argument("--top_k", type=int, default=0, help="0 = off.")
+    p.add_argument("--top_p", type=float, default=1.0, help="1.0 = off.")
+    p.add_argument("--random_seed", type=int, default=None)
+    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+
+
+@command("chat", add_chat_parser)
 def cmd_chat(args: argparse.Namespace) -> int:
     from bestiary.core.runtime.llm import LLM
 

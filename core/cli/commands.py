@@ -1,20 +1,37 @@
-"""Handlers of the `bestiary` subcommands (registered into cli.COMMANDS on import)."""
+"""Handlers of the `bestiary` subcommands and, before each, the function adding its parser (both
+registered into cli.COMMANDS on import)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from bestiary.core.cli.main import command
+from bestiary.core.cli.main import (
+    add_model_flags,
+    add_quant_flags,
+    add_sampling_flags,
+    command,
+    positive_int,
+)
+from bestiary.core.cli.speculative_flags import add_speculative_flags
 from bestiary.core.format.config import read_text_file
 from bestiary.core.format.errors import BestiaryError
 
+if TYPE_CHECKING:
+    from bestiary.core.cli.main import SubParsers
+    from bestiary.core.lora.request import LoraRequest
+    from bestiary.core.runtime.sampling import SamplingConfig
+
 ERR = Console(stderr=True)
+NONFINITE_HELP = "Accept weights with NaN or inf values (refused by default, naming the tensor)."
+DEVICE_HELP = "cpu, cuda or cuda:N (a tp > 1 engine: rank r on N + r)."
 
 
 def stdout_console() -> Console:
@@ -29,7 +46,42 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-@command("convert")
+def add_convert_parser(sub: SubParsers) -> None:
+    """`bestiary convert`'s flags: the source, layout and dtype, LoRA adapters, quantization."""
+    p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir")
+    p.add_argument("--model_dir", default=None,
+                   help="HF model directory or a .gguf/.flm/.safetensors file (with --lora_dir of TensorRT-LLM "
+                        "LoRA tensors: the base model's checkpoint or engine dir).")
+    p.add_argument("--output_dir", default=None, help="The checkpoint directory (not needed with --dry_run).")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--tp_size", type=positive_int, default=1)
+    p.add_argument("--pp_size", type=positive_int, default=1)
+    p.add_argument("--moe_tp_size", type=positive_int, default=None,
+                   help="MoE models: ranks each expert's FFN dim is split over (default --tp_size / --moe_ep_size).")
+    p.add_argument("--moe_ep_size", type=positive_int, default=None,
+                   help="MoE models: ranks the experts are spread over, whole experts each (expert parallelism; "
+                        "--moe_tp_size * --moe_ep_size = --tp_size; default 1).")
+    p.add_argument("--use_parallel_embedding", action="store_true",
+                   help="Split the token embedding over the tp ranks instead of replicating it.")
+    p.add_argument("--embedding_sharding_dim", type=int, default=0, choices=[0, 1],
+                   help="With --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden dim.")
+    p.add_argument("--architecture", default=None, help="Force a registered architecture (see `bestiary list`).")
+    p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
+    p.add_argument("--dry_run", action="store_true",
+                   help="Write nothing: list each target tensor's sources, postprocess hook and TP slice, and flag "
+                        "missing, unused, mis-shaped and (against an HF reference) transposed tensors; exit 1 if any.")
+    p.add_argument("--report", default=None, metavar="FILE.json",
+                   help="With --dry_run: also write the findings as JSON.")
+    lora = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument("--lora_dir", default=None, metavar="DIR",
+                      help="Convert an adapter instead of a model: an HF PEFT dir -> TensorRT-LLM's LoRA tensors "
+                           "(model.lora_weights.npy, model.lora_config.npy), or such a dir -> a PEFT dir.")
+    lora.add_argument("--storage_type", default="float16", choices=["float32", "float16"],
+                      help="dtype of the written LoRA weights tensor.")
+    add_quant_flags(p)
+
+
+@command("convert", add_convert_parser)
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.lora_dir:
         return convert_lora_dir(args)
@@ -41,18 +93,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise BestiaryError("--report: only with --dry_run")
     if not args.output_dir:
         raise BestiaryError("--output_dir: required (unless --dry_run)")
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.quant.options import QuantFlags, quant_config_from_flags
 
     flags = QuantFlags(**{f: getattr(args, f) for f in QuantFlags.__dataclass_fields__})
-    out = convert(args.model_dir, args.output_dir, dtype=args.dtype, tp_size=args.tp_size, pp_size=args.pp_size,
-                  architecture=args.architecture, show_progress=sys.stderr.isatty(),
-                  quantization=quant_config_from_flags(flags) if flags.any() else None,
-                  calib_text=args.calib_text, smoothquant_alpha=args.smoothquant,
-                  weight_quantizer=args.weight_quantizer, tune_steps=args.tune_steps,
-                  allow_nonfinite=args.allow_nonfinite, use_parallel_embedding=args.use_parallel_embedding,
-                  embedding_sharding_dim=args.embedding_sharding_dim, moe_tp_size=args.moe_tp_size,
-                  moe_ep_size=args.moe_ep_size)
+    options = ConvertOptions(dtype=args.dtype, tp_size=args.tp_size, pp_size=args.pp_size,
+                             architecture=args.architecture,
+                             quantization=quant_config_from_flags(flags) if flags.any() else None,
+                             calib_text=args.calib_text, smoothquant_alpha=args.smoothquant,
+                             weight_quantizer=args.weight_quantizer, tune_steps=args.tune_steps,
+                             allow_nonfinite=args.allow_nonfinite, use_parallel_embedding=args.use_parallel_embedding,
+                             embedding_sharding_dim=args.embedding_sharding_dim, moe_tp_size=args.moe_tp_size,
+                             moe_ep_size=args.moe_ep_size)
+    out = convert(args.model_dir, args.output_dir, options, show_progress=sys.stderr.isatty())
     ERR.print(f"checkpoint written to {out}")
     return 0
 
@@ -96,7 +149,26 @@ def convert_dry_run(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-@command("build")
+def add_build_parser(sub: SubParsers) -> None:
+    """`bestiary build`'s flags: BuildConfig's fields, the memory check, bundled LoRA adapters."""
+    from bestiary.core.format.build_config import BuildConfig
+
+    p = sub.add_parser("build", help="checkpoint dir -> engine dir")
+    p.add_argument("--checkpoint_dir", required=True)
+    p.add_argument("--output_dir", required=True)
+    add_model_flags(p, BuildConfig)
+    p.add_argument("--skip_memory_check", action="store_true",
+                   help="Build limits whose KV cache exceeds this host's RAM (for a larger target host).")
+    lora = p.add_argument_group("LoRA adapters bundled in the engine (docs/lora.md)")
+    lora.add_argument("--lora_dir", nargs="+", default=None, metavar="DIR",
+                      help="HF PEFT adapter dirs; the i-th is task uid i (`bestiary run --lora_task_uids`).")
+    lora.add_argument("--max_lora_rank", type=positive_int, default=None,
+                      help="Refuse an adapter with a larger rank (default: the largest given).")
+    lora.add_argument("--lora_target_modules", nargs="+", default=None, metavar="MODULE",
+                      help="LoRA module names adapters may adapt (attn_q, attn_k, ...; default: all the model takes).")
+
+
+@command("build", add_build_parser)
 def cmd_build(args: argparse.Namespace) -> int:
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.format.config import validate_config
@@ -110,7 +182,20 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("export")
+def add_export_parser(sub: SubParsers) -> None:
+    """`bestiary export`'s flags: the engine or checkpoint dir, the .flm file and its dtype."""
+    p = sub.add_parser("export", help="checkpoint or engine dir -> FastLLM .flm file (docs/fastllm.md)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine_dir", help="The engine directory to export.")
+    src.add_argument("--checkpoint_dir", help="The checkpoint directory to export.")
+    p.add_argument("--format", default="flm", choices=["flm"], help="Output format: FastLLM's .flm (version 2).")
+    p.add_argument("--output_file", required=True, help="The .flm file to write (an existing .flm is replaced).")
+    p.add_argument("--flm_dtype", default=None, metavar="DTYPE",
+                   help="Linear weights as float32, float16, int8, int4 (per row) or int4g128 (groups of 128); "
+                        "default: the model's own layout.")
+
+
+@command("export", add_export_parser)
 def cmd_export(args: argparse.Namespace) -> int:
     from bestiary.core.convert.export_flm import export_flm
 
@@ -119,7 +204,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace) -> SamplingConfig:
+    """The SamplingConfig of `bestiary run`'s sampling flags (a bad value: a one-line error naming the flag)."""
     from bestiary.core.format.config import validate_config
     from bestiary.core.runtime.sampling import SamplingConfig
 
@@ -151,7 +237,28 @@ def _parse_ids(groups: list[str]) -> list[list[int]]:
         raise BestiaryError(f"--input_ids {' '.join(groups)!r}: expected comma-separated integers") from None
 
 
-@command("run")
+def add_run_parser(sub: SubParsers) -> None:
+    """`bestiary run`'s flags: the engine, the inputs, sampling, output, LoRA and speculative decoding."""
+    p = sub.add_parser("run", help="generate text from an engine")
+    p.add_argument("--engine_dir", required=True)
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--input_text", nargs="+", help="One or more prompts.")
+    inputs.add_argument("--input_ids", nargs="+", help="Comma-separated token ids, one group per input.")
+    add_sampling_flags(p)
+    p.add_argument("--streaming", action="store_true", help="Print tokens as they are generated.")
+    p.add_argument("--chat", action="store_true", help="Wrap each input in the model's chat template.")
+    p.add_argument("--output_ids", action="store_true", help="Print generated ids instead of text.")
+    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
+    p.add_argument("--lora_dir", nargs="+", default=None, metavar="DIR",
+                   help="HF PEFT LoRA adapter directories; task uid i is the i-th directory.")
+    p.add_argument("--lora_task_uids", nargs="+", default=None, metavar="UID",
+                   help="One per input: the index of its --lora_dir adapter, or -1 for the base model.")
+    add_speculative_flags(p)
+
+
+@command("run", add_run_parser)
 def cmd_run(args: argparse.Namespace) -> int:
     from bestiary.core.cli.speculative_flags import speculative_from_args
     from bestiary.core.runtime.llm import LLM
@@ -188,7 +295,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int, bundled: list[str] = ()) -> list:
+def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int,
+                   bundled: Sequence[str] = ()) -> list[LoraRequest | None]:
     """--lora_dir / --lora_task_uids -> one LoraRequest (or None: -1, the base model) per input; without
     --lora_dir, the uids pick the engine's bundled adapters (`bundled`: their task uids)."""
     from bestiary.core.lora.request import LoraRequest
@@ -204,7 +312,7 @@ def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int, b
         raise BestiaryError("--lora_task_uids needs --lora_dir (or an engine built with --lora_dir)")
     if len(uids) != count:
         raise BestiaryError(f"--lora_task_uids has {len(uids)} values for {count} inputs; give one per input")
-    out = []
+    out: list[LoraRequest | None] = []
     for uid in uids:
         try:
             i = int(uid)
@@ -216,7 +324,7 @@ def _lora_requests(dirs: list[str] | None, uids: list[str] | None, count: int, b
     return out
 
 
-def _bundled_requests(uids: list[str], count: int, bundled: list[str]) -> list:
+def _bundled_requests(uids: list[str], count: int, bundled: Sequence[str]) -> list[LoraRequest | None]:
     """--lora_task_uids of an engine's bundled adapters -> LoraRequest(uid) or None (-1) per input."""
     from bestiary.core.lora.request import LoraRequest
 
@@ -238,9 +346,10 @@ def _log_prob_record(c) -> dict:
     return record
 
 
-def _note_length_cap(max_output_len: int, max_seq_len: int) -> None:
-    """Say so when --max_output_len is more than the engine can give (it used to run for minutes silently)."""
-    if max_output_len >= max_seq_len:
+def _note_length_cap(max_output_len: int, max_seq_len: int | None) -> None:
+    """Say so when --max_output_len is more than the engine can give (it used to run for minutes silently);
+    max_seq_len None (not set in the build config) caps nothing."""
+    if max_seq_len is not None and max_output_len >= max_seq_len:
         print(f"note: --max_output_len {max_output_len:,} is more than the engine allows: each output ends "
               f"at max_seq_len {max_seq_len} tokens (prompt + output)", file=sys.stderr)
 
@@ -248,7 +357,8 @@ def _note_length_cap(max_output_len: int, max_seq_len: int) -> None:
 def _print_stats(stats, beam_width: int = 1) -> None:
     """The timing line on stderr. Beam search returns its tokens when it finishes, so it has no
     first-token time or decode rate (dividing by the time after the "first" token gave 1e6 tok/s)."""
-    head = f"[bestiary] {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated in {stats.seconds:.2f} s"
+    head = (f"[bestiary] {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated in "
+            f"{stats.seconds:.2f} s")
     if beam_width > 1:
         print(f"{head}: {stats.tokens_per_second:.1f} tokens/s (beam search, {beam_width} beams)", file=sys.stderr)
         return
@@ -257,7 +367,18 @@ def _print_stats(stats, beam_width: int = 1) -> None:
           f"first token {ttft}", file=sys.stderr)
 
 
-@command("eval")
+def add_eval_parser(sub: SubParsers) -> None:
+    """`bestiary eval`'s flags: the engine, the text file and how much of it."""
+    p = sub.add_parser("eval", help="perplexity of an engine on a text file")
+    p.add_argument("--engine_dir", required=True)
+    p.add_argument("--text_file", required=True)
+    p.add_argument("--max_tokens", type=positive_int, default=None, help="Evaluate at most this many tokens.")
+    p.add_argument("--num_threads", type=positive_int, default=None)
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
+
+
+@command("eval", add_eval_parser)
 def cmd_eval(args: argparse.Namespace) -> int:
     from bestiary.core.runtime.engine import load_engine
     from bestiary.core.runtime.evaluate import perplexity
@@ -278,7 +399,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("inspect")
+def add_inspect_parser(sub: SubParsers) -> None:
+    """`bestiary inspect DIRECTORY`."""
+    p = sub.add_parser("inspect", help="config, tensor table, dtype and size of a checkpoint/engine dir")
+    p.add_argument("directory")
+
+
+@command("inspect", add_inspect_parser)
 def cmd_inspect(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
@@ -337,7 +464,12 @@ def _dtype_bytes(name: str) -> int:
     return {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1, "BOOL": 1}.get(name, 4)
 
 
-@command("list")
+def add_list_parser(sub: SubParsers) -> None:
+    """`bestiary list` (no flags)."""
+    sub.add_parser("list", help="registered architectures")
+
+
+@command("list", add_list_parser)
 def cmd_list(args: argparse.Namespace) -> int:
     from bestiary.registry import capabilities, default_registry
 
@@ -359,7 +491,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("cache")
+def add_cache_parser(sub: SubParsers) -> None:
+    """`bestiary cache list|clear`."""
+    p = sub.add_parser("cache", help="list or clear the cache (LLM(source) conversions, demo, CPU kernels)")
+    p.add_argument("action", choices=["list", "clear"])
+
+
+@command("cache", add_cache_parser)
 def cmd_cache(args: argparse.Namespace) -> int:
     from bestiary.core.format.cache import cache_dir, cache_entries, clear_cache
 
@@ -379,7 +517,18 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("demo")
+def add_demo_parser(sub: SubParsers) -> None:
+    """`bestiary demo`'s flags: the prompt, output length, dtype, where to work, threads and device."""
+    p = sub.add_parser("demo", help="convert, build and chat with the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    p.add_argument("--max_output_len", type=positive_int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--workdir", default=None, help="Where to put the checkpoint and engine (default: a cache dir).")
+    p.add_argument("--num_threads", type=positive_int, default=None)
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
+
+
+@command("demo", add_demo_parser)
 def cmd_demo(args: argparse.Namespace) -> int:
     from bestiary.core.cli.demo import run_demo
 

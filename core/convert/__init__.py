@@ -2,7 +2,8 @@
 
 - `loader`: key maps, rank slices, strict loading (and the hook markers plugins use:
   `slices_itself`, `Target`); `postprocess`: shared postprocess hooks (`transposes_source`, ...).
-- `source_to_checkpoint`: `bestiary convert` (`convert`, `instantiate`, `rank_writer`);
+- `source_to_checkpoint`: `bestiary convert` (`convert`, `ConvertOptions`, `instantiate`, `rank_writer`);
+  `options`: `ConvertOptions`, what a conversion does (dtype, splits, quantization), checked when made;
   `checkpoint_to_engine`: `bestiary build` (`build_engine`); `lint`: the converted checkpoint checked.
 - quantizing while converting: `quantize` (round to nearest as weights stream by),
   `calibration` (the float model over calibration tokens: linear input statistics),

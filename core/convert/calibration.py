@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from bestiary.core.format.config import read_text_file
 from bestiary.core.format.errors import BestiaryError
@@ -29,7 +28,7 @@ from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.calib_text import builtin_text
 from bestiary.core.quant.input_stats import LinearInputStats, _Accumulator
 from bestiary.core.runtime.kv_cache import KVCache, blocks_for
-from bestiary.core.runtime.model import sequence_metadata
+from bestiary.core.runtime.model import DecoderLM, sequence_metadata
 
 DEFAULT_CHUNK = 512
 CALIB_TOKENS = 512  # KV scale calibration's tokens at most
@@ -63,7 +62,7 @@ def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_po
     return torch.randint(0, vocab_size, (limit,), generator=gen).tolist()
 
 
-def run_sequence(model: nn.Module, ids: list[int], all_logits: bool, block_size: int = 32):
+def run_sequence(model: DecoderLM, ids: list[int], all_logits: bool, block_size: int = 32):
     """Run `ids` as one sequence from position 0 through a private, zeroed float KV cache; returns
     (logits [len(ids), V] with `all_logits`, else [1, V]; the KVCache holding the sequence's K and V)."""
     blocks = list(range(blocks_for(len(ids), block_size)))
@@ -74,19 +73,19 @@ def run_sequence(model: nn.Module, ids: list[int], all_logits: bool, block_size:
     return model(torch.tensor(ids), meta, kv, all_logits=all_logits), kv
 
 
-def chunk_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
+def chunk_logits(model: DecoderLM, ids: list[int]) -> torch.Tensor:
     """Logits [len(ids), V] of `ids` as one sequence from position 0, through a private float KV cache."""
     return run_sequence(model, ids, all_logits=True)[0]
 
 
-def calibration_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK) -> list[list[int]]:
+def calibration_chunks(model: DecoderLM, ids: list[int], chunk: int = DEFAULT_CHUNK) -> list[list[int]]:
     """`ids` cut into sequences of at most `chunk` tokens (and the model's max_position_embeddings)."""
     limit = getattr(model.config, "max_position_embeddings", None) or chunk
     chunk = max(1, min(chunk, limit))
     return [ids[start:start + chunk] for start in range(0, len(ids), chunk)]
 
 
-def run_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK,
+def run_chunks(model: DecoderLM, ids: list[int], chunk: int = DEFAULT_CHUNK,
                on_chunk: Callable[[], None] | None = None,
                on_logits: Callable[[torch.Tensor], None] | None = None) -> None:
     """Run `model` (float KV cache) over `ids` in sequences of at most `chunk` tokens (all logits);
@@ -101,7 +100,7 @@ def run_chunks(model: nn.Module, ids: list[int], chunk: int = DEFAULT_CHUNK,
 
 @torch.inference_mode()
 def collect_linear_inputs(
-    model: nn.Module,
+    model: DecoderLM,
     ids: list[int],
     hessian: bool,
     names: set[str] | None = None,
@@ -167,7 +166,7 @@ def fingerprint(tensors: dict[str, torch.Tensor], config_json: str, ids: list[in
     return h.hexdigest()
 
 
-def calibrate_linears(model: nn.Module, ids: list[int], hessian: bool, names: set[str], targets: bool,
+def calibrate_linears(model: DecoderLM, ids: list[int], hessian: bool, names: set[str], targets: bool,
                       weights: dict[str, torch.Tensor], config_json: str,
                       on_chunk: Callable[[], None] | None = None) -> tuple[dict[str, LinearInputStats], list]:
     """(linear name -> LinearInputStats for `names`, the float model's TeacherTargets per calibration
@@ -177,21 +176,25 @@ def calibrate_linears(model: nn.Module, ids: list[int], hessian: bool, names: se
     the targets, so any mode can take its part."""
     from bestiary.core.convert.tune import TeacherTargets
 
-    key = fingerprint(weights, config_json, ids) if _shared is not None else None
-    if key is not None and key in _shared:
+    found: list = []
+
+    def record(logits: torch.Tensor) -> None:
+        found.append(TeacherTargets.from_logits(logits))
+
+    shared = _shared  # inside shared_calibration(): key -> (stats, targets) of the runs so far
+    if shared is None:
+        stats = collect_linear_inputs(model, ids, hessian=hessian, names=names, on_chunk=on_chunk,
+                                      on_logits=record if targets else None)
+        return stats, found
+    key = fingerprint(weights, config_json, ids)
+    if key in shared:
         if on_chunk is not None:  # the progress bar still counts the chunks
             for _ in calibration_chunks(model, ids):
                 on_chunk()
-    else:
-        found: list = []
-        record = targets or key is not None
-        stats = collect_linear_inputs(model, ids, hessian=hessian or key is not None,
-                                      names=None if key is not None else names, on_chunk=on_chunk,
-                                      on_logits=(lambda x: found.append(TeacherTargets.from_logits(x))) if record else None)
-        if key is None:
-            return stats, found
-        _shared[key] = (stats, found)
-    stats, found = _shared[key]
+    else:  # every Linear, with Hessians, and the targets: any mode takes its part
+        shared[key] = (collect_linear_inputs(model, ids, hessian=True, names=None, on_chunk=on_chunk,
+                                             on_logits=record), found)
+    stats, found = shared[key]
     mine = {n: _copy(s, hessian) for n, s in stats.items() if n in names}
     return mine, [replace(t) for t in found] if targets else []
 

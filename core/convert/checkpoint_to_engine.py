@@ -46,6 +46,7 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
         if not path.is_file():
             raise BestiaryError(f"{path}: rank file not found (mapping.world_size is {world})")
     if check_memory:
+        assert build.max_seq_len is not None, "set by finalize_build_config"
         tokens = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
         check_build_memory(config, tokens // world, max(p.stat().st_size for p in ranks))
     with atomic_directory(Path(output_dir), "engine", [checkpoint_dir]) as tmp:

@@ -76,7 +76,7 @@ def vocab_entries(tokenizer_json: str) -> tuple[list[tuple[bytes, int, float]], 
     if model["type"] == "Unigram":
         entries = [(piece.encode(), i, float(score)) for i, (piece, score) in enumerate(model["vocab"])]
     else:
-        merged = {}
+        merged: dict[str, float] = {}
         for rank, merge in enumerate(model.get("merges", [])):
             a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
             merged.setdefault(a + b, -float(rank))
@@ -128,10 +128,19 @@ def _linears(spec, config) -> dict[str, object]:
 
 
 class _NoSource:
-    """The loader is used only to translate names here."""
+    """The loader is used only to translate names here: a WeightSource holding no tensor."""
 
     def keys(self) -> list[str]:
         return []
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        raise KeyError(key)
+
+    def file_of(self, key: str) -> str:
+        raise KeyError(key)
+
+    def load(self, key: str, tp_size: int = 1, tp_dim: int = -1, tp_rank: int = 0) -> torch.Tensor:
+        raise KeyError(key)
 
 
 def hf_tensors(directory: Path, config, spec) -> Iterator[tuple[str, dict[str, torch.Tensor], bool]]:

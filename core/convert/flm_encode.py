@@ -197,7 +197,7 @@ def tensor_parts(name: str, bundle, dtype: str) -> list:
         t = float_of(bundle) if "value" not in bundle or bundle["value"].dtype == torch.bfloat16 else bundle["value"]
         target = torch.float32 if dtype == "float32" else torch.float16
         values = np.ascontiguousarray(t.to(target).numpy())  # at most one copy of the tensor
-        return [_header(name, tuple(values.shape), CODES[dtype]), memoryview(values).cast("B")]
+        return [_header(name, tuple(values.shape), CODES[dtype]), values.data.cast("B")]
     group = parse_group(dtype)
     if dtype not in ("int8", "int4") and group is None:
         raise ValueError(f"--flm_dtype {dtype!r}")
@@ -207,7 +207,7 @@ def tensor_parts(name: str, bundle, dtype: str) -> list:
     n, k = codes.shape
     if bits == 8:
         return [_header(name, (n, k), CODES["int8"]) + pack_int(0) + _bounds(mins, maxs),
-                memoryview(np.ascontiguousarray(codes)).cast("B")]
+                np.ascontiguousarray(codes).data.cast("B")]
     if group is None:
         head = _header(name, (n, k), CODES["int4"]) + pack_int(0)
     else:  # a row shorter than a group is one group of its length (FastLLM's kernels want group <= K)

@@ -124,6 +124,9 @@ def prequantized_weights(source: ModelSource, hq: HFQuant) -> WeightSource:
     """The source's weights with its quantized layers under canonical names (`quantized_layers`: their
     source names): AWQ / GPTQ unpacked here, FastLLM .flm codes by core.sources.flm_source."""
     if hq.method == "fastllm":
+        from bestiary.core.sources.flm_source import FlmWeights
+
+        assert isinstance(source.weights, FlmWeights), "read_hf_quant says fastllm for .flm sources only"
         return source.weights.prequantized(hq.bits, hq.group_size)
     return PrequantizedWeights(source.weights, hq)
 
@@ -176,7 +179,8 @@ class PrequantizedWeights:
             raise WeightsError(f"{file}: {layer}.g_idx has shape {list(self.inner.shape(f'{layer}.g_idx'))}, "
                                f"expected [{k}]")
         groups_c = -(-k // hf_formats.canonical_group(self.hq.group_size))
-        shapes = {"weight": (n, k // 2), "weights_scaling_factor": (n, groups_c), "zeros": (n, groups_c)}
+        shapes: dict[str, tuple[int, ...]] = {"weight": (n, k // 2), "weights_scaling_factor": (n, groups_c),
+                                              "zeros": (n, groups_c)}
         if self.hq.method == "gptq":
             shapes[PERM_NAME] = (k,)
         return shapes

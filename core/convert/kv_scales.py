@@ -19,10 +19,11 @@ from bestiary.core.convert.calibration import run_sequence
 from bestiary.core.format.checkpoint import SAFETENSORS_DTYPES, load_rank_weights, rank_file
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.quant.kv import SCALE_NAME, scales_from_amax
+from bestiary.core.runtime.model import DecoderLM
 
 
 @torch.inference_mode()
-def calibrate_kv_amax(model: torch.nn.Module, ids: list[int], block_size: int = 32) -> list[tuple[float, float]]:
+def calibrate_kv_amax(model: DecoderLM, ids: list[int], block_size: int = 32) -> list[tuple[float, float]]:
     """(amax |K|, amax |V|) per local layer of `model` (float KV cache) over one pass of `ids`."""
     _, kv = run_sequence(model, ids, all_logits=False, block_size=block_size)
     return [(kv.k[i].abs().amax().item(), kv.v[i].abs().amax().item()) for i in range(kv.k.shape[0])]
@@ -56,9 +57,11 @@ def patch_tensor(path: Path, key: str, tensor: torch.Tensor) -> None:
         f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
 
 
-def calibrate_kv_scales(directory: Path, config: PretrainedConfig, model_class, ids: list[int]) -> list[torch.Tensor]:
+def calibrate_kv_scales(directory: Path, config: PretrainedConfig, model_class: type[DecoderLM],
+                        ids: list[int]) -> list[torch.Tensor]:
     """Measure and write every layer's kv_cache_scaling_factor of the checkpoint at `directory`."""
     algo = config.quantization.kv_cache_quant_algo
+    assert algo is not None, "calibrate_kv_scales: for a quantized KV cache only"
     float_kv = config.model_copy(update={"quantization": config.quantization.model_copy(
         update={"kv_cache_quant_algo": None})})
     with torch.device("meta"):

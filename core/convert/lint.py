@@ -36,16 +36,17 @@ from bestiary.core.convert.lint_trace import (
     same_named_mismatches,
 )
 from bestiary.core.convert.loader import Target, WeightsLoader, model_targets
+from bestiary.core.convert.options import expert_mapping
 from bestiary.core.convert.source_to_checkpoint import (
     build_config,
     check_expert_parallel,
-    expert_mapping,
     instantiate,
     source_dtype,
 )
 from bestiary.core.format.config import Mapping, PretrainedConfig
 from bestiary.core.format.errors import BestiaryError, WeightsError
 from bestiary.core.format.hf_config import DecoderConfig
+from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry
 from bestiary.registry.capabilities import check_supported
@@ -147,7 +148,7 @@ def check_shapes(report: LintReport, loader: WeightsLoader, spec: ArchitectureSp
             report.shape_errors.append(str(err))
 
 
-def load_tp1(loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig) -> tuple[torch.nn.Module, dict]:
+def load_tp1(loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedConfig) -> tuple[DecoderLM, dict]:
     """A float32 tp 1 copy of the model on the CPU, ready to run, and its state dict."""
     config = config.model_copy(update={"mapping": Mapping(), "dtype": "float32"})
     loader.config = config
@@ -160,7 +161,7 @@ def load_tp1(loader: WeightsLoader, spec: ArchitectureSpec, config: PretrainedCo
     return ready_model(spec, config, weights), weights
 
 
-def ready_model(spec: ArchitectureSpec, config: PretrainedConfig, weights: dict) -> torch.nn.Module:
+def ready_model(spec: ArchitectureSpec, config: PretrainedConfig, weights: dict) -> DecoderLM:
     """The model of `config` holding `weights`, prepared for inference on the CPU."""
     model = instantiate(spec, config, 0)
     model.load_state_dict(weights, strict=True, assign=True)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from bestiary.core.format.config import PretrainedConfig
+from bestiary.core.runtime.model import DecoderLM
 
 ROTARY_FRACTIONS = (1.0, 0.5, 0.25)
 ROPE_STYLES = {"rope_gpt_neox": "rope_gptj", "rope_gptj": "rope_gpt_neox"}
@@ -67,7 +68,7 @@ def capture(modules: list[nn.Module | None], run: Callable[[], Any]) -> list[tor
     return [got[0].detach().float().reshape(-1, got[0].shape[-1]) if got else None for got in seen]
 
 
-def departing_part(ours: nn.Module, hf: nn.Module, i: int, run_ours: Callable[[], Any],
+def departing_part(ours: DecoderLM, hf: nn.Module, i: int, run_ours: Callable[[], Any],
                    run_hf: Callable[[], Any]) -> str:
     """Which part of layer i departs first: "attention" when our attention output misses the reference's,
     "mlp (attention matches)" when only the MLP's does, "after attention and mlp (norms or residuals)"
@@ -78,9 +79,10 @@ def departing_part(ours: nn.Module, hf: nn.Module, i: int, run_ours: Callable[[]
     refs = capture([child_named(theirs[i], ATTENTION_NAMES), child_named(theirs[i], MLP_NAMES)], run_hf)
     layer = ours.transformer.layers[i]
     outs = capture([getattr(layer, "attention", None), getattr(layer, "mlp", None)], run_ours)
-    if any(t is None for t in (*refs, *outs)):
+    pairs = [(out, ref) for out, ref in zip(outs, refs) if out is not None and ref is not None]
+    if len(pairs) < 2:  # a part without output (or without a counterpart in the reference)
         return ""
-    attention_ok, mlp_ok = (close(out, ref) for out, ref in zip(outs, refs))
+    attention_ok, mlp_ok = (close(out, ref) for out, ref in pairs)
     if not attention_ok:
         return "attention"
     return "mlp (attention matches)" if not mlp_ok else "after attention and mlp (norms or residuals)"
@@ -92,7 +94,8 @@ def config_suspects(config: PretrainedConfig, base_fields: set[str]) -> list[tup
     out: list[tuple[str, Any]] = []
     fields = type(config).model_fields
     if "rotary_pct" in fields:
-        out += [("rotary_pct", p) for p in ROTARY_FRACTIONS if p != config.rotary_pct]
+        current = getattr(config, "rotary_pct", None)  # a field of this config class (DecoderConfig's, mostly)
+        out += [("rotary_pct", p) for p in ROTARY_FRACTIONS if p != current]
     if config.position_embedding_type in ROPE_STYLES and "position_embedding_type" in fields:
         out.append(("position_embedding_type", ROPE_STYLES[config.position_embedding_type]))
     for name, field in fields.items():

@@ -59,8 +59,9 @@ def convert_lora(lora_dir: str | Path, output_dir: str | Path, storage_type: str
         raise BestiaryError(f"--storage_type {storage_type}: expected one of {', '.join(trtllm_tensors.STORAGE_DTYPES)} "
                             "(numpy has no bfloat16)")
     spec = registry.get(architecture) if architecture else trtllm_convert.guess_architecture(lora_dir, registry)
-    weights, config = trtllm_convert.peft_to_trtllm(lora_dir, spec, registry, trtllm_tensors.STORAGE_DTYPES[storage_type])
-    return trtllm_convert.write_trtllm(Path(output_dir), weights, config)
+    rows, row_config = trtllm_convert.peft_to_trtllm(lora_dir, spec, registry,
+                                                    trtllm_tensors.STORAGE_DTYPES[storage_type])
+    return trtllm_convert.write_trtllm(Path(output_dir), rows, row_config)
 
 
 def bundle_adapters(checkpoint_dir: Path, out: Path, lora_dirs: list[str], max_lora_rank: int | None,

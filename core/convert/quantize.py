@@ -14,20 +14,24 @@ ActQuantSlot.tp_dim).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TypeAlias
 
 import torch
 from torch import nn
 
 from bestiary.core.convert.loader import Target
 from bestiary.core.quant.act_slot import SCALE_NAMES as ACT_SCALE_NAMES
+from bestiary.core.quant.act_slot import ActQuantSlot
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.kv import SCALE_NAME as KV_SCALE_NAME
 from bestiary.core.quant.slot import SCALE_NAMES, WeightOnlySlot
 
+PackingSlot: TypeAlias = WeightOnlySlot | ActQuantSlot  # what packs a quantized linear's float weight at convert
+
 
 def loader_targets(
     model: nn.Module, targets: list[Target], prequantized: bool = False
-) -> tuple[list[Target], dict[str, WeightOnlySlot], list[Target]]:
+) -> tuple[list[Target], dict[str, PackingSlot], list[Target]]:
     """(what the loader fills, weight key -> slot of each quantized weight, tensors made later).
 
     A quantized Linear's packed weight becomes its float weight target; its scale tensors are
@@ -36,7 +40,7 @@ def loader_targets(
     (AWQ/GPTQ imports, core.convert.import_prequantized): the source holds the packed tensors, read as they are."""
     linears = quantized_linears(model)
     reads: list[Target] = []
-    slots: dict[str, WeightOnlySlot] = {}
+    slots: dict[str, PackingSlot] = {}
     later: list[Target] = []
     for t in targets:
         linear = linears.get(t.module_path)
@@ -47,6 +51,7 @@ def loader_targets(
             reads.append(t)
         elif name == "weight":
             slot = linear.quant
+            assert isinstance(slot, (WeightOnlySlot, ActQuantSlot)), "quantized_linears: a slot of core.quant"
             reads.append(replace(t, shape=(slot.out_local, slot.in_local), dtype=torch.float32))
             slots[t.key] = slot
         elif name not in SCALE_NAMES + ACT_SCALE_NAMES:
@@ -54,22 +59,24 @@ def loader_targets(
     return reads, slots, later
 
 
-def quantize_loaded(key: str, weight: torch.Tensor, slot: WeightOnlySlot, scale_dtype: torch.dtype,
+def quantize_loaded(key: str, weight: torch.Tensor, slot: PackingSlot, scale_dtype: torch.dtype,
                     stats=None, row_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Float weight of `key` (ending in .weight) -> {checkpoint key: tensor} of the packed weight and its
     scales; `stats`: the layer's calibration input statistics (core.convert.quantize_calibrated), if any;
     `row_amax`: see needs_row_amax."""
     if row_amax is not None:
+        assert isinstance(slot, WeightOnlySlot), "row_amax: int8 weight-only (needs_row_amax)"
         return checkpoint_names(key, slot.quantize(weight, scale_dtype, row_amax=row_amax))
     packed = slot.quantize(weight, scale_dtype) if stats is None else slot.quantize(weight, scale_dtype, stats)
     return checkpoint_names(key, packed)
 
 
-def needs_row_amax(target: Target, slot: WeightOnlySlot, tp_size: int) -> bool:
-    """Whether a rank's int8 weight is the columns of a row-parallel layer (weight tp_dim 1) on tp > 1:
-    its per-channel scales are replicated (WeightOnlySlot.tp_dim), so they must come from the whole
-    rows, as at tp 1, not from the rank's columns."""
-    return tp_size > 1 and slot.lq.bits == 8 and target.tp_dim == 1
+def needs_row_amax(target: Target, slot: PackingSlot, tp_size: int) -> bool:
+    """Whether a rank's int8 weight-only weight is the columns of a row-parallel layer (weight tp_dim 1) on
+    tp > 1: its per-channel scales are replicated (WeightOnlySlot.tp_dim), so they must come from the whole
+    rows, as at tp 1, not from the rank's columns. (Activation-quantized slots are calibrated on the whole
+    model and cut: core.convert.quantize_calibrated.)"""
+    return isinstance(slot, WeightOnlySlot) and tp_size > 1 and slot.lq.bits == 8 and target.tp_dim == 1
 
 
 def rank_part(target: Target, whole: torch.Tensor, config, tp_rank: int) -> torch.Tensor:

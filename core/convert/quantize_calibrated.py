@@ -47,14 +47,16 @@ import torch
 from torch import nn
 
 from bestiary.core.convert.calibration import calibrate_linears, calibration_chunks
+from bestiary.core.convert.options import WEIGHT_QUANTIZERS
 from bestiary.core.format.config import PretrainedConfig, QuantConfig
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.format.packing import Int4Codes, int4_roundtrip
+from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.apply import quantized_linears
 from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of
+from bestiary.core.runtime.model import DecoderLM
 
-WEIGHT_QUANTIZERS = ("rtn", "gptq")
 # GPTQ's Hessians and the scale tuning want many more tokens than the KV scales' 512: the whole
 # built-in text (about 19,100 SmolLM2 tokens; more text kept lowering the int4 perplexity)
 WEIGHT_CALIB_TOKENS = 24576
@@ -140,7 +142,7 @@ def weight_calibration_ids(files, vocab_size: int, text_file) -> list[int]:
     return calibration_ids(files, vocab_size, text_file, None, limit=limit, builtin=WEIGHT_CALIB_TEXT)
 
 
-def unquantize_linears(model: nn.Module, shapes: dict[str, tuple[int, int]]) -> dict[str, nn.Module]:
+def unquantize_linears(model: DecoderLM, shapes: dict[str, tuple[int, ...]]) -> dict[str, Linear]:
     """Turn every quantized Linear of `model` (meta) back into a float one; returns weight key -> Linear.
 
     `shapes`: weight key -> float weight shape [N, K]. The weight gets the model's dtype;
@@ -157,14 +159,14 @@ def unquantize_linears(model: nn.Module, shapes: dict[str, tuple[int, int]]) -> 
     return out
 
 
-def load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], float_keys: set[str]) -> None:
+def load_tensors(model: DecoderLM, tensors: dict[str, torch.Tensor], float_keys: set[str]) -> None:
     """Assign `tensors` (the whole state, keys of the float linears' weights: `float_keys`) to `model`."""
     state = {k: (t.to(model.dtype) if k in float_keys else t) for k, t in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def float_model(model_class, config: PretrainedConfig, rank: int, tensors: dict[str, torch.Tensor],
-                float_keys: set[str]) -> tuple[nn.Module, dict[str, str]]:
+def float_model(model_class: type[DecoderLM], config: PretrainedConfig, rank: int, tensors: dict[str, torch.Tensor],
+                float_keys: set[str]) -> tuple[DecoderLM, dict[str, str]]:
     """The rank's model with float linears holding `tensors` (keys of the quantized linears' float
     weights: `float_keys`); returns (model, weight key -> linear name). KV cache stays float."""
     float_kv = config.model_copy(update={"quantization": config.quantization.model_copy(
@@ -178,7 +180,7 @@ def float_model(model_class, config: PretrainedConfig, rank: int, tensors: dict[
     return model, {k: m.name for k, m in linears.items()}
 
 
-def tuned_int4_codes(model: nn.Module, tensors: dict[str, torch.Tensor], slots: dict, names: dict[str, str],
+def tuned_int4_codes(model: DecoderLM, tensors: dict[str, torch.Tensor], slots: dict, names: dict[str, str],
                      stats: dict[str, LinearInputStats], chunks: list[list[int]], targets: list,
                      steps: int, scale_dtype: torch.dtype, bar) -> dict[str, Int4Codes]:
     """Weight key -> int4 codes of every quantized linear: GPTQ on `tensors` (the folded weights),
@@ -197,8 +199,8 @@ def tuned_int4_codes(model: nn.Module, tensors: dict[str, torch.Tensor], slots: 
     return {key: tuned[name] for key, name in names.items()}
 
 
-def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, model_class, ids: list[int],
-                          method: str, bar, task, tune_steps: int = 0) -> None:
+def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, model_class: type[DecoderLM],
+                          ids: list[int], method: str, bar, task, tune_steps: int = 0) -> None:
     """Write rank `plan.rank` with each quantized linear packed from its inputs' statistics (module docstring)."""
     from bestiary.core.convert.quantize import checkpoint_names, quantize_loaded
     from bestiary.core.convert.source_to_checkpoint import rank_writer
@@ -249,7 +251,7 @@ def write_calibrated_rank(tmp: Path, plan, loader, config: PretrainedConfig, mod
             bar.advance(packing)
 
 
-def write_sharded_rank(tmp: Path, plan, whole: Path, config: PretrainedConfig, model_class, bar,
+def write_sharded_rank(tmp: Path, plan, whole: Path, config: PretrainedConfig, model_class: type[DecoderLM], bar,
                        task) -> None:
     """Write rank `plan.rank` as its part of the tp 1 checkpoint at `whole` (quantized and calibrated
     once, on the whole model): every target of the rank, KV scales included, is its tp 1 tensor (of the

@@ -1,7 +1,12 @@
 """`bestiary convert`: any supported source -> checkpoint dir (config.json + rank{N}.safetensors).
 
-Everything that can be checked without reading weights (architecture, config, tp/pp
-splits, key maps in both directions) is checked before the output directory is created.
+`convert(model_dir, output_dir, options)` runs in three steps. Plan (`plan_convert`): everything that
+can be checked without reading weights (architecture, config, tp/pp splits, quantization, key maps in
+both directions) is checked before the output directory is created; the flags themselves already were,
+when the `ConvertOptions` (core.convert.options) were made. Quantize + write (`write_weights`): every
+rank file, streamed and rounded to nearest, or quantized from the float model's statistics; calibrated
+tp / pp ranks are cut from a tp 1 conversion of the same options (`ConvertOptions.tp1`). Then the KV
+cache scales, config.json and the tokenizer files (`write_kv_scales`, `write_config_and_tokenizer`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from rich.progress import Progress, TaskID
 
 from bestiary.core.convert.loader import Target, WeightsLoader, model_targets
 from bestiary.core.convert.memory import freed_memory_returned
+from bestiary.core.convert.options import DTYPE_ALIASES, ConvertOptions
 from bestiary.core.convert.progress import progress
 from bestiary.core.format.checkpoint import (
     StreamingSafetensorsWriter,
@@ -24,16 +30,14 @@ from bestiary.core.format.checkpoint import (
     rank_file,
     write_json,
 )
-from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig
+from bestiary.core.format.config import Mapping, PretrainedConfig
 from bestiary.core.format.errors import BestiaryError, ConfigError
 from bestiary.core.format.output_dir import check_output_dir
+from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.sources import ModelSource, open_source
 from bestiary.registry import Registry, default_registry, resolve
 from bestiary.registry.capabilities import check_supported
 from bestiary.registry.spec import ArchitectureSpec
-
-DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-                 "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 @dataclass
@@ -45,7 +49,7 @@ class RankPlan:
     sources: dict[str, list[str]]
     tp_rank: int
     reads: list[Target] | None = None  # what the loader fills (float weights of quantized linears)
-    quantizers: dict | None = None  # weight key -> WeightOnlySlot that packs it
+    quantizers: dict | None = None  # weight key -> the slot that packs it (quantize.PackingSlot)
     later: list[Target] | None = None  # written as placeholders, calibrated after (KV cache scales)
 
 
@@ -61,27 +65,11 @@ def build_config(spec: ArchitectureSpec, source: ModelSource, dtype: str, mappin
     return from_hf(source.hf_config, dtype, mapping, source=str(source.path))
 
 
-def expert_mapping(tp_size: int, pp_size: int, moe_tp_size: int | None = None,
-                   moe_ep_size: int | None = None) -> Mapping:
-    """The Mapping of the convert flags; a bad --moe_tp_size / --moe_ep_size is a one-line error."""
-    from bestiary.core.format.config import moe_split
-
-    for flag, value in (("--moe_tp_size", moe_tp_size), ("--moe_ep_size", moe_ep_size)):
-        if value is not None and value < 1:
-            raise BestiaryError(f"{flag} {value}: expected a positive integer")
-    try:
-        moe_tp, moe_ep = moe_split(tp_size, moe_tp_size, moe_ep_size)
-    except ValueError:
-        given = " ".join(f"{f} {v}" for f, v in (("--moe_tp_size", moe_tp_size), ("--moe_ep_size", moe_ep_size))
-                         if v is not None)
-        raise BestiaryError(f"{given}: moe_tp_size * moe_ep_size must equal --tp_size {tp_size}") from None
-    return Mapping(tp_size=tp_size, pp_size=pp_size, moe_tp_size=moe_tp, moe_ep_size=moe_ep)
-
-
 def check_expert_parallel(spec: ArchitectureSpec, config: PretrainedConfig) -> None:
     """moe_ep_size > 1 needs an architecture with experts (Supports.expert_parallel) whose
     num_local_experts it divides; a one-line error naming --moe_ep_size otherwise."""
     ep = config.mapping.moe_ep_size
+    assert ep is not None, "set by Mapping's validation"
     if ep == 1:
         return
     check_supported(spec, moe_ep_size=ep)
@@ -109,9 +97,9 @@ def check_tokenizer(source: ModelSource) -> None:
                                 f"{err}") from None
 
 
-def instantiate(spec: ArchitectureSpec, config: PretrainedConfig, rank: int, device="meta") -> nn.Module:
+def instantiate(spec: ArchitectureSpec, config: PretrainedConfig, rank: int, device: str = "meta") -> DecoderLM:
     """The architecture's model for `rank`; an impossible split is a one-line error."""
-    model_class = resolve(spec.model_class)
+    model_class: type[DecoderLM] = resolve(spec.model_class)
     try:
         return model_class(config, rank, device=device)
     except ValueError as err:
@@ -138,137 +126,189 @@ def plan_ranks(
     return plans
 
 
+@dataclass
+class ConvertPlan:
+    """A conversion checked and planned before the output directory is made: the source, its architecture,
+    the checkpoint config, every rank's tensors, and how the linear weights are quantized."""
+
+    source: ModelSource
+    spec: ArchitectureSpec
+    config: PretrainedConfig
+    loader: WeightsLoader
+    ranks: list[RankPlan]
+    options: ConvertOptions  # as given, the dtype resolved and an AWQ / GPTQ source's quantization imported
+    method: str  # the weight quantizer (quantize_calibrated.check_weight_quantizer)
+    tune_steps: int  # end-to-end scale tuning steps (quantize_calibrated.check_tune_steps)
+    calibrated: bool  # linears quantized from their inputs' statistics (core.convert.quantize_calibrated)
+
+    @property
+    def model_class(self) -> type[DecoderLM]:
+        """The architecture's model class."""
+        model_class: type[DecoderLM] = resolve(self.spec.model_class)
+        return model_class
+
+
 @freed_memory_returned()  # temporaries go back to the OS: resident memory stays near one rank file
 def convert(
     model_dir: str | Path,
     output_dir: str | Path,
-    dtype: str = "auto",
-    tp_size: int = 1,
-    pp_size: int = 1,
-    architecture: str | None = None,
-    customized_key_dict: dict | None = None,
+    options: ConvertOptions | None = None,
+    *,
     registry: Registry | None = None,
     show_progress: bool = True,
-    quantization: QuantConfig | None = None,
-    calib_text: str | Path | None = None,
-    weight_quantizer: str | None = None,
-    smoothquant_alpha: float | None = None,
-    tune_steps: int | None = None,
-    allow_nonfinite: bool = False,
-    use_parallel_embedding: bool = False,
-    embedding_sharding_dim: int = 0,
-    moe_tp_size: int | None = None,
-    moe_ep_size: int | None = None,
 ) -> Path:
-    """Convert `model_dir` into a checkpoint at `output_dir`; returns the output path.
+    """Convert `model_dir` into a checkpoint at `output_dir` as `options` say (ConvertOptions: dtype,
+    tp / pp / MoE splits, quantization, calibration; the defaults when None); returns the output path.
 
-    `quantization` (see core.quant.options for the CLI flags) quantizes the linear weights
-    and/or selects a quantized KV cache (scales calibrated on `calib_text`, or a built-in text);
-    the section is written to config.json. `weight_quantizer`: "rtn" or "gptq" (default: gptq for
-    int4 weights, calibrated on `calib_text` or the built-in texts; core.convert.quantize_calibrated).
-    `tune_steps`: steps of end-to-end scale tuning after GPTQ (default core.convert.tune.DEFAULT_STEPS
-    for GPTQ int4, 0 = none). `smoothquant_alpha`: W8A8_SQ_PER_CHANNEL's migration strength (default 0.5; core.quant.act_slot).
-    A source tensor with NaN or inf values is refused unless `allow_nonfinite`. `output_dir` must
-    be new, empty or an earlier checkpoint (core.format.output_dir), never the source.
-    `moe_tp_size` / `moe_ep_size` (MoE architectures; moe_tp_size * moe_ep_size = tp_size, one given
-    derives the other): each rank holds E / moe_ep_size whole experts, their FFN dim split over
-    moe_tp_size ranks (expert parallelism, core.layers.moe)."""
+    Plan (everything checked before any weight is read: plan_convert), then quantize and write the
+    rank files (write_weights; calibrated quantization runs the float model over `options.calib_text`
+    or the built-in texts), then the KV cache scales, config.json and the tokenizer. `output_dir` must
+    be new, empty or an earlier checkpoint (core.format.output_dir), never the source. `registry`: the
+    architectures (default_registry() when None); `show_progress`: rich progress bars on stderr."""
+    options = options if options is not None else ConvertOptions()
     registry = registry or default_registry()
     check_output_dir(output_dir, "checkpoint", [model_dir])  # before any weight is read
-    source = open_source(model_dir)
-    spec = registry.for_hf_config(source.hf_config, str(source.path), architecture)
-    if dtype != "auto" and dtype not in DTYPE_ALIASES:
-        raise BestiaryError(f"--dtype {dtype!r}: expected auto, float32, float16 or bfloat16")
-    dtype = source_dtype(source) if dtype == "auto" else DTYPE_ALIASES[dtype]
-    for flag, value in (("--tp_size", tp_size), ("--pp_size", pp_size)):
-        if value < 1:
-            raise BestiaryError(f"{flag} {value}: expected a positive integer")
-    config = build_config(spec, source, dtype, expert_mapping(tp_size, pp_size, moe_tp_size, moe_ep_size))
-    check_expert_parallel(spec, config)
-    if use_parallel_embedding:  # the embedding split over the tp ranks (core.layers.embedding)
-        if embedding_sharding_dim not in (0, 1):
-            raise BestiaryError(f"--embedding_sharding_dim {embedding_sharding_dim}: expected 0 (vocab) or 1 (hidden)")
-        config.use_parallel_embedding, config.embedding_sharding_dim = True, embedding_sharding_dim
-    check_tokenizer(source)
+    plan = plan_convert(model_dir, options, registry)
+    with atomic_directory(Path(output_dir), "checkpoint", [model_dir]) as tmp, progress(show_progress) as bar:
+        scales_cut = write_weights(tmp, model_dir, plan, registry, bar, show_progress)
+        if not scales_cut:
+            write_kv_scales(tmp, model_dir, plan, registry)
+        write_config_and_tokenizer(tmp, plan)
+    return Path(output_dir)
+
+
+# --- plan: everything checked before the output directory is made ----------------------------------------
+def plan_convert(model_dir: str | Path, options: ConvertOptions, registry: Registry) -> ConvertPlan:
+    """Open the source and check and plan the conversion: architecture, config, splits, tokenizer,
+    quantization (an AWQ / GPTQ source's imported), key maps both ways; one-line errors, no weight read."""
     from bestiary.core.convert import import_prequantized  # AWQ / GPTQ sources: imported, not quantized
 
+    source = open_source(model_dir)
+    spec = registry.for_hf_config(source.hf_config, str(source.path), options.architecture)
+    dtype = source_dtype(source) if options.dtype == "auto" else DTYPE_ALIASES[options.dtype]
+    options = options.model_copy(update={"dtype": dtype})
+    config = plan_config(spec, source, options)
+    check_tokenizer(source)
     hf_quant = import_prequantized.read_hf_quant(source)
     if hf_quant is not None:
-        quantization = import_prequantized.import_quant_config(hf_quant, quantization)
-    if quantization is not None:
-        config.quantization = quantization
-    check_supported(spec, tp_size, pp_size, config.quantization.quant_algo, config.quantization.kv_cache_quant_algo)
+        options = options.model_copy(
+            update={"quantization": import_prequantized.import_quant_config(hf_quant, options.quantization)})
+    if options.quantization is not None:
+        config.quantization = options.quantization
+    check_supported(spec, options.tp_size, options.pp_size, config.quantization.quant_algo,
+                    config.quantization.kv_cache_quant_algo)
+    method, tune_steps, calibrated = plan_quantizer(options, prequantized=hf_quant is not None)
+    if config.num_hidden_layers < options.pp_size:
+        raise BestiaryError(f"--pp_size {options.pp_size}: the model has only {config.num_hidden_layers} layers")
+    weights = source.weights if hf_quant is None else import_prequantized.prequantized_weights(source, hf_quant)
+    loader = WeightsLoader(weights, spec, config, options.customized_key_dict, label=str(source.path),
+                           source_model_type=source.hf_config.get("model_type"),
+                           allow_nonfinite=options.allow_nonfinite)
+    if hf_quant is not None:
+        import_prequantized.prepare_loader(loader, resolve(spec.model_class), config)
+    ranks = plan_ranks(loader, spec, config, prequantized=hf_quant is not None)
+    if options.smoothquant_alpha is not None:  # W8A8_SQ_PER_CHANNEL's migration strength (default 0.5)
+        from bestiary.core.quant.act_slot import set_smoothquant_alpha
+
+        set_smoothquant_alpha([s for p in ranks for s in (p.quantizers or {}).values()], options.smoothquant_alpha)
+    if hf_quant is not None:
+        import_prequantized.check_plans(ranks, loader, config)
+    return ConvertPlan(source, spec, config, loader, ranks, options, method, tune_steps, calibrated)
+
+
+def plan_config(spec: ArchitectureSpec, source: ModelSource, options: ConvertOptions) -> PretrainedConfig:
+    """The checkpoint config of `source` in `options.dtype` (resolved), split as `options` say (experts
+    over the ranks, the embedding over the tp ranks)."""
+    config = build_config(spec, source, options.dtype, options.mapping())
+    check_expert_parallel(spec, config)
+    if options.use_parallel_embedding:  # the embedding split over the tp ranks (core.layers.embedding)
+        config.use_parallel_embedding, config.embedding_sharding_dim = True, options.embedding_sharding_dim
+    return config
+
+
+def plan_quantizer(options: ConvertOptions, prequantized: bool) -> tuple[str, int, bool]:
+    """(weight quantizer, tune steps, calibrated) for `options.quantization` (quantize_calibrated's checks:
+    a quantizer or tune steps that do not apply are one-line ConfigErrors). Calibrated tp / pp ranks are
+    quantized once at tp 1, then cut."""
     from bestiary.core.convert.quantize_calibrated import (
         check_tune_steps,
         check_weight_quantizer,
         needs_activation_stats,
     )
 
-    method = check_weight_quantizer(quantization, weight_quantizer, prequantized=hf_quant is not None)
-    tune_steps = check_tune_steps(quantization, method, tune_steps)
-    calibrated = needs_activation_stats(quantization, method)  # tp / pp ranks: quantized once at tp 1, then cut
-    if config.num_hidden_layers < pp_size:
-        raise BestiaryError(f"--pp_size {pp_size}: the model has only {config.num_hidden_layers} layers")
-    weights = source.weights if hf_quant is None else import_prequantized.prequantized_weights(source, hf_quant)
-    loader = WeightsLoader(weights, spec, config, customized_key_dict, label=str(source.path),
-                           source_model_type=source.hf_config.get("model_type"), allow_nonfinite=allow_nonfinite)
-    if hf_quant is not None:
-        import_prequantized.prepare_loader(loader, resolve(spec.model_class), config)
-    plans = plan_ranks(loader, spec, config, prequantized=hf_quant is not None)
-    if smoothquant_alpha is not None:  # W8A8_SQ_PER_CHANNEL's migration strength (default 0.5)
-        from bestiary.core.quant.act_slot import set_smoothquant_alpha
+    method = check_weight_quantizer(options.quantization, options.weight_quantizer, prequantized=prequantized)
+    tune_steps = check_tune_steps(options.quantization, method, options.tune_steps)
+    return method, tune_steps, needs_activation_stats(options.quantization, method)
 
-        set_smoothquant_alpha([s for p in plans for s in (p.quantizers or {}).values()], smoothquant_alpha)
-    if hf_quant is not None:
-        import_prequantized.check_plans(plans, loader, config)
-    with atomic_directory(Path(output_dir), "checkpoint", [model_dir]) as tmp, progress(show_progress) as bar:
-        task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plans))
-        whole = None  # calibrated on tp ranks: the tp 1 checkpoint they are cut from
-        if calibrated and config.mapping.world_size > 1:  # quantize once on the whole model, then shard (core.convert.quantize_calibrated)
-            from bestiary.core.convert.quantize_calibrated import write_sharded_rank
 
-            bar.update(task, visible=False)
-            bar.stop()  # the tp 1 convert shows its own bars
-            whole = convert(model_dir, tmp / "calibrated_tp1", dtype, 1, 1, architecture, customized_key_dict,
-                            registry, show_progress, quantization, calib_text, method, smoothquant_alpha,
-                            tune_steps, allow_nonfinite, use_parallel_embedding, embedding_sharding_dim)
-            bar.start()
-            bar.update(task, total=sum(len(p.targets) for p in plans), visible=True)
-            for plan in plans:
-                write_sharded_rank(tmp, plan, whole, config, resolve(spec.model_class), bar, task)
-        elif calibrated:
-            from bestiary.core.convert.quantize_calibrated import (
-                weight_calibration_ids,
-                write_calibrated_rank,
-            )
+# --- quantize + write: the rank files, the KV cache scales, config.json and the tokenizer ------------------
+def write_weights(tmp: Path, model_dir: str | Path, plan: ConvertPlan, registry: Registry, bar: Progress,
+                  show_progress: bool) -> bool:
+    """Quantize and write every rank file of `plan` into `tmp`: streamed and rounded to nearest, or
+    quantized from the float model's statistics (one rank), or cut from a calibrated tp 1 conversion
+    (tp / pp ranks). True when the KV cache scales were cut with the rest (nothing left to calibrate)."""
+    task = bar.add_task("convert", total=sum(len(p.reads or p.targets) for p in plan.ranks))
+    if plan.calibrated and plan.config.mapping.world_size > 1:
+        write_cut_from_whole(tmp, model_dir, plan, registry, bar, task, show_progress)
+        return True
+    if plan.calibrated:
+        from bestiary.core.convert.quantize_calibrated import weight_calibration_ids, write_calibrated_rank
 
-            ids = weight_calibration_ids(source.tokenizer, config.vocab_size, calib_text)
-            write_calibrated_rank(tmp, plans[0], loader, config, resolve(spec.model_class), ids, method, bar, task,
-                                  tune_steps)
-        for plan in plans if not calibrated else ():
-            write_rank(tmp, plan, loader, config, bar, task)
-        if whole is not None:
-            shutil.rmtree(whole)  # its KV scales, calibrated on the whole model, were cut with the rest
-        elif config.quantization.kv_cache_quant_algo and config.mapping.world_size > 1:  # calibrated on the whole model
-            from bestiary.core.convert.kv_scales import copy_kv_scales
+        ids = weight_calibration_ids(plan.source.tokenizer, plan.config.vocab_size, plan.options.calib_text)
+        write_calibrated_rank(tmp, plan.ranks[0], plan.loader, plan.config, plan.model_class, ids, plan.method,
+                              bar, task, plan.tune_steps)
+        return False
+    for rank in plan.ranks:
+        write_rank(tmp, rank, plan.loader, plan.config, bar, task)
+    return False
 
-            tp1 = convert(model_dir, tmp / "kv_calibration_tp1", dtype, 1, 1, architecture, customized_key_dict,
-                          registry, False, quantization, calib_text, weight_quantizer, smoothquant_alpha,
-                          tune_steps, allow_nonfinite, use_parallel_embedding, embedding_sharding_dim)
-            copy_kv_scales(tp1, tmp, config)
-            shutil.rmtree(tp1)
-        elif config.quantization.kv_cache_quant_algo:
-            from bestiary.core.convert.calibration import calibration_ids
-            from bestiary.core.convert.kv_scales import calibrate_kv_scales
 
-            ids = calibration_ids(source.tokenizer, config.vocab_size, calib_text,
-                                  config.max_position_embeddings)
-            calibrate_kv_scales(tmp, config, resolve(spec.model_class), ids)
-        write_json(tmp / "config.json", config.to_json_dict())
-        if source.tokenizer is not None:
-            (tmp / "tokenizer.json").write_text(source.tokenizer.tokenizer_json)
-            write_json(tmp / "tokenizer_config.json", source.tokenizer.tokenizer_config)
-    return Path(output_dir)
+def write_cut_from_whole(tmp: Path, model_dir: str | Path, plan: ConvertPlan, registry: Registry, bar: Progress,
+                         task: TaskID, show_progress: bool) -> None:
+    """Calibrated tp / pp ranks: the model quantized once, whole, by a tp 1 conversion into `tmp`, whose
+    tensors (KV scales included) every rank then takes its part of (core.convert.quantize_calibrated)."""
+    from bestiary.core.convert.quantize_calibrated import write_sharded_rank
+
+    bar.update(task, visible=False)
+    bar.stop()  # the tp 1 convert shows its own bars
+    whole = convert(model_dir, tmp / "calibrated_tp1", plan.options.tp1(weight_quantizer=plan.method,
+                                                                        tune_steps=plan.tune_steps),
+                    registry=registry, show_progress=show_progress)
+    bar.start()
+    bar.update(task, total=sum(len(p.targets) for p in plan.ranks), visible=True)
+    for rank in plan.ranks:
+        write_sharded_rank(tmp, rank, whole, plan.config, plan.model_class, bar, task)
+    shutil.rmtree(whole)  # its KV scales, calibrated on the whole model, were cut with the rest
+
+
+def write_kv_scales(tmp: Path, model_dir: str | Path, plan: ConvertPlan, registry: Registry) -> None:
+    """A quantized KV cache's scales, calibrated on the whole model: measured here (one rank), or by a
+    tp 1 conversion whose scales are copied into every rank file. Nothing for a float KV cache."""
+    config = plan.config
+    if not config.quantization.kv_cache_quant_algo:
+        return
+    if config.mapping.world_size > 1:
+        from bestiary.core.convert.kv_scales import copy_kv_scales
+
+        tp1 = convert(model_dir, tmp / "kv_calibration_tp1", plan.options.tp1(tune_steps=plan.tune_steps),
+                      registry=registry, show_progress=False)
+        copy_kv_scales(tp1, tmp, config)
+        shutil.rmtree(tp1)
+        return
+    from bestiary.core.convert.calibration import calibration_ids
+    from bestiary.core.convert.kv_scales import calibrate_kv_scales
+
+    ids = calibration_ids(plan.source.tokenizer, config.vocab_size, plan.options.calib_text,
+                          config.max_position_embeddings)
+    calibrate_kv_scales(tmp, config, plan.model_class, ids)
+
+
+def write_config_and_tokenizer(tmp: Path, plan: ConvertPlan) -> None:
+    """config.json, and the source's tokenizer.json / tokenizer_config.json when it has a tokenizer."""
+    write_json(tmp / "config.json", plan.config.to_json_dict())
+    if plan.source.tokenizer is not None:
+        (tmp / "tokenizer.json").write_text(plan.source.tokenizer.tokenizer_json)
+        write_json(tmp / "tokenizer_config.json", plan.source.tokenizer.tokenizer_config)
 
 
 def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: PretrainedConfig, bar, task) -> None:
@@ -283,7 +323,8 @@ def write_rank(tmp: Path, plan: RankPlan, loader: WeightsLoader, config: Pretrai
             slot = (plan.quantizers or {}).get(target.key)
             blocks = loader.row_blocks(target, plan.sources[target.key], tp)
             if blocks > 1 and (slot is None or slot.streams_rows()):
-                for name, part in stream_rows(loader, target, plan.sources[target.key], blocks, slot, scale_dtype).items():
+                rows = stream_rows(loader, target, plan.sources[target.key], blocks, slot, scale_dtype)
+                for name, part in rows.items():
                     writer.write(name, part)
                 bar.advance(task)
                 continue

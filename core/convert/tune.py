@@ -36,6 +36,7 @@ from torch.nn.utils import parametrize
 
 from bestiary.core.format import packing
 from bestiary.core.format.packing import Int4Codes
+from bestiary.core.runtime.model import DecoderLM
 
 TOP_K = 128
 DEFAULT_STEPS = 40
@@ -80,6 +81,11 @@ def distillation_loss(logits: torch.Tensor, target: TeacherTargets) -> torch.Ten
 class GroupScaled(nn.Module):
     """Parametrization of a Linear's weight: (q - z) * s0 * exp(u), trainable u (and z with zero points)."""
 
+    q: torch.Tensor  # uint8 [N, K] codes (buffers: torch's Module.__getattr__ does not type them)
+    q_grouped: torch.Tensor  # float32 [N, groups, G]
+    s0: torch.Tensor  # float32 [N, groups]: GPTQ's scales
+    z: nn.Parameter | None  # float32 [N, groups] zero points (None: symmetric, z = 8)
+
     def __init__(self, layer: Int4Codes, dtype: torch.dtype) -> None:
         super().__init__()
         self.group_size, self.dtype = layer.group_size, dtype
@@ -112,7 +118,7 @@ class GroupScaled(nn.Module):
 
 
 def tune_group_scales(
-    model: nn.Module,
+    model: DecoderLM,
     layers: dict[str, Int4Codes],
     chunks: list[list[int]],
     targets: list[TeacherTargets],
@@ -138,11 +144,11 @@ def tune_group_scales(
         raise ValueError(f"tune_group_scales: no Linear {missing[0]!r} in the model")
     targets = [t.usable_in_autograd() for t in targets]
     model.requires_grad_(False)
-    params = {}
+    params: dict[str, GroupScaled] = {}
     for name, layer in layers.items():
         linear = linears[name]
-        parametrize.register_parametrization(linear, "weight", GroupScaled(layer, linear.weight.dtype), unsafe=True)
-        params[name] = linear.parametrizations.weight[0]
+        params[name] = GroupScaled(layer, linear.weight.dtype)
+        parametrize.register_parametrization(linear, "weight", params[name], unsafe=True)
     opt = torch.optim.Adam([p for m in params.values() for p in m.parameters()], lr=lr)
     try:
         with kernels_mode("torch"), torch.enable_grad():

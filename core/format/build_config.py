@@ -5,6 +5,8 @@ Light on purpose (no torch): the CLI builds its `build` flags from this schema.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from bestiary.core.format.config import StrictModel
@@ -33,7 +35,7 @@ class BuildConfig(StrictModel):
                              "sinks); must be smaller than the window.")
 
 
-def finalize_build_config(build: BuildConfig, model_config: dict) -> BuildConfig:
+def finalize_build_config(build: BuildConfig, model_config: dict[str, Any]) -> BuildConfig:
     """Fill defaults that depend on the model and check the limits agree."""
     max_pos = model_config.get("max_position_embeddings") or 2048
     max_seq = build.max_seq_len or max_pos

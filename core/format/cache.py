@@ -17,6 +17,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ENTRY_KINDS = ("engines", "checkpoints", "demo", "cpu-kernels", "dense-hf")  # what `bestiary cache clear` removes
 
@@ -56,11 +57,13 @@ def record_entry(key: str, source: Path, dtype: str) -> None:
     (engines / f"{key}.json").write_text(json.dumps(me) + "\n")
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None when it is unreadable, malformed or not an object."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 @dataclass

@@ -14,6 +14,7 @@ import shutil
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,10 +49,11 @@ class StreamingSafetensorsWriter:
     order; `close()` checks that every tensor was written.
     """
 
-    def __init__(self, path: Path, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None):
+    def __init__(self, path: Path, layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, Any] | None = None) -> None:
         self.path = path
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        header: dict = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}}
+        header: dict[str, Any] = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}}
         offset = 0
         for name, dtype, shape in layout:
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -78,7 +80,7 @@ class StreamingSafetensorsWriter:
             )
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         self._file.seek(self._data_start + offset)
-        self._file.write(memoryview(data))
+        self._file.write(data.data)  # the array's memoryview: no copy
         self._pending.discard(name)
 
     def abort(self) -> None:
@@ -143,7 +145,7 @@ def _replace(tmp: Path, output_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write a JSON object, indented, newline-terminated."""
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 

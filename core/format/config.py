@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bestiary.core.format.errors import ConfigError
 
 DType = Literal["float32", "float16", "bfloat16"]
+PositionEmbedding = Literal[
+    "learned_absolute", "rope_gpt_neox", "rope_gptj", "alibi", "alibi_with_scale", "relative", "chatglm"
+]
 
 
 class QuantAlgo(str, Enum):
@@ -76,11 +79,16 @@ class Mapping(StrictModel):
 
     def moe_tp_rank(self, rank: int) -> int:
         """Which part of each local expert's FFN dim global `rank` holds (TensorRT-LLM: tp_rank // moe_ep_size)."""
-        return self.tp_rank(rank) // self.moe_ep_size
+        return self.tp_rank(rank) // self.moe_sizes()[1]
 
     def moe_ep_rank(self, rank: int) -> int:
         """Which group of E / moe_ep_size experts global `rank` holds (TensorRT-LLM: tp_rank % moe_ep_size)."""
-        return self.tp_rank(rank) % self.moe_ep_size
+        return self.tp_rank(rank) % self.moe_sizes()[1]
+
+    def moe_sizes(self) -> tuple[int, int]:
+        """(moe_tp_size, moe_ep_size), both set by validation (the fields are None only before it)."""
+        assert self.moe_tp_size is not None and self.moe_ep_size is not None, "set by _check_world"
+        return self.moe_tp_size, self.moe_ep_size
 
     def tp_rank(self, rank: int) -> int:
         """Tensor-parallel rank of global `rank` (ranks are tp-major within a pipeline stage)."""
@@ -97,6 +105,7 @@ def moe_split(tp_size: int, moe_tp_size: int | None, moe_ep_size: int | None) ->
     if moe_tp_size is None and moe_ep_size is None:
         return tp_size, 1
     if moe_ep_size is None:
+        assert moe_tp_size is not None  # not both None: returned above
         moe_ep_size = tp_size // moe_tp_size if tp_size % moe_tp_size == 0 else 0
     elif moe_tp_size is None:
         moe_tp_size = tp_size // moe_ep_size if tp_size % moe_ep_size == 0 else 0
@@ -145,9 +154,7 @@ class PretrainedConfig(StrictModel):
     hidden_act: str
     intermediate_size: int | None = Field(None, ge=1, le=2**20)
     norm_epsilon: float = 1e-5
-    position_embedding_type: Literal[
-        "learned_absolute", "rope_gpt_neox", "rope_gptj", "alibi", "alibi_with_scale", "relative", "chatglm"
-    ] = "learned_absolute"
+    position_embedding_type: PositionEmbedding = "learned_absolute"
     use_parallel_embedding: bool = False
     embedding_sharding_dim: int = 0
     mapping: Mapping = Field(default_factory=Mapping)
@@ -155,8 +162,10 @@ class PretrainedConfig(StrictModel):
 
     @model_validator(mode="after")
     def _derive(self) -> PretrainedConfig:
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        kv_heads = self.num_key_value_heads
+        if kv_heads is None:
+            kv_heads = self.num_attention_heads
+            object.__setattr__(self, "num_key_value_heads", kv_heads)
         if self.head_size is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -164,14 +173,14 @@ class PretrainedConfig(StrictModel):
                     f"num_attention_heads {self.num_attention_heads}; set head_size"
                 )
             object.__setattr__(self, "head_size", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.num_attention_heads % kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
+                f"num_key_value_heads {kv_heads}"
             )
         return self
 
-    def to_json_dict(self) -> dict:
+    def to_json_dict(self) -> dict[str, Any]:
         """Every field, defaults included (config.json writes them all)."""
         return self.model_dump(mode="json")
 
@@ -186,7 +195,10 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: field '{loc}': {first['msg']}{value}{tail}"
 
 
-def validate_config(cls: type[PretrainedConfig], data: dict, source: str) -> PretrainedConfig:
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def validate_config(cls: type[ModelT], data: dict[str, Any], source: str) -> ModelT:
     """Validate `data` as `cls`; a bad field raises ConfigError naming the field and `source`."""
     try:
         return cls.model_validate(data)
@@ -194,7 +206,7 @@ def validate_config(cls: type[PretrainedConfig], data: dict, source: str) -> Pre
         raise ConfigError(format_validation_error(err, source)) from None
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict[str, Any]:
     """Read a JSON object from `path`, with one-line errors for a missing or malformed file."""
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")

@@ -16,11 +16,11 @@ every HF name tried.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, model_validator
 
-from bestiary.core.format.config import Mapping, PretrainedConfig, validate_config
+from bestiary.core.format.config import Mapping, PositionEmbedding, PretrainedConfig, validate_config
 from bestiary.core.format.errors import ConfigError
 
 # bestiary field -> the HF config.json names it is read from, first present wins.
@@ -44,12 +44,13 @@ LLAMA_DEFAULTS: dict[str, Any] = {"max_position_embeddings": 2048, "norm_epsilon
                                   "tie_word_embeddings": False, "rotary_base": 10000.0}
 
 
-def first_present(hf: dict, names: tuple[str, ...]) -> Any:
+def first_present(hf: dict[str, Any], names: tuple[str, ...]) -> Any:
     """The value of the first of `names` that `hf` has and is not null, else None."""
     return next((hf[n] for n in names if hf.get(n) is not None), None)
 
 
-def read_common(hf: dict, defaults: dict[str, Any] | None = None, source: str = "config.json") -> dict[str, Any]:
+def read_common(hf: dict[str, Any], defaults: dict[str, Any] | None = None,
+                source: str = "config.json") -> dict[str, Any]:
     """The common `PretrainedConfig` fields of an HF config dict (+ tie_word_embeddings).
 
     intermediate_size defaults to 4 * hidden_size, num_key_value_heads to the query heads,
@@ -62,8 +63,8 @@ def read_common(hf: dict, defaults: dict[str, Any] | None = None, source: str = 
         out[field] = defaults.get(field) if value is None else value
     missing = [f for f in REQUIRED if out[f] is None]
     if missing:
-        names = " / ".join(COMMON_NAMES[missing[0]])
-        raise ConfigError(f"{source}: field '{names}' is missing (needed for {missing[0]})")
+        tried = " / ".join(COMMON_NAMES[missing[0]])
+        raise ConfigError(f"{source}: field '{tried}' is missing (needed for {missing[0]})")
     heads = out["num_attention_heads"]
     out["num_key_value_heads"] = out["num_key_value_heads"] or heads
     out["intermediate_size"] = out["intermediate_size"] or 4 * out["hidden_size"]
@@ -72,7 +73,7 @@ def read_common(hf: dict, defaults: dict[str, Any] | None = None, source: str = 
     return out
 
 
-def read_rope(hf: dict, default_theta: float = 10000.0, default_pct: float = 1.0) -> dict[str, Any]:
+def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: float = 1.0) -> dict[str, Any]:
     """rotary_base, rotary_scaling (None for the default rope) and rotary_pct of an HF config.
 
     transformers 5 keeps theta, the scaling kind and partial_rotary_factor in `rope_parameters`;
@@ -97,11 +98,12 @@ class DecoderConfig(PretrainedConfig):
     """
 
     hidden_act: str = Field("silu", description="MLP activation (silu, gelu, gelu_new, relu, ...).")
-    position_embedding_type: str = Field(
+    position_embedding_type: PositionEmbedding = Field(
         "rope_gpt_neox", description="rope_gpt_neox / rope_gptj (rotary halves / pairs), alibi, learned_absolute, "
                                      "chatglm (2D rotary).")
     rotary_base: float = Field(10000.0, description="RoPE theta (HF rope_theta).")
-    rotary_scaling: dict | None = Field(None, description="HF rope scaling: linear or llama3 (None: default).")
+    rotary_scaling: dict[str, Any] | None = Field(
+        None, description="HF rope scaling: linear or llama3 (None: default).")
     rotary_pct: float = Field(1.0, gt=0.0, le=1.0, description="Fraction of each head's dims rotated.")
     qkv_bias: bool = Field(False, description="Bias on the fused qkv projection.")
     dense_bias: bool = Field(False, description="Bias on the attention output projection.")
@@ -111,6 +113,7 @@ class DecoderConfig(PretrainedConfig):
     @property
     def rotary_dim(self) -> int:
         """Rotated dims per head: head_size * rotary_pct (even)."""
+        assert self.head_size is not None, "set by PretrainedConfig._derive"
         return int(self.head_size * self.rotary_pct) // 2 * 2
 
 
@@ -148,13 +151,13 @@ class MoEFields(WindowFields):
         return self
 
 
-def window_layer_types(window: Callable[[dict], int | None],
-                       windowed: Callable[[int, dict], bool]) -> Callable[[dict], list[str] | None]:
+def window_layer_types(window: Callable[[dict[str, Any]], int | None],
+                       windowed: Callable[[int, dict[str, Any]], bool]) -> Callable[[dict[str, Any]], list[str] | None]:
     """A reader of HF layer_types for WindowFields: None when `window(hf)` is None (every layer
     full), else the config's own `layer_types`, else "sliding_attention" on each layer i where
     `windowed(i, hf)` (the rule the family's HF config class derives them by)."""
 
-    def read(hf: dict) -> list[str] | None:
+    def read(hf: dict[str, Any]) -> list[str] | None:
         if window(hf) is None:
             return None
         if hf.get("layer_types"):
@@ -165,7 +168,7 @@ def window_layer_types(window: Callable[[dict], int | None],
     return read
 
 
-def refuse_unsupported(hf: dict, supported: dict[str, Any], source: str) -> None:
+def refuse_unsupported(hf: dict[str, Any], supported: dict[str, Any], source: str) -> None:
     """ConfigError naming the first HF field set to something other than its one supported value
     (an absent or null field counts as supported)."""
     for name, value in supported.items():
@@ -182,7 +185,7 @@ def refuse_rope_kind(rope: dict[str, Any], kinds: tuple[str, ...], source: str) 
         raise ConfigError(f"{source}: field 'rope_scaling': rope_type {kind!r} is not supported ({supported})")
 
 
-def same_named(hf: dict, cls: type[PretrainedConfig], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def same_named(hf: dict[str, Any], cls: type[PretrainedConfig], skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The HF fields (not null) named like a field `cls` adds to the common ones: a family's own field
     whose HF name is its name (`use_parallel_residual`, `norm_topk_prob`) is read without a lambda.
     The fields read under their HF names (COMMON_NAMES, rope, biases) and PretrainedConfig's own
@@ -191,11 +194,14 @@ def same_named(hf: dict, cls: type[PretrainedConfig], skip: tuple[str, ...] = ()
     return {name: hf[name] for name in sorted(own) if hf.get(name) is not None}
 
 
+ConfigT = TypeVar("ConfigT", bound=PretrainedConfig)
+
+
 def hf_config_reader(
-    cls: type[PretrainedConfig], defaults: dict[str, Any] | None = None,
+    cls: type[ConfigT], defaults: dict[str, Any] | None = None,
     unsupported: dict[str, Any] | None = None, rope_kinds: tuple[str, ...] | None = None,
     copy_same_named: bool | tuple[str, ...] = True, **fields: Any,
-) -> Callable[..., PretrainedConfig]:
+) -> Callable[..., ConfigT]:
     """A `from_hf_config(hf, dtype, mapping, source=...)` for `cls`.
 
     It refuses HF fields set otherwise than `unsupported` says (HF name -> the only value
@@ -212,7 +218,8 @@ def hf_config_reader(
     theta = (defaults or {}).get("rotary_base", 10000.0)
     pct = (defaults or {}).get("rotary_pct", 1.0)
 
-    def from_hf_config(hf: dict, dtype: str, mapping: Mapping, source: str = "config.json") -> PretrainedConfig:
+    def from_hf_config(hf: dict[str, Any], dtype: str, mapping: Mapping,
+                       source: str = "config.json") -> ConfigT:
         refuse_unsupported(hf, unsupported or {}, source)
         rope = read_rope(hf, theta, pct)
         if rope_kinds is not None:

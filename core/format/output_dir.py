@@ -156,7 +156,7 @@ def remove_stale_temp_dirs(parent: Path) -> list[Path]:
 
     A tmp dir counts only while it holds TEMP_MARKER; an old dir only when it is a bestiary
     output (what a replace was deleting). Returns what was removed."""
-    removed = []
+    removed: list[Path] = []
     try:
         children = list(Path(parent).iterdir())
     except OSError:

@@ -27,7 +27,9 @@ The CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`) wants its own layout; `
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import torch
 
@@ -40,26 +42,31 @@ CPU_INT4_BLOCK_N = 64  # rows per block of the aten CPU int4 layout
 
 
 QUANT_ROWS = 4096  # rows rounded at a time: the float32 temporaries of a 49152-row lm_head stay small
+P = ParamSpec("P")
+R = TypeVar("R", bound=tuple[Any, ...])  # a quantizer's outputs: tensors with N rows, or None
 
 
-def by_rows(quantize):
+def by_rows(
+    quantize: Callable[Concatenate[torch.Tensor, P], R],
+) -> Callable[Concatenate[torch.Tensor, P], R]:
     """`quantize(w [N, K], ...)` run on blocks of QUANT_ROWS rows, its tensor arguments with N rows (a
     per-row amax) cut the same way, and its outputs (tensors with N rows, or None) concatenated: the
     same values (rows are rounded independently), with temporaries the size of a block."""
+    run: Callable[..., R] = quantize  # called below with each argument cut to the block's rows
 
-    @functools.wraps(quantize)
-    def blocked(w: torch.Tensor, *args, **kwargs):
+    def blocked(w: torch.Tensor, /, *args: P.args, **kwargs: P.kwargs) -> R:
         n = w.shape[0]
         if n <= QUANT_ROWS:
             return quantize(w, *args, **kwargs)
 
-        def rows(a, i):
+        def rows(a: object, i: int) -> object:
             return a[i:i + QUANT_ROWS] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n else a
 
-        parts = [quantize(w[i:i + QUANT_ROWS], *(rows(a, i) for a in args), **{k: rows(a, i) for k, a in kwargs.items()})
+        parts = [run(w[i:i + QUANT_ROWS], *(rows(a, i) for a in args), **{k: rows(a, i) for k, a in kwargs.items()})
                  for i in range(0, n, QUANT_ROWS)]
-        return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        return cast(R, tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
 
+    functools.update_wrapper(blocked, quantize)  # functools.wraps, keeping blocked's own type
     return blocked
 
 
@@ -220,8 +227,8 @@ def quantize_int4_groupwise(
     groups = num_groups(k, group_size)
     padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))
     g = padded.reshape(n, groups, group_size)  # [N, groups, G]
-    s, z = int4_grid(g, zero_point)  # [N, groups]
-    if zero_point:
+    s, z = int4_grid(g, zero_point)  # [N, groups]; z is None exactly when not zero_point
+    if z is not None:
         q = torch.round(g / s[..., None]) + z[..., None]
         return q.clamp(0, 15).to(torch.uint8).reshape(n, -1)[:, :k], s, z
     q = torch.round(g / s[..., None]).clamp(-8, 7) + 8

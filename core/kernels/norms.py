@@ -99,7 +99,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
     eps: float, is_rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] (+ residual) -> (y, h) [..., H]: the norm of h = x + residual (without a residual, h is y)."""
     n = x.shape[-1]
     x2 = _rows(x)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -112,7 +113,7 @@ def _launch(
         IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
     )
-    return y.view(x.shape), (h.view(x.shape) if residual is not None else None)
+    return y.view(x.shape), h.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,6 +9,8 @@ core.kernels.attention's (Triton); the step's batch is core.kernels.metadata.Att
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -31,6 +33,17 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+class KVPoolQuant(Protocol):
+    """What core.quant installs as `PagedAttention.kv_quant` (core.quant.kv.KVQuant): the INT8 / FP8
+    pools' scales and their dequantized blocks."""
+
+    @property
+    def scales(self) -> torch.Tensor: ...
+
+    def float_pools(self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class PagedAttention(nn.Module):
     """The attention op of a layer: writes new K/V to the pool, then attends.
 
@@ -45,7 +58,7 @@ class PagedAttention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.alibi = alibi  # [H_local] slopes or None
         self.key_bias = key_bias  # k_pos [L] -> [H_local, L], or None
-        self.kv_quant = None  # core.quant.kv.KVQuant for INT8/FP8 pools
+        self.kv_quant: KVPoolQuant | None = None  # INT8/FP8 pools
         self.window = FULL  # this layer's sliding window (DecoderLM sets it from the config; 0: none)
 
     def forward(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from bestiary.core.layers.scaled_residual_layer import ScaledResidualLayer
 from bestiary.core.layers.self_attention import SelfAttention
 
 Layout = Literal["pre", "post", "parallel", "scaled", "output"]
-LAYOUTS: tuple[str, ...] = Layout.__args__
+LAYOUTS: tuple[str, ...] = get_args(Layout)
 
 
 def standard_layer(

@@ -83,7 +83,7 @@ def tiles_fit(weight: torch.Tensor) -> bool:
     """True when this CPU float weight [N, K] is to be held in row tiles: bfloat16 with N % 8 == 0
     and K % 32 == 0, or float32 with K % 16 == 0, and the compiled kernels run here (they read
     the tiles; torch would not)."""
-    return (weight.dim() == 2 and packing.float_tiles_fit(*weight.shape, weight.dtype)
+    return (weight.dim() == 2 and packing.float_tiles_fit(weight.shape[0], weight.shape[1], weight.dtype)
             and dispatch.use_cpu_kernels(weight))
 
 
@@ -93,9 +93,9 @@ def hold_tiled(module: nn.Module, name: str = "weight", tiles: torch.Tensor | No
     state_dict keeps giving the values in order."""
     param = getattr(module, name)
     param.data = packing.pack_float_tiled(param.data) if tiles is None else tiles
-    tiled = getattr(module, "_tiled_params", None)
+    tiled: set[str] | None = module.__dict__.get("_tiled_params")  # the names held in tiles
     if tiled is None:
-        tiled = module._tiled_params = set()
+        tiled = module.__dict__["_tiled_params"] = set()
         module._register_state_dict_hook(untile_state_dict)
     tiled.add(name)
     return param.data
@@ -103,7 +103,7 @@ def hold_tiled(module: nn.Module, name: str = "weight", tiles: torch.Tensor | No
 
 def untile_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """state_dict hook of a module holding parameters in row tiles: their values in order."""
-    for name in module._tiled_params:
+    for name in module.__dict__["_tiled_params"]:
         key = prefix + name
         if key in state_dict:
             state_dict[key] = packing.unpack_float_tiled(state_dict[key])

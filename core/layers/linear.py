@@ -36,15 +36,20 @@ class QuantSlot(Protocol):
     """What core.quant installs as `Linear.quant` (core.quant.slot.WeightOnlySlot, act_slot.ActQuantSlot):
     the packed weight's layout, its tp slicing and its matmul."""
 
-    lq: Any  # the layer's core.quant.modes.LinearQuant
+    lq: Any  # the layer's core.quant.modes.LinearQuant (layers may not import core.quant)
+    out_local: int  # N, K of this rank's weight
+    in_local: int
+    max_kernel_tokens: int | None  # CPU: steps of at most this many tokens run the weight-only kernels
 
     def tp_dim(self, name: str, weight_dim: int, is_column: bool) -> int: ...
 
-    def prepare(self, linear: nn.Module) -> None: ...
+    def prepare(self, linear: Linear) -> None: ...
 
-    def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def matmul(self, linear: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
-    def fuse(self, members: list[nn.Module]) -> nn.Module | None: ...
+    def fuse(self, members: list[Linear]) -> Linear | None: ...
+
+    def set_compute_dtype(self, linear: Linear, dtype: torch.dtype) -> None: ...
 
 
 def tp_dim_of(parallel: Parallel, is_weight: bool) -> int:
@@ -67,6 +72,15 @@ class Linear(nn.Module):
     """
 
     tp_group = None
+    keep_float = False  # set by a layer whose Linear stays float under weight quantization (a MoE router)
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    # the packed weight's tensors core.quant installs with `quant` (absent on a float layer)
+    weights_scaling_factor: nn.Parameter
+    zeros: nn.Parameter  # zero points (quantization.has_zero_point)
+    in_perm: nn.Parameter  # W4A16_GPTQ: int32 [K_local] input permutation
+    prequant_scaling_factor: nn.Parameter  # SmoothQuant / W4A8_AWQ [K_local]
+    activation_scaling_factor: nn.Parameter  # activation-quantized: float32 [1]
 
     def __init__(
         self,

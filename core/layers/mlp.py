@@ -53,9 +53,9 @@ class GatedMLP(nn.Module):
 
     def fuse(self) -> None:
         """Pack fc and gate weights into one [2 * I_local, H] tensor (inference speed)."""
-        if self.fc.quant is not None or self.gate.quant is not None:
+        slot = self.fc.quant or self.gate.quant
+        if slot is not None:
             # quantized: one layer over both packed weights (not a submodule: the state dict is unchanged)
-            slot = self.fc.quant or self.gate.quant
             self.__dict__["_fused_q"] = slot.fuse([self.fc, self.gate])
             return
         inter = self.fc.weight.shape[0]
@@ -71,7 +71,7 @@ class GatedMLP(nn.Module):
             self._fused = self._fused_t.t()
         if self._fused is not None:
             self.fc.weight.data, self.gate.weight.data = self._fused[:inter], self._fused[inter:]
-        if self.fc.bias is not None:
+        if self.fc.bias is not None and self.gate.bias is not None:  # both or neither (`bias`)
             self._fused_bias = torch.cat([self.fc.bias, self.gate.bias])
             self.fc.bias.data, self.gate.bias.data = self._fused_bias[:inter], self._fused_bias[inter:]
 
@@ -97,6 +97,7 @@ class GatedMLP(nn.Module):
         elif self._fused_t is not None and x.device.type == "cpu":
             fg = cpu_matmul.matmul_t(x, self._fused_t, self._fused_bias)  # [T, 2I]
         else:
+            assert self._fused is not None  # held whenever neither fused_q nor tiles is (returned above)
             fg = F.linear(x, self._fused, self._fused_bias)  # [T, 2I]
         delta = lora.concat((self.fc, self.gate), x) if lora is not None else None
         if delta is not None:

@@ -95,6 +95,6 @@ class Rotary(nn.Module):
         half = self.rot_dim // 2
         return cs[..., :half], cs[..., half:]
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [T, n, head_dim] in place with cos/sin [T, 1, rot_dim/2] (kernels.rotary)."""
         dispatch.apply_rotary(x, cos, sin, self.rot_dim, self.style)

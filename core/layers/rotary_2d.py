@@ -21,19 +21,19 @@ from bestiary.core.layers.rotary import Rotary
 class Rotary2D(nn.Module):
     """Applies 2D RoPE in place to heads [T, n, head_dim] given positions [2, T].
 
-    Duck-types `Rotary` (`cos_sin`, `step_cos_sin` + `apply`) so `SelfAttention` takes either.
+    Duck-types `Rotary` (`cos_sin`, `step_cos_sin` + `rotate`) so `SelfAttention` takes either.
     """
 
     def __init__(self, head_dim: int, base: float, max_positions: int) -> None:
         super().__init__()
         if head_dim % 4:
             raise ConfigError(f"2D rotary needs a head size divisible by 4, got {head_dim}")
-        self.half = head_dim // 2
-        self.inner = Rotary(self.half, self.half, base, None, max_positions, style="neox")
+        self.half_dim = head_dim // 2  # not `half`: nn.Module.half() casts a module to float16
+        self.inner = Rotary(self.half_dim, self.half_dim, base, None, max_positions, style="neox")
 
     def step_cos_sin(self, meta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin(meta.positions)`, computed once per step for every layer."""
-        key = ("rotary2d", self.half, self.inner.base, dtype)
+        key = ("rotary2d", self.half_dim, self.inner.base, dtype)
         return meta.step_value(key, lambda: self.cos_sin(meta.positions, dtype))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +44,7 @@ class Rotary2D(nn.Module):
         c1, s1 = self.inner.cos_sin(positions[1], dtype)
         return torch.stack([c0, c1]), torch.stack([s0, s1])
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x [T, n, head_dim] in place: first half by positions, second half by block positions."""
-        self.inner.apply(x[..., : self.half], cos[0], sin[0])
-        self.inner.apply(x[..., self.half :], cos[1], sin[1])
+        self.inner.rotate(x[..., : self.half_dim], cos[0], sin[0])
+        self.inner.rotate(x[..., self.half_dim :], cos[1], sin[1])

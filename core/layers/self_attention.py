@@ -22,6 +22,7 @@ from bestiary.core.kernels.metadata import AttentionMetadata, KeyBias
 from bestiary.core.layers.attention import PagedAttention
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.layers.rotary import Rotary
+from bestiary.core.layers.rotary_2d import Rotary2D
 
 
 def kv_heads_of_rank(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
@@ -69,7 +70,7 @@ class SelfAttention(nn.Module):
         tp_size: int = 1,
         qkv_bias: bool = False,
         dense_bias: bool = False,
-        rotary: Rotary | None = None,
+        rotary: Rotary | Rotary2D | None = None,
         alibi: torch.Tensor | None = None,
         scale: float | None = None,
         key_bias: KeyBias | None = None,
@@ -99,12 +100,12 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x, meta.lora).view(t, h + 2 * kvh, d)  # [T, H + 2 KVH, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             qkv[:, :h] = self.q_norm(qkv[:, :h].reshape(t * h, d)).view(t, h, d)
             qkv[:, h : h + kvh] = self.k_norm(qkv[:, h : h + kvh].reshape(t * kvh, d)).view(t, kvh, d)
         if self.rotary is not None:
             cos, sin = self.rotary.step_cos_sin(meta, qkv.dtype)  # shared by all layers of a step
-            self.rotary.apply(qkv[:, : h + kvh], cos, sin)  # q and k heads in one go
+            self.rotary.rotate(qkv[:, : h + kvh], cos, sin)  # q and k heads in one go
         q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
         out = self.attn(q, k, v, meta, k_pool, v_pool)  # [T, H*D]
         return self.dense(out, meta.lora)

@@ -227,6 +227,7 @@ def read_peft(directory: str | Path, spec: ArchitectureSpec, registry: Registry 
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in _read_tensors(file).items():
         m = _KEY.match(key)
+        assert m is not None  # the same names _parse_targets matched (it refuses any other)
         by_module.setdefault(m["module"], {})[m["ab"]] = t
     modules = []
     for path, target in targets.items():

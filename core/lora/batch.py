@@ -206,8 +206,9 @@ class StepLora:
             starts = [0]
             for n in self.seq_lens:
                 starts.append(starts[-1] + n)
-            as_int = {"dtype": torch.int32, "device": self.stack.device}
-            self._segments = (torch.tensor(starts, **as_int), torch.tensor(self.slots, **as_int), max(self.seq_lens))
+            device = self.stack.device
+            self._segments = (torch.tensor(starts, dtype=torch.int32, device=device),
+                              torch.tensor(self.slots, dtype=torch.int32, device=device), max(self.seq_lens))
         return self._segments
 
 

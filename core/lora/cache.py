@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 from pydantic import BaseModel, Field
@@ -57,21 +59,25 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.2f} MiB"
 
 
-class _Level:
+E = TypeVar("E")
+
+
+class _Level(Generic[E]):
     """One level: id -> (entry, bytes) in LRU order (most recent last), within `budget` bytes."""
 
     def __init__(self, name: str, budget: int) -> None:
         self.name, self.budget = name, budget
-        self.entries: OrderedDict[str, tuple[object, int]] = OrderedDict()
+        self.entries: OrderedDict[str, tuple[E, int]] = OrderedDict()
         self.used = 0
 
-    def get(self, key: str):
+    def get(self, key: str) -> E | None:
         if key not in self.entries:
             return None
         self.entries.move_to_end(key)
         return self.entries[key][0]
 
-    def insert(self, key: str, entry: object, size: int, held: Counter, on_evict=None) -> None:
+    def insert(self, key: str, entry: E, size: int, held: Counter[str],
+               on_evict: Callable[[str], None] | None = None) -> None:
         """Insert, evicting unheld ids least recently used first; refuse when held ones fill it."""
         if size > self.budget:
             raise BestiaryError(f"LoRA task {key!r}: needs {_mib(size)}, more than the {self.name} cache's "
@@ -105,8 +111,8 @@ class LoraCache:
         self.config = config or LoraCacheConfig()
         self.bundled = dict(bundled or {})
         self.limits = limits
-        self.host = _Level("host", self.config.host_cache_size)
-        self.device = _Level("device", self._device_budget())
+        self.host: _Level[LoraSource] = _Level("host", self.config.host_cache_size)
+        self.device: _Level[LoraAdapter] = _Level("device", self._device_budget())
         self.held: Counter[str] = Counter()
         self.paths: dict[str, Path] = {}  # id -> the PEFT dir it was read from
         self._lock = threading.RLock()  # the asyncio API takes on the event loop, releases on its worker

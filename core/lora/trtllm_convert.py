@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,7 +107,7 @@ def trtllm_to_peft(source: LoraSource, spec: ArchitectureSpec) -> tuple[dict, di
     return config, tensors
 
 
-def write_files(directory: Path, files: dict[str, object], flag: str = "--output_dir") -> Path:
+def write_files(directory: Path, files: dict[str, Callable[[Path], object]], flag: str = "--output_dir") -> Path:
     """Write `files` (name -> bytes-writer callable) into `directory` (new, empty, or holding only
     these names), each to a temporary name first and renamed at the end: never a half-written output."""
     directory = Path(directory)

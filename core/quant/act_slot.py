@@ -52,10 +52,13 @@ Outputs are cast back to x's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from bestiary.core.format import packing
+from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.awq import awq_scale, search_awq_scale
 from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.modes import LinearQuant, check_linear
@@ -104,7 +107,7 @@ class ActQuantSlot:
         self.in_offset = in_offset  # first in-feature of this rank (row-parallel on tp ranks)
         self.alpha = DEFAULT_ALPHA  # SmoothQuant migration strength, used at quantize time only
         self.compute_dtype = torch.float32  # accumulation is always float32 / int32 (see module doc)
-        self.max_kernel_tokens = 0  # unused: one path for every step
+        self.max_kernel_tokens: int | None = 0  # unused: one path for every step
 
     @property
     def has_prequant(self) -> bool:
@@ -116,7 +119,7 @@ class ActQuantSlot:
 
     # --- building the layer ------------------------------------------------------------------
     @classmethod
-    def install(cls, linear: nn.Module, lq: LinearQuant) -> ActQuantSlot:
+    def install(cls, linear: Linear, lq: LinearQuant) -> ActQuantSlot:
         """Replace linear.weight by the packed weight and add the algorithm's scale parameters."""
         n, k = linear.weight.shape
         split_in = linear.parallel == "row" and linear.tp_size > 1
@@ -202,7 +205,7 @@ class ActQuantSlot:
         return packing.int4_roundtrip(w, self.lq.group_size, False)
 
     # --- reading the weight back -------------------------------------------------------------
-    def dequantize(self, linear: nn.Module) -> torch.Tensor:
+    def dequantize(self, linear: Linear) -> torch.Tensor:
         """The float32 weight [N, K] the stored tensors stand for, in the smoothed input space
         (y = (x * prequant_scaling_factor) W^T without activation rounding)."""
         s = linear.weights_scaling_factor
@@ -212,7 +215,7 @@ class ActQuantSlot:
             return packing.dequantize_int8(linear.weight, s)
         return packing.dequantize_int4(packing.unpack_int4(linear.weight), s, None, self.lq.group_size)
 
-    def quantize_input(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def quantize_input(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> activation codes [T, K] (int8, or FP8 values as float32) of x * prequant / s_a."""
         xs = x.float()
         if self.has_prequant:
@@ -221,18 +224,18 @@ class ActQuantSlot:
         return quant_int8(xs, s_a) if self.int8_activations else fake_quant_fp8(xs, s_a)
 
     # --- running -----------------------------------------------------------------------------
-    def prepare(self, linear: nn.Module) -> None:
+    def prepare(self, linear: Linear) -> None:
         """Nothing to repack: every device reads the checkpoint layout."""
 
-    def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
+    def set_compute_dtype(self, linear: Linear, dtype: torch.dtype) -> None:
         """Recorded only: these layers accumulate in float32 / int32 whatever is asked (exact codes)."""
         self.compute_dtype = dtype
 
-    def fuse(self, members: list[nn.Module]) -> None:
+    def fuse(self, members: list[Linear]) -> None:
         """Activation-quantized linears are not fused (each quantizes its own input)."""
         return None
 
-    def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, linear: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> y [..., N] in x's dtype (see the module doc for the arithmetic)."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         a = self.quantize_input(linear, x2)  # [T, K] codes
@@ -264,7 +267,7 @@ def _int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (a.double() @ w.double().t()).to(torch.int32)
 
 
-def set_smoothquant_alpha(slots, alpha: float) -> None:
+def set_smoothquant_alpha(slots: Iterable[object], alpha: float) -> None:
     """Give every SmoothQuant slot in `slots` the migration strength `alpha` (0 < alpha <= 1)."""
     from bestiary.core.format.errors import ConfigError
 

@@ -6,13 +6,15 @@ the model's state dict has the checkpoint's quantized names and shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from bestiary.core.format.config import PretrainedConfig
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.kv import install_kv_quant
-from bestiary.core.quant.modes import ACT_ALGOS, linear_quant_of, quantizes
+from bestiary.core.quant.modes import ACT_ALGOS, LinearQuant, linear_quant_of, quantizes
 from bestiary.core.quant.slot import WeightOnlySlot
 
 
@@ -30,14 +32,15 @@ def install_quantization(model: nn.Module, config: PretrainedConfig) -> None:
     lq = linear_quant_of(config.quantization)
     if lq is None:
         return
+    install: Callable[[Linear, LinearQuant], object] = WeightOnlySlot.install
     if lq.algo in ACT_ALGOS:  # FP8 / SmoothQuant / W4A8: activation scales too
-        from bestiary.core.quant.act_slot import ActQuantSlot as slot_class
-    else:
-        slot_class = WeightOnlySlot
+        from bestiary.core.quant.act_slot import ActQuantSlot
+
+        install = ActQuantSlot.install
     for path, module in model.named_modules():
-        if isinstance(module, Linear) and not getattr(module, "keep_float", False) \
+        if isinstance(module, Linear) and not module.keep_float \
                 and quantizes(module.name or path, config.quantization):
-            slot_class.install(module, lq)
+            install(module, lq)
 
 
 def runtime_linears(model: nn.Module) -> list[Linear]:
@@ -50,10 +53,12 @@ def runtime_linears(model: nn.Module) -> list[Linear]:
 def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     """Run every quantized Linear's matmuls in `dtype` (float32: exact reference comparisons)."""
     for module in runtime_linears(model):
+        assert module.quant is not None  # runtime_linears: quantized layers only
         module.quant.set_compute_dtype(module, dtype)
 
 
 def set_max_kernel_tokens(model: nn.Module, tokens: int) -> None:
     """CPU: steps of at most `tokens` tokens use the weight-only kernels, longer ones dequantize."""
     for module in runtime_linears(model):
+        assert module.quant is not None  # runtime_linears: quantized layers only
         module.quant.max_kernel_tokens = tokens

@@ -26,6 +26,7 @@ zero points, lm_head float): GPTQ with clip search +16.6% perplexity, with the f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,7 +97,7 @@ def fold_awq_scales(
     scaled inputs. `names`: weight key -> linear name; `quantize(key, W)`: W's round-to-nearest
     quantize-dequantize as the key's layer stores it; `on_fold`: called after each fold (progress).
     Returns weight key -> s of the folds made."""
-    made = {}
+    made: dict[str, torch.Tensor] = {}
     for fold in folds:
         if on_fold is not None:
             on_fold()
@@ -105,8 +106,7 @@ def fold_awq_scales(
             continue
         rms = (torch.diagonal(first.hessian).clamp(min=0) / first.tokens).sqrt()  # [K]
         weights = [tensors[key] for key in fold.consumers]
-        s = search_shared_scale(weights, first.hessian, rms,
-                                lambda w, key=fold.consumers[0]: quantize(key, w))  # [K]
+        s = search_shared_scale(weights, first.hessian, rms, functools.partial(quantize, fold.consumers[0]))  # [K]
         if bool((s == 1).all()):
             continue
         for key in fold.consumers:

@@ -22,48 +22,53 @@ from bestiary.core.quant.slot import WeightOnlySlot
 STACKED = ("weight", "weights_scaling_factor", "zeros")
 
 
-def _fusable(members: list[Linear]) -> bool:
+def _fusable_slots(members: list[Linear]) -> list[WeightOnlySlot] | None:
+    """The members' slots when their packed weights can be stacked (same layout, checkpoint layout, no
+    bias or in_perm, CPU, rows aligned to the kernels' blocks), else None."""
     first = members[0].quant
     if not isinstance(first, WeightOnlySlot) or first.layout != "checkpoint":
-        return False
+        return None
+    slots = []
     for m in members:
         slot = m.quant
         if type(slot) is not WeightOnlySlot or slot.lq != first.lq or slot.in_local != first.in_local:
-            return False
+            return None
         if m.bias is not None or hasattr(m, "in_perm") or m.weight.device.type != "cpu":
-            return False
+            return None
         if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N and not slot.runs_compiled(m):
-            return False  # the aten CPU int4 layout: a member's rows must start on one of its blocks
+            return None  # the aten CPU int4 layout: a member's rows must start on one of its blocks
         if first.lq.bits == 8 and slot.out_local % TILE_ROWS and slot.runs_compiled(m):
-            return False  # the compiled int8 tiles: a member's rows must be whole tiles
-    return True
+            return None  # the compiled int8 tiles: a member's rows must be whole tiles
+        slots.append(slot)
+    return slots
 
 
 def fuse_quantized(members: list[Linear]) -> Linear | None:
     """One Linear computing [x W1^T, x W2^T, ...] from members' packed weights (before their
     prepare()), or None when they cannot be fused (different layouts, biases, in_perm, ...)."""
-    if not _fusable(members):
+    slots = _fusable_slots(members)
+    if slots is None:
         return None
-    slot0 = members[0].quant
-    n = sum(m.quant.out_local for m in members)
-    fused = Linear(slot0.in_local, n, dtype=members[0].weights_scaling_factor.dtype, device="meta")
+    n = sum(s.out_local for s in slots)
+    fused = Linear(slots[0].in_local, n, dtype=members[0].weights_scaling_factor.dtype, device="meta")
     fused.name = "+".join(m.name for m in members)
-    slot = WeightOnlySlot.install(fused, slot0.lq)
+    slot = WeightOnlySlot.install(fused, slots[0].lq)
     for name in STACKED:
         if hasattr(members[0], name):
             setattr(fused, name, nn.Parameter(torch.cat([getattr(m, name).data for m in members]), requires_grad=False))
     slot.prepare(fused)
-    _make_views(fused, members)
+    _make_views(fused, slot, members, slots)
     return fused
 
 
-def _make_views(fused: Linear, members: list[Linear]) -> None:
-    """Point each member's packed tensors at its rows of the fused layer's (prepared) tensors."""
+def _make_views(fused: Linear, slot: WeightOnlySlot, members: list[Linear], slots: list[WeightOnlySlot]) -> None:
+    """Point each member's packed tensors at its rows of the fused layer's (prepared) tensors, and
+    its slot's layout at the fused `slot`'s."""
     start = 0
-    for m in members:
-        rows = slice(start, start + m.quant.out_local)
+    for m, member_slot in zip(members, slots):
+        rows = slice(start, start + member_slot.out_local)
         for name in STACKED:
             if hasattr(m, name):
                 getattr(m, name).data = getattr(fused, name).data[rows]
-        m.quant.layout, m.quant.k_pad = fused.quant.layout, fused.quant.k_pad
+        member_slot.layout, member_slot.k_pad = slot.layout, slot.k_pad
         start = rows.stop

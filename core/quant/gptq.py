@@ -96,18 +96,21 @@ def search_group_grid(w: torch.Tensor, h: torch.Tensor, zero_point: bool, scale_
     """w [N, g], H_gg [g, g] -> (s [N], z [N]) of the clip ratio with the least dw H_gg dw^T per row.
 
     The first ratio is 1.0 (the min/max grid), so no row does worse than round to nearest."""
-    best_err = best_s = best_z = None
-    for ratio in ratios:
-        s, z = group_grid(w, zero_point, ratio, scale_dtype)
-        dw = fake_quantize_group(w, s, z) - w  # [N, g]
-        err = ((dw @ h) * dw).sum(dim=1)  # [N]
-        if best_err is None:
-            best_err, best_s, best_z = err, s, z
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    best_err, best_s, best_z = _grid_error(w, h, zero_point, ratios[0], scale_dtype)
+    for ratio in ratios[1:]:
+        err, s, z = _grid_error(w, h, zero_point, ratio, scale_dtype)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
     return best_s, best_z
+
+
+def _grid_error(w: torch.Tensor, h: torch.Tensor, zero_point: bool, ratio: float,
+                scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, g], H_gg [g, g] -> (dw H_gg dw^T [N], s [N], z [N]) of the grid clipped by `ratio`."""
+    s, z = group_grid(w, zero_point, ratio, scale_dtype)
+    dw = fake_quantize_group(w, s, z) - w  # [N, g]
+    return ((dw @ h) * dw).sum(dim=1), s, z
 
 
 @contextlib.contextmanager

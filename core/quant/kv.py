@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from bestiary.core.kernels.kv_codes import KV_DTYPES, QMAX, as_bytes, dequantize_kv
+from bestiary.core.kernels.metadata import AttentionMetadata
 
 SCALE_NAME = "kv_cache_scaling_factor"
 
@@ -46,7 +47,7 @@ def scratch_pool(like: torch.Tensor, dtype: torch.dtype, which: str) -> torch.Te
     return pool
 
 
-def blocks_read(meta) -> torch.Tensor:
+def blocks_read(meta: AttentionMetadata) -> torch.Tensor:
     """Indices [n] of the pool blocks this step reads (every block of every block table)."""
     cached = meta.__dict__.get("_kv_quant_blocks")
     if cached is None or cached.device != meta.block_tables.device:
@@ -74,7 +75,7 @@ class KVQuant:
         return getattr(self.owner, SCALE_NAME)
 
     def float_pools(
-        self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta, dtype: torch.dtype
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch float pools holding the dequantized blocks this step reads (others: stale)."""
         blocks = blocks_read(meta)

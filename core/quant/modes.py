@@ -48,14 +48,14 @@ def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
     if quant.activation_quant is not None and algo not in WEIGHT_ONLY_ALGOS:
         raise ConfigError(f"quantization.activation_quant {quant.activation_quant!r}: only with a weight-only "
                           f"quant_algo ({', '.join(WEIGHT_ONLY_ALGOS)}), not {algo!r}")
-    act = {"act_quant": quant.activation_quant, "act_group": quant.activation_group_size}
+    act_quant, act_group = quant.activation_quant, quant.activation_group_size
     if algo is None:
         return None
     if algo in INT8_ALGOS:  # zero points: imported asymmetric int8 (FastLLM .flm)
-        return LinearQuant(algo, 8, has_zero_point=quant.has_zero_point, **act)
+        return LinearQuant(algo, 8, has_zero_point=quant.has_zero_point, act_quant=act_quant, act_group=act_group)
     if algo in INT4_ALGOS:
         zero = quant.has_zero_point or algo != "W4A16"
-        return LinearQuant(algo, 4, quant.group_size, zero, **act)
+        return LinearQuant(algo, 4, quant.group_size, zero, act_quant, act_group)
     if algo in ("FP8", "W8A8_SQ_PER_CHANNEL"):
         return LinearQuant(algo, 8)
     if algo == "W4A8_AWQ":

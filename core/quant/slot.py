@@ -29,6 +29,8 @@ its dynamic uint8 reading (core.quant.online_act: what FastLLM's int8 / int4 mat
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,8 +40,13 @@ from bestiary.core.format.packing import Int4Codes
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
 from bestiary.core.layers import cpu_matmul
+from bestiary.core.layers.linear import Linear
 from bestiary.core.quant import online_act
+from bestiary.core.quant.input_stats import LinearInputStats
 from bestiary.core.quant.modes import LinearQuant, check_linear
+
+if TYPE_CHECKING:
+    from bestiary.core.kernels.cpu.ops import PackedWeight
 
 # Steps with more tokens than this dequantize to bf16 and run a dense matmul on the CPU
 # (the weight-only kernels do not scale with the batch; see docs/quantization.md): the aten
@@ -64,7 +71,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def install_int_weight(linear: nn.Module, bits: int, group_size: int) -> None:
+def install_int_weight(linear: Linear, bits: int, group_size: int) -> None:
     """Give `linear` (weight [N, K]) empty packed-integer parameters in the checkpoint layout
     (core.format.packing): bits 8 -> weight int8 [N, K], weights_scaling_factor [N]; bits 4 ->
     weight uint8 [N, K/2], weights_scaling_factor [N, ceil(K / group_size)]. Scales keep the
@@ -93,12 +100,13 @@ class WeightOnlySlot:
         self.k_pad = 0  # cpu layout: zero input features appended so the group size divides K
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
         self.in_offset = 0  # in_perm: first in-feature of this rank (row-parallel on tp ranks)
-        self._perm: torch.Tensor | None | bool = False  # False: not looked at yet; None: identity
-        self._packed = None  # core.kernels.cpu.ops.PackedWeight when the compiled CPU kernels run this layer
+        self._perm: torch.Tensor | None = None  # the local in_perm on _perm_device; None: identity
+        self._perm_device: torch.device | None = None  # None: not looked at yet
+        self._packed: PackedWeight | None = None  # when the compiled CPU kernels run this layer
 
     # --- building the layer ------------------------------------------------------------------
     @classmethod
-    def install(cls, linear: nn.Module, lq: LinearQuant) -> WeightOnlySlot:
+    def install(cls, linear: Linear, lq: LinearQuant) -> WeightOnlySlot:
         """Replace linear.weight by the packed weight, add the scale (and zero point) parameters."""
         n, k = linear.weight.shape
         check_linear(linear.name, k, n, lq, split_in=linear.parallel == "row" and linear.tp_size > 1)
@@ -126,7 +134,7 @@ class WeightOnlySlot:
             return 0
         return 1 if self.lq.bits == 4 else -1
 
-    def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None,
+    def quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats: LinearInputStats | None = None,
                  row_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Float weight [N, K] -> {parameter name: tensor} in the checkpoint layout.
 
@@ -149,7 +157,7 @@ class WeightOnlySlot:
             raise ValueError(f"weight rows {tuple(w.shape)} cannot be quantized apart ({self.lq.algo}, K {self.in_local})")
         return self._quantize(w, scale_dtype)
 
-    def _quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None,
+    def _quantize(self, w: torch.Tensor, scale_dtype: torch.dtype, stats: LinearInputStats | None = None,
                   row_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if self.lq.bits == 8:
             if stats is not None:
@@ -161,7 +169,7 @@ class WeightOnlySlot:
             return out
         return self.pack_int4(self.int4_codes(w, scale_dtype, stats), scale_dtype)
 
-    def int4_codes(self, w: torch.Tensor, scale_dtype: torch.dtype, stats=None) -> Int4Codes:
+    def int4_codes(self, w: torch.Tensor, scale_dtype: torch.dtype, stats: LinearInputStats | None = None) -> Int4Codes:
         """Float weight [N, K] -> its int4 codes and scales: GPTQ with `stats` holding the input
         Hessian, else round to nearest; scales rounded to `scale_dtype` as stored."""
         if stats is not None and stats.hessian is not None:
@@ -183,7 +191,7 @@ class WeightOnlySlot:
         return out
 
     # --- reading the weight back -------------------------------------------------------------
-    def codes(self, linear: nn.Module) -> torch.Tensor:
+    def codes(self, linear: Linear) -> torch.Tensor:
         """int4: codes uint8 [N, K] from whichever layout the weight is in."""
         w = linear.weight
         if self.layout == "cpu":
@@ -192,7 +200,7 @@ class WeightOnlySlot:
             return packing.unpack_int4_dot(w)
         return packing.unpack_int4(w)
 
-    def dequantize(self, linear: nn.Module) -> torch.Tensor:
+    def dequantize(self, linear: Linear) -> torch.Tensor:
         """The float32 weight [N, K] the packed tensors stand for: (q - z) * s per row (int8) or per group
         (z absent: 0 for int8, 8 for int4) (with an in_perm, over the permuted in-features: y = x[..., in_perm] W^T)."""
         s = linear.weights_scaling_factor
@@ -203,9 +211,9 @@ class WeightOnlySlot:
         return packing.dequantize_int4(self.codes(linear), s, z, self.lq.group_size)
 
     # --- running -----------------------------------------------------------------------------
-    def prepare(self, linear: nn.Module) -> None:
+    def prepare(self, linear: Linear) -> None:
         """Repack for the device the layer now lives on (idempotent)."""
-        self._perm = False  # in_perm is looked at again on the next matmul
+        self._perm_device = None  # in_perm is looked at again on the next matmul
         self._packed = None
         self._kernel_bound = DEFAULT_MAX_KERNEL_TOKENS
         if linear.weight.device.type != "cpu":
@@ -249,7 +257,7 @@ class WeightOnlySlot:
         z = getattr(linear, "zeros", None)
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
 
-    def _to_checkpoint_layout(self, linear: nn.Module) -> None:
+    def _to_checkpoint_layout(self, linear: Linear) -> None:
         """An int4 weight in the dot layout / int8 in tiles back into the checkpoint layout, in place."""
         if self.layout == "dot":
             linear.weight = _param(packing.pack_int4(self.codes(linear)))
@@ -259,25 +267,25 @@ class WeightOnlySlot:
             return
         self.layout = "checkpoint"
 
-    def runs_compiled(self, linear: nn.Module) -> bool:
+    def runs_compiled(self, linear: Linear) -> bool:
         """True when the compiled CPU kernels (core.kernels.cpu) run this layer (checkpoint or dot layout)."""
         kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
         return (self.layout in ("checkpoint", "dot", "tiled") and kernel_group
                 and dispatch.use_cpu_kernels(linear.weights_scaling_factor))
 
-    def set_compute_dtype(self, linear: nn.Module, dtype: torch.dtype) -> None:
+    def set_compute_dtype(self, linear: Linear, dtype: torch.dtype) -> None:
         """Run the matmuls in `dtype` (float32 makes the layer exact to fp32 rounding: tests)."""
         self.compute_dtype = dtype
         self.prepare(linear)
 
-    def fuse(self, members: list[nn.Module]) -> nn.Module | None:
+    def fuse(self, members: list[Linear]) -> Linear | None:
         """One quantized Linear computing [x W1^T, x W2^T, ...] for `members` (this slot's linear first;
         core.quant.fuse), or None when their layouts cannot be stacked."""
         from bestiary.core.quant.fuse import fuse_quantized
 
         return fuse_quantized(members)
 
-    def matmul(self, linear: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, linear: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         if self.lq.act_quant is not None:  # quantization.activation_quant: x2 <- its uint8 reading, float32
@@ -320,16 +328,16 @@ class WeightOnlySlot:
         AMX), else DEFAULT_MAX_KERNEL_TOKENS."""
         return self._kernel_bound if self.max_kernel_tokens is None else self.max_kernel_tokens
 
-    def input_perm(self, linear: nn.Module, device: torch.device) -> torch.Tensor | None:
+    def input_perm(self, linear: Linear, device: torch.device) -> torch.Tensor | None:
         """Local in_perm (int64, on `device`) the input is gathered by, None when identity or absent."""
-        if self._perm is False or (self._perm is not None and self._perm.device != device):
+        if self._perm_device != device:
             perm = getattr(linear, "in_perm", None)
             local = None if perm is None else perm.to(device=device, dtype=torch.int64) - self.in_offset
             identity = local is None or torch.equal(local, torch.arange(self.in_local, device=device))
-            self._perm = None if identity else local
+            self._perm, self._perm_device = (None if identity else local), device
         return self._perm
 
-    def _cpu_kernel(self, linear: nn.Module, xc: torch.Tensor) -> torch.Tensor:
+    def _cpu_kernel(self, linear: Linear, xc: torch.Tensor) -> torch.Tensor:
         """The aten weight-only kernels: xc [T, K] in the compute dtype -> [T, N]."""
         if self.lq.bits == 8:
             return torch.ops.aten._weight_int8pack_mm(xc.contiguous(), linear.weight, self._kernel_scales)
@@ -338,7 +346,7 @@ class WeightOnlySlot:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             xc.contiguous(), linear.weight, self.lq.group_size, self._kernel_scales)
 
-    def _device_matmul(self, linear: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    def _device_matmul(self, linear: Linear, x2: torch.Tensor) -> torch.Tensor:
         """CUDA and other devices: the Triton weight-only GEMMs on the checkpoint layout."""
         from bestiary.core.kernels import dispatch
 

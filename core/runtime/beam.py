@@ -94,7 +94,9 @@ class BeamSearch:
             x = self.pipeline.bias(x)
         lp = torch.log_softmax(x, dim=-1)
         if self.pipeline is not None:
-            lp = self.pipeline.penalize(lp, states)
+            present = [s for s in states if s is not None]
+            assert len(present) == len(states), "with processors, every beam has a state (step gives the root one)"
+            lp = self.pipeline.penalize(lp, present)
         return lp
 
     def candidates(self, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,9 +121,14 @@ class BeamSearch:
         Returns the parent index (into the previous running beams, or 0 for the root) of each of
         the W new running beams; `self.beams` then holds them (blocks left to the caller).
         """
-        parents_seq = self.beams if self.beams else [root]
-        if not self.beams and self.pipeline is not None:
-            root.state = self.pipeline.new_state(self.prompt)
+        if self.beams:
+            parents_seq = self.beams
+        elif root is None:
+            raise ValueError("the first beam search step needs `root`, the prompt's Beam")
+        else:
+            parents_seq = [root]
+            if self.pipeline is not None:
+                root.state = self.pipeline.new_state(self.prompt)
         lp = self.log_probs(raw, [b.state for b in parents_seq])  # [R, V]
         vocab = lp.shape[1]
         acc = lp + self.scores[:, None]  # [R, V]

@@ -46,7 +46,7 @@ def compile_template(source: str):
     class Generation(jinja2.ext.Extension):
         """`{% generation %}` marks assistant text for training masks; rendering keeps its body."""
 
-        tags = frozenset({"generation"})
+        tags = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

@@ -135,6 +135,17 @@ class StepBuffers:
 class DecodePlan:
     """One decode step of `batch` sequences (one new token each) of `model` over these pools."""
 
+    # rows [:batch] of the model's StepBuffers (`_shared` names them; `_take_rows` points them)
+    ids: torch.Tensor  # [B] int64 this step's tokens
+    positions: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B] int64 pool slot of each new token's K/V
+    lora_slots: torch.Tensor  # [B] int64 each row's adapter (-1: none)
+    tables: torch.Tensor  # [B, W] int64 block tables (its own, wider buffer after `_widen_tables`)
+    x: torch.Tensor  # [B, H] the residual stream
+    y: torch.Tensor  # [B, H] normed input of a block
+    delta: torch.Tensor  # [B, H] a block's output, added to x by the next norm
+    logits: torch.Tensor  # [B, V / tp] this rank's vocab slice
+
     def __init__(self, model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> None:
         from bestiary.core.runtime.model import torch_dtype
 
@@ -408,6 +419,8 @@ class DecodePlan:
         names = ["embed", "rms_norm", "linear", "rotary", "kv_write", "attention", "act_mul", "lora"]
         kinds = {ops.KIND_F32: "fp32", ops.KIND_F32T: "fp32", ops.KIND_BF16: "bf16", ops.KIND_BF16T: "bf16",
                  ops.KIND_I8: "int8", ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4"}
+        if self.profile is None:
+            raise RuntimeError("profile_rows before start_profile")
         rows = []
         for record, seconds in zip(self.records, self.profile.tolist()):
             label = names[record.op]
@@ -421,10 +434,13 @@ class DecodePlan:
         if end <= start:
             return
         first = ctypes.addressof(self.records) + start * ctypes.sizeof(Op)
+        lib = library()
+        if lib is None:  # plan_for builds plans only while it loads; turned off since (BESTIARY_CPU_KERNELS)
+            raise RuntimeError("a decode plan ran without the CPU kernel library")
         if self.profile is None:
-            library().bst_run_plan(first, end - start, threads)
+            lib.bst_run_plan(first, end - start, threads)
         else:
-            library().bst_run_plan_timed(first, end - start, threads, self.profile[start:end].data_ptr())
+            lib.bst_run_plan_timed(first, end - start, threads, self.profile[start:end].data_ptr())
 
     def run(self, ids: torch.Tensor, meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B] (one new token per sequence) -> logits [B, V] (a fresh tensor). A pipeline stage after
@@ -432,6 +448,8 @@ class DecodePlan:
         returns its hidden state [B, H] (x + the last layer's output) instead of logits."""
         self.ids.copy_(ids)
         if not self.first:
+            if hidden is None:
+                raise ValueError("a pipeline stage after the first runs from the previous stage's hidden state")
             self.x.copy_(hidden)
         self.positions.copy_(meta.positions)
         kv_lens = torch.tensor(meta.kv_lens)

@@ -88,7 +88,7 @@ class DecodeGraph:
         for module in model.modules():
             if isinstance(module, Rotary):  # every position the pool can hold: no table growth later
                 module.reserve(device, num_blocks * block_size)
-        self.graph = None  # a torch.cuda.CUDAGraph once captured
+        self.graph: torch.cuda.CUDAGraph | None = None  # once captured
         self.pool = pool
         self.logits: torch.Tensor | None = None
 
@@ -127,6 +127,7 @@ class DecodeGraph:
 
     def run(self, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """logits [B, V] of this step (a copy: the next replay overwrites the graph's)."""
+        assert self.graph is not None and self.logits is not None, "graph_for captures a graph before running it"
         self.load(ids, meta)
         self.graph.replay()
         return self.logits.clone()

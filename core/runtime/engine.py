@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.pipeline import stage_tp_group
 from bestiary.core.runtime.tokenizer import Tokenizer
 from bestiary.registry import Registry, default_registry, resolve
+
+if TYPE_CHECKING:
+    from bestiary.core.runtime.worker_group import WorkerGroup
 
 
 def validate_model_config(data: dict, source: str, registry: Registry | None = None) -> PretrainedConfig:
@@ -50,7 +54,13 @@ class Engine:
     build: BuildConfig
     model: DecoderLM
     tokenizer: Tokenizer | None
-    group: object | None = None  # the WorkerGroup driving the other ranks (core.runtime.step_broadcast)
+    group: WorkerGroup | None = None  # the WorkerGroup driving the other ranks (core.runtime.step_broadcast)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest prompt + output: the build's max_seq_len, which `load` finalizes (never None here)."""
+        assert self.build.max_seq_len is not None, "Engine.load finalizes the build config"
+        return self.build.max_seq_len
 
     @classmethod
     def load(

@@ -47,7 +47,7 @@ def perplexity(engine: Engine, ids: list[int]) -> Perplexity:
     """Perplexity of `ids` under the engine's model."""
     if len(ids) < 2:
         raise BestiaryError("eval needs a text of at least 2 tokens")
-    window = engine.build.max_seq_len
+    window = engine.max_seq_len
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,7 +51,10 @@ from bestiary.core.runtime.kv_window import held, release_outside, release_windo
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ends_with_any
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, sample
-from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, Speculator
+from bestiary.core.runtime.speculative import AcceptanceStats, DraftRow, SpeculativeConfig, Speculator
+
+if TYPE_CHECKING:
+    from bestiary.core.lora.cache import LoraCache
 
 _ids = itertools.count()
 LORA_STACKS = 8  # stacked adapter sets kept (a step's set is usually the previous step's)
@@ -69,6 +73,7 @@ class Request:
     prompt: list[int]
     sampling: SamplingConfig
     stop_ids: set[int]
+    generator: torch.Generator  # the request's own draws (core.runtime.sampling.make_generator)
     id: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
@@ -77,7 +82,6 @@ class Request:
     block_keys: list[BlockKey] = field(default_factory=list)  # content keys of the full blocks so far
     reuse_prefix: bool = True  # False: compute every prompt token (e.g. when context logits are wanted)
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
     stop_words: list[list[int]] = field(default_factory=list)
     chooser: TokenChooser | None = None  # None: the batched fast path (plain sampling / greedy)
     search: BeamSearch | None = None  # beam_width > 1
@@ -107,6 +111,12 @@ class Request:
         return self.finish_reason is not None
 
 
+# A step's row of work: (request, the sequence that runs, its new tokens). The sequence is the
+# request itself, one of its beams, or (speculative decoding, until verify folds them) a draft.
+Seq = Request | Beam | DraftRow
+Row = tuple[Request, Seq, int]
+
+
 class Executor:
     """Runs requests on one model rank with in-flight batching."""
 
@@ -128,7 +138,7 @@ class Executor:
         self.running: list[Request] = []
         self._lora_stacks: dict[tuple, AdapterStack] = {}  # (name, uid) of each adapter -> stacked weights
         self._lora_roots: dict[str | tuple, BlockKey] = {}  # adapter name (, window, sinks) -> root key
-        self.lora_cache = None  # a core.lora.cache.LoraCache: sequences hold their adapter's id until they end
+        self.lora_cache: LoraCache | None = None  # sequences hold their adapter's id until they end
         self.speculator = Speculator.for_executor(speculative, self) if speculative else None
 
     # --- requests ----------------------------------------------------------------------
@@ -154,10 +164,9 @@ class Executor:
         if sampling.n > b.max_batch_size:
             raise BestiaryError(f"n {sampling.n} exceeds the engine's max_batch_size {b.max_batch_size}")
         seed = sampling.random_seed
-        group = [Request(list(prompt), sampling, set() if sampling.ignore_eos else stops, index=i)
-                 for i in range(sampling.n)]
-        for i, member in enumerate(group):
-            member.generator = make_generator(None if seed is None else seed + i)
+        group = [Request(list(prompt), sampling, set() if sampling.ignore_eos else stops,
+                         make_generator(None if seed is None else seed + i), index=i) for i in range(sampling.n)]
+        for member in group:
             self._prepare_sampling(member, vocab)
         req = group[0]
         req.siblings = group[1:]
@@ -243,6 +252,7 @@ class Executor:
             req.finish_reason = reason
         if req.lora_held:
             req.lora_held = False
+            assert self.lora_cache is not None and req.lora is not None, "only `add` holds, from the LoRA cache"
             self.lora_cache.release(req.lora)
         if not req.forked:  # parked siblings end with the request that would have forked them
             req.forked = True
@@ -327,7 +337,7 @@ class Executor:
         name = (lora, req.window, req.sinks)
         return self._lora_roots.setdefault(name, BlockKey(root, ("window", req.window, req.sinks)))
 
-    def _step_lora(self, work: list[tuple[Request, Request | Beam, int]]) -> StepLora | None:
+    def _step_lora(self, work: list[Row]) -> StepLora | None:
         """The step's LoRA (meta.lora): its adapters stacked (cached per set of names), a slot per sequence."""
         adapters = {r.lora.name: r.lora for r, _, _ in work if r.lora is not None}
         if not adapters:
@@ -350,7 +360,7 @@ class Executor:
             key = BlockKey(parent, tuple(tokens[b * bs : (b + 1) * bs]))
             req.block_keys.append(self.allocator.register(req.blocks[b], key))
 
-    def _grow(self, req: Request, seq: Request | Beam, tokens: int) -> None:
+    def _grow(self, req: Request, seq: Seq, tokens: int) -> None:
         """Make sure seq (req or one of its beams) owns blocks for `tokens` tokens (from req's reservation)."""
         extra = blocks_for(tokens, self.build.tokens_per_block) - len(seq.blocks)
         if extra > 0:
@@ -380,12 +390,12 @@ class Executor:
             self.running.append(sib)
         req.forked = True
 
-    def _schedule(self) -> list[tuple[Request, Request | Beam, int]]:
+    def _schedule(self) -> list[Row]:
         """(request, sequence, number of new tokens) for this step, within max_num_tokens.
 
         The sequence is the request itself, or each of its running beams (all or none)."""
         budget = self.build.max_num_tokens
-        work = []
+        work: list[Row] = []
         for req in sorted(self.running, key=lambda r: r.num_cached < len(r.prompt)):  # decodes first
             if req.search is not None and req.search.beams:
                 if budget >= len(req.search.beams):
@@ -430,7 +440,7 @@ class Executor:
                 if context[i]:
                     req.context_logits.append(logits[offsets[i] : offsets[i] + n].float().clone())
             logits = logits.index_select(0, meta.last_token_index)  # [B, V]
-        produced = []
+        produced: list[tuple[Request, int]] = []
         if self.speculator is not None:  # drafted rows: accepted, rolled back and done as (req, req, 0)
             work, logits, produced = self.speculator.verify(self, work, logits)
         ready = []
@@ -469,7 +479,7 @@ class Executor:
         if self.reuse:
             self._cache_full_blocks(req)
 
-    def _choose(self, work, ready: list[int], logits: torch.Tensor) -> list[tuple[Request, int]]:
+    def _choose(self, work: list[Row], ready: list[int], logits: torch.Tensor) -> list[tuple[Request, int]]:
         """Next tokens of the ready rows of logits [B, V]: plain requests in one batched call,
         requests with processors one by one, beam search requests one beam group each."""
         plain = [i for i in ready if work[i][0].chooser is None and work[i][0].search is None]
@@ -490,13 +500,14 @@ class Executor:
         for i in ready:
             if work[i][0].search is not None:
                 groups.setdefault(work[i][0].id, []).append(i)
-        for rows in groups.values():
-            out += self._beam_step(work[rows[0]][0], logits[rows])
+        for beam_rows in groups.values():
+            out += self._beam_step(work[beam_rows[0]][0], logits[beam_rows])
         return out
 
     def _beam_step(self, req: Request, logits: torch.Tensor) -> list[tuple[Request, int]]:
         """One beam search step on the logits [R, V] of req's running beams (or its prompt)."""
         search = req.search
+        assert search is not None, "_choose groups the rows of beam search requests only"
         first = not search.beams
         old = [Beam(req.prompt, blocks=req.blocks, num_cached=req.num_cached)] if first else search.beams
         parents = search.step(logits, old[0] if first else None)
@@ -517,7 +528,7 @@ class Executor:
         self.allocator.reserved += released - allocated
         return []
 
-    def _positions(self, work: list[tuple[Request, Request | Beam, int]]) -> torch.Tensor | None:
+    def _positions(self, work: list[Row]) -> torch.Tensor | None:
         """Architecture position ids for the packed tokens (None: the default ctx + arange)."""
         if type(self.model).position_ids is DecoderLM.position_ids:
             return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -181,16 +182,17 @@ class BlockKey:
 
     __slots__ = ("parent", "tokens", "_hash")
 
-    def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...]) -> None:
+    def __init__(self, parent: BlockKey | None, tokens: tuple[Hashable, ...]) -> None:
         self.parent = parent
-        self.tokens = tokens
-        self._hash = hash((parent._hash if parent is not None else 0, tokens))
+        self.tokens = tokens  # a block's token ids, or a root's label (the executor's adapter / window keys)
+        self._hash: int = hash((parent._hash if parent is not None else 0, tokens))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        a, b = self, other
+        a: BlockKey | None = self
+        b: object = other
         while a is not b:
             if not isinstance(a, BlockKey) or not isinstance(b, BlockKey):
                 return False

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -48,28 +49,34 @@ def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = F
     if path.is_dir() and config_kind(path / "config.json") is not None:
         return path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.sources import source_files
 
     key = source_key(path, source_files(path), dtype)
     engine_dir = cache_dir() / "engines" / key
     if not (engine_dir / "config.json").is_file():
         ckpt = cache_dir() / "checkpoints" / key
-        convert(path, ckpt, dtype=dtype, show_progress=show_progress)
+        convert(path, ckpt, ConvertOptions(dtype=dtype), show_progress=show_progress)
         build_engine(ckpt, engine_dir, BuildConfig())
         record_entry(key, path, dtype)
     return engine_dir
 
 
-def prompt_list(prompts: str | list[int] | list[str | list[int]]) -> list[str | list[int]]:
+def prompt_list(prompts: str | Sequence[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
     """`generate`'s prompts as a list: one text, or one list of token ids, is one prompt (as vLLM's
-    LLM.generate takes it; the result is then a list of one Completion)."""
+    LLM.generate takes it; the result is then a list of one Completion). A list of several prompts
+    with a bare id among them is a one-line error."""
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]
-    return prompts
+    items = list(prompts)
+    ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+    if items and len(ids) == len(items):
+        return [ids]
+    several = [t for t in items if not isinstance(t, int)]
+    if len(several) < len(items):
+        bad = next(t for t in items if isinstance(t, int))
+        raise BestiaryError(f"prompt {bad!r}: expected text or a list of token ids")
+    return several
 
 
 def per_prompt(value, count: int, make, name: str, what: str, hint: str) -> list:
@@ -276,7 +283,7 @@ class LLM:
                                 "wait for them before calling generate / generate_stream")
 
     def generate(
-        self, prompts: str | list[int] | list[str | list[int]],
+        self, prompts: str | Sequence[int] | Sequence[str | list[int]],
         sampling: SamplingConfig | list[SamplingConfig] | None = None, chat: bool = False, *, lora: LoraRequest | list[LoraRequest | None] | None = None,
     ) -> list[Completion]:
         """Generate for every prompt in one in-flight batch; completions in prompt order.
@@ -302,8 +309,9 @@ class LLM:
                 self.executor.cancel(req)
             raise
         samples = [s for r in requests for s in r.group]
-        texts = {s.id: TextDeltas(self.tokenizer, s.stop_ids, s.sampling.stop_strings)
-                 for s in samples if s.sampling.stop_strings}
+        tokenizer = self.tokenizer  # _resolve refused stop strings without one
+        texts = {s.id: TextDeltas(tokenizer, s.stop_ids, s.sampling.stop_strings)
+                 for s in samples if s.sampling.stop_strings and tokenizer is not None}
         stats = GenerationStats(prompt_tokens=sum(len(r.prompt) for r in requests))
         while any(not s.finished for s in samples):
             produced = self.executor.step()
@@ -369,7 +377,8 @@ class LLM:
         Each conversation is rendered with the chat template (as transformers' apply_chat_template
         does) and generated in one batch; one Completion per conversation (a list of one for one).
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = bool(messages) and isinstance(messages[0], dict)  # one conversation: its first item a message
+        conversations = cast("list[list[dict]]", [messages] if one else messages)
         prompts = [self.chat_ids(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling, lora=lora)
 
@@ -446,7 +455,7 @@ class LLM:
                 piece = text.push(tokens, final=reason is not None) if text else None
                 if text is not None and text.stopped and reason is None:
                     reason = "stop"
-                    self._worker.submit(self._stop_sample, req.group[index])
+                    self._running_worker().submit(self._stop_sample, req.group[index])
                 if reason is not None:
                     running.discard(index)
                 spec = None  # a copy of the sample's acceptance counts, on its last delta
@@ -455,7 +464,13 @@ class LLM:
                 yield Delta(tokens, piece, reason, index, log_probs, top, spec)
         finally:
             if any(not s.finished or s.id in self._streams for s in req.group):
-                self._worker.submit(self._drop_stream, req)
+                self._running_worker().submit(self._drop_stream, req)
+
+    def _running_worker(self) -> ThreadPoolExecutor:
+        """The async API's worker thread (generate_async starts it; close() ends it)."""
+        if self._worker is None:
+            raise BestiaryError("LLM.close() was called while generate_async requests ran")
+        return self._worker
 
     def _add_stream(self, ids: list[int], sampling: SamplingConfig, queue: asyncio.Queue,
                     loop: asyncio.AbstractEventLoop, adapter: LoraAdapter | None = None) -> Request:
@@ -486,7 +501,7 @@ class LLM:
         """Start the worker's chain of steps unless it runs (called after a stream was added)."""
         if not self._stepping:
             self._stepping = True
-            self._worker.submit(self._step_and_deliver)
+            self._running_worker().submit(self._step_and_deliver)
 
     def _step_and_deliver(self) -> None:
         """(worker thread) One executor step; each sample with news puts
@@ -502,7 +517,7 @@ class LLM:
             self._stepping = bool(self._streams)
             if self._stepping:
                 try:
-                    self._worker.submit(self._step_and_deliver)
+                    self._running_worker().submit(self._step_and_deliver)
                 except RuntimeError:  # close() shut the worker down
                     self._stepping = False
 

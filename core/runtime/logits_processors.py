@@ -18,6 +18,7 @@ sequence needs (`ProcessorState`: the ids seen, the output counts) is updated by
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +55,13 @@ def min_length_mask(x: torch.Tensor, generated: list[int], min_length: int, end_
     mask = torch.zeros_like(x, dtype=torch.bool)
     mask[:, end_ids] = True
     return x.masked_fill(mask & short[:, None], float("-inf"))
+
+
+def stack_rows(rows: list[torch.Tensor | None], what: str) -> torch.Tensor:
+    """The per-sequence vectors [V] as one [N, V] tensor; new_state made each one, as the pipeline needs it."""
+    present = [r for r in rows if r is not None]
+    assert len(present) == len(rows), f"a ProcessorState has no {what}: made by another pipeline's new_state"
+    return torch.stack(present)
 
 
 def ends_with_any(tokens: list[int], words: list[list[int]]) -> bool:
@@ -95,7 +103,7 @@ class ProcessorState:
 class LogitsPipeline:
     """The processors one request asked for, prepared once (tensors built when the request is added)."""
 
-    def __init__(self, config: SamplingConfig, vocab_size: int, end_ids: list[int]) -> None:
+    def __init__(self, config: SamplingConfig, vocab_size: int, end_ids: Iterable[int]) -> None:
         self.vocab_size = vocab_size
         self.embedding_bias = bias_vector(config.embedding_bias, vocab_size)
         self.repetition = config.repetition_penalty
@@ -129,9 +137,9 @@ class LogitsPipeline:
     def penalize(self, x: torch.Tensor, states: list[ProcessorState]) -> torch.Tensor:
         """Repetition, presence/frequency, bad words and min length on x [N, V] float32."""
         if self.repetition != 1.0:
-            x = repetition_penalty(x, torch.stack([s.seen for s in states]).to(x.device), self.repetition)
+            x = repetition_penalty(x, stack_rows([s.seen for s in states], "seen").to(x.device), self.repetition)
         if self.presence != 0.0 or self.frequency != 0.0:
-            counts = torch.stack([s.counts for s in states]).to(x.device)
+            counts = stack_rows([s.counts for s in states], "counts").to(x.device)
             x = presence_frequency_penalty(x, counts, self.presence, self.frequency)
         if self.bad_words:
             for row, state in enumerate(states):

@@ -44,8 +44,19 @@ def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
+def last_tokens(meta: AttentionMetadata) -> torch.Tensor:
+    """meta.last_token_index [B]: where each sequence's last new token is among the packed ones."""
+    if meta.last_token_index is None:
+        raise ValueError("AttentionMetadata without last_token_index (AttentionMetadata.build sets it)")
+    return meta.last_token_index
+
+
 class Transformer(nn.Module):
     """Container whose attribute names are the checkpoint's `transformer.*` sections."""
+
+    vocab_embedding: Embedding  # the first pipeline stage only
+    layers: nn.ModuleList  # this stage's decoder layers
+    ln_f: nn.Module  # the last pipeline stage only
 
 
 def sequence_metadata(model: DecoderLM, tokens: list[int], start: int, count: int, blocks: list[int],
@@ -60,6 +71,8 @@ def sequence_metadata(model: DecoderLM, tokens: list[int], start: int, count: in
 
 class DecoderLM(nn.Module):
     """Embedding + decoder layers + final norm + lm_head for one (tp, pp) rank."""
+
+    lm_head: Linear  # the last pipeline stage, unless it shares the embedding (shares_embedding)
 
     def __init__(self, config: PretrainedConfig, rank: int = 0, device: torch.device | str | None = "meta") -> None:
         super().__init__()
@@ -153,12 +166,14 @@ class DecoderLM(nn.Module):
         from bestiary.core.layers.rotary_2d import Rotary2D
 
         c = self.config
+        head_size = c.head_size
+        assert head_size is not None, "PretrainedConfig's validator fills head_size in"
         base, positions = getattr(c, "rotary_base", 10000.0), c.max_position_embeddings or 2048
         if c.position_embedding_type == "chatglm":
-            return Rotary2D(c.head_size, base, positions)
+            return Rotary2D(head_size, base, positions)
         pct = getattr(c, "rotary_pct", 1.0)
         style = style or ("gptj" if c.position_embedding_type == "rope_gptj" else "neox")
-        return Rotary(c.head_size, int(c.head_size * pct) // 2 * 2, base, getattr(c, "rotary_scaling", None),
+        return Rotary(head_size, int(head_size * pct) // 2 * 2, base, getattr(c, "rotary_scaling", None),
                       positions, style=style)
 
     embedding_scale: float | None = None  # x = embedding * this (e.g. sqrt(hidden_size)), when set
@@ -236,8 +251,9 @@ class DecoderLM(nn.Module):
     def prepare_for_inference(self) -> None:
         """Called once after the weights are loaded: fusions and packed layouts."""
         for module in self.modules():
-            if module is not self and hasattr(module, "fuse"):
-                module.fuse()
+            fuse = getattr(module, "fuse", None)
+            if module is not self and fuse is not None:
+                fuse()
         self._hold_lm_head()
 
     _lm_head_t: torch.Tensor | None = None  # [H, V_local] contiguous, CPU float weights only
@@ -314,7 +330,7 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.transformer.layers):
             x = layer(x, meta, kv_cache.k[i], kv_cache.v[i])
         if not all_logits:
-            x = x.index_select(0, meta.last_token_index)  # [B, H]
+            x = x.index_select(0, last_tokens(meta))  # [B, H]
         x = self.transformer.ln_f(x)
         return self.logits(x)
 

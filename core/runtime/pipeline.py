@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels.metadata import AttentionMetadata
+from bestiary.core.runtime.model import last_tokens
 
 _STAGE_GROUPS: dict[tuple, list] = {}  # (world group, tp, pp) -> the tp group of each stage
 
@@ -208,7 +209,7 @@ def pipeline_forward(model, ids: torch.Tensor, meta: AttentionMetadata, kv_cache
             sends.send(_wire(x), next_rank)
             continue
         if not all_logits:
-            x = x.index_select(0, part.last_token_index)  # [B_m, H]
+            x = x.index_select(0, last_tokens(part))  # [B_m, H]
         out = model.logits(model.transformer.ln_f(x))  # [rows, V], gathered over the stage's tp ranks
         busy += time.perf_counter() - t0
         if model.tp_rank == 0:

@@ -112,7 +112,7 @@ class SamplingConfig(BaseModel):
     @property
     def needs_chooser(self) -> bool:
         """False for plain requests: the batched fast path `sample` serves them."""
-        return (self.is_beam_search or self.output_log_probs or self.top_log_probs or self.output_generation_logits
+        return (self.is_beam_search or self.output_log_probs or self.top_log_probs > 0 or self.output_generation_logits
                 or self.top_p_decay != 1.0 or self.top_p_reset_ids is not None or LogitsPipeline.wanted(self))
 
     def token_words(self, name: str) -> list[list[int]]:
@@ -198,7 +198,7 @@ class TokenChooser:
         if cfg.output_generation_logits:
             self.logits.append(row.float().clone())
         x = row.float()
-        if self.pipeline is not None:
+        if self.pipeline is not None and self.state is not None:  # made together: both or neither
             x = self.pipeline(x[None], [self.state])[0]
         if cfg.is_greedy:
             token = dispatch.argmax_rows(x[None])[0]

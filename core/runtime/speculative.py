@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from bestiary.core.kernels.sampling_ref import filter_logits
 from bestiary.core.runtime.cpu_plan import MAX_BATCH
 from bestiary.core.runtime.sampling import SamplingConfig, draw
 from bestiary.core.runtime.speculative_config import SpeculativeConfig, speculative_config  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from bestiary.core.runtime.executor import Executor, Request, Row
 
 
 @dataclass
@@ -198,7 +202,7 @@ class DraftModel(Drafter):
                                 "positions or mask; a draft model must be causal with positions 0, 1, ...")
         self.model, self.device = model, device
         self.block_size = self.engine.build.tokens_per_block
-        self.max_seq_len = self.engine.build.max_seq_len
+        self.max_seq_len = self.engine.max_seq_len
         num_blocks = blocks_for(max_tokens, self.block_size)
         self.kv = KVCache.for_model(model, num_blocks, self.block_size)
         self.allocator = BlockAllocator(num_blocks, self.block_size)
@@ -287,6 +291,7 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, max_tokens: int, de
     """The drafter `config` names (a draft engine's pool holds `max_tokens` tokens)."""
     if config.method == "ngram":
         return NgramDrafter(config)
+    assert config.draft_engine_dir is not None, "SpeculativeConfig refuses method draft without one"
     return DraftModel(config.draft_engine_dir, vocab_size, max_tokens, device)
 
 
@@ -305,7 +310,7 @@ class Speculator:
         self.stats = AcceptanceStats()  # every request so far
 
     @classmethod
-    def for_executor(cls, config: SpeculativeConfig, executor) -> Speculator:
+    def for_executor(cls, config: SpeculativeConfig, executor: Executor) -> Speculator:
         """A speculator for `executor`'s model (refused for masks / positions a chunk cannot extend)."""
         from bestiary.core.runtime.executor import supports_block_reuse
 
@@ -317,10 +322,10 @@ class Speculator:
         return cls(config, make_drafter(config, model.config.vocab_size, max_tokens, executor.device))
 
     @staticmethod
-    def eligible(req) -> bool:
+    def eligible(req: Request) -> bool:
         return req.chooser is None and req.search is None and bool(req.output) and req.num_cached == len(req.tokens) - 1
 
-    def draft(self, executor, work: list) -> list:
+    def draft(self, executor: Executor, work: list[Row]) -> list[Row]:
         """`work` (request, sequence, new tokens) with each eligible decode row followed by its drafts
         as `DraftRow`s (req.draft holds them); k <= the budget left and the request's length."""
         if any(n != 1 for *_, n in work):
@@ -338,7 +343,7 @@ class Speculator:
             return work
         proposed = self.drafter.propose([(r.id, r.tokens, k) for _, r, k in asks])
         drafts = {i: list(tokens[:k]) for (i, _, k), tokens in zip(asks, proposed)}
-        out = []
+        out: list[Row] = []
         for i, (req, seq, n) in enumerate(work):
             out.append((req, seq, n))
             req.draft = drafts.get(i, [])
@@ -347,13 +352,16 @@ class Speculator:
                 out += [(req, DraftRow(tokens, start + j, req.blocks, req.prompt), 1) for j in range(1, len(req.draft) + 1)]
         return out
 
-    def verify(self, executor, work: list, logits: torch.Tensor) -> tuple[list, torch.Tensor, list[tuple[object, int]]]:
+    def verify(self, executor: Executor, work: list[Row],
+               logits: torch.Tensor) -> tuple[list[Row], torch.Tensor, list[tuple[Request, int]]]:
         """Fold each drafted request's rows (logits [1 + k, V] among logits [R, V]) into one
         (req, req, 0) row: accept or reject its drafts, roll back the rejected K/V.
         Returns (work, logits [B, V], (request, token) for every token emitted)."""
         if not any(isinstance(seq, DraftRow) for _, seq, _ in work):
             return work, logits, []
-        out, keep, produced = [], [], []
+        out: list[Row] = []
+        keep: list[int] = []
+        produced: list[tuple[Request, int]] = []
         i = 0
         while i < len(work):
             req, seq, n = work[i]

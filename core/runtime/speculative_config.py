@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bestiary.core.format.errors import BestiaryError
 
@@ -44,7 +44,9 @@ def speculative_config(value: SpeculativeConfig | dict | None,
         return value
     try:
         return SpeculativeConfig(**value)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field, msg = ".".join(str(p) for p in first["loc"]), first["msg"]
     except ValueError as err:
-        first = err.errors()[0] if hasattr(err, "errors") else {"loc": (), "msg": str(err)}
-        field = ".".join(str(p) for p in first["loc"])
-        raise BestiaryError(f"{label(field)}: {first['msg'].removeprefix('Value error, ')}") from None
+        field, msg = "", str(err)
+    raise BestiaryError(f"{label(field)}: {msg.removeprefix('Value error, ')}") from None

@@ -28,8 +28,9 @@ import functools
 import os
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,9 @@ from bestiary.core.runtime.worker_group import (
     torchrun_env,
     worker_group,
 )
+
+if TYPE_CHECKING:
+    from bestiary.core.runtime.engine import Engine
 
 # AttentionMetadata fields a Step carries: all but LoRA and the per-step caches (_*), which stay on the driver.
 META_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionMetadata) if f.name != "lora" and not f.name.startswith("_"))
@@ -78,7 +82,7 @@ class Step:
     pool: int
     pool_shape: tuple[int, int]
     ids: torch.Tensor  # [T] int64, CPU
-    meta: dict  # META_FIELDS, tensors on the CPU
+    meta: dict[str, Any]  # META_FIELDS, tensors on the CPU
     all_logits: bool
     copies: list[tuple[int, int]]  # (dst, src) KV block copies before this step
     lora: LoraStep | None = None  # the step's adapters (core.lora.ranks)
@@ -92,15 +96,27 @@ class Probe:
     key: int
 
 
+Message = Load | Release | Step | Probe | None  # None: the ranks exit
+
+
+@dataclass
+class Driven:
+    """What the driver counts of an engine it drives (check_mirror compares every rank with it)."""
+
+    key: int  # the engine's key on the ranks
+    steps: int = 0  # Steps sent
+    pools: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(KVCache) -> (num_blocks, block size)
+
+
 # --- the driver --------------------------------------------------------------------------
-def send(group: WorkerGroup, message) -> None:
+def send(group: WorkerGroup, message: Message) -> None:
     """Broadcast one control message from rank 0."""
     dist.broadcast_object_list([message], src=0, group=group.control)
 
 
-def receive(control) -> object:
+def receive(control: dist.ProcessGroup) -> Message:
     """The next control message (on a rank other than 0)."""
-    box = [None]
+    box: list[Message] = [None]
     dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
 
@@ -148,7 +164,7 @@ def load_on_ranks(group: WorkerGroup, directory: str | Path, allow_nonfinite: bo
         error = str(err)
     except Exception as err:  # noqa: BLE001 - re-raised below, once the ranks are answered
         error, unexpected = f"{type(err).__name__}: {err}", err
-    errors = [None] * group.world_size
+    errors: list[str | None] = [None] * group.world_size
     dist.all_gather_object(errors, error, group=group.control)
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
@@ -175,23 +191,23 @@ def loaded_engines(group: WorkerGroup) -> set[int]:
     return group.engine_keys
 
 
-def release(engine) -> None:
+def release(engine: Engine) -> None:
     """The ranks drop `engine` (rank 0's Engine of load_on_ranks); the group stays for the next one."""
-    group, key = getattr(engine, "group", None), getattr(engine.model, "engine_key", None)
-    if group is None or key is None or group.closing or key not in loaded_engines(group):
+    group, driven = engine.group, engine.model.__dict__.get("driven")
+    if group is None or driven is None or group.closing or driven.key not in loaded_engines(group):
         return
-    loaded_engines(group).discard(key)
-    send(group, Release(key))
+    loaded_engines(group).discard(driven.key)
+    send(group, Release(driven.key))
 
 
 def drive(model: torch.nn.Module, group: WorkerGroup, key: int) -> None:
     """Make `model`'s forward broadcast each step before running it (an instance attribute, so
-    type(model) and its methods stay the architecture's)."""
-    model.engine_key, model.steps_driven, model.pools_driven = key, 0, {}
-    model.forward = functools.partial(_driven_forward, model.forward, group, key)
+    type(model) and its methods stay the architecture's); its counts go to model.__dict__["driven"]."""
+    driven = model.__dict__["driven"] = Driven(key)
+    model.forward = functools.partial(_driven_forward, model.forward, group, driven)
 
 
-def _driven_forward(forward, group: WorkerGroup, key: int, ids: torch.Tensor, meta: AttentionMetadata,
+def _driven_forward(forward, group: WorkerGroup, driven: Driven, ids: torch.Tensor, meta: AttentionMetadata,
                     kv_cache: KVCache, all_logits: bool = False) -> torch.Tensor:
     copies, kv_cache.pending_copies = list(getattr(kv_cache, "pending_copies", None) or []), []
     model = forward.__self__
@@ -201,9 +217,9 @@ def _driven_forward(forward, group: WorkerGroup, key: int, ids: torch.Tensor, me
     fields = {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in fields.items()}
     shape = (kv_cache.num_blocks, kv_cache.tokens_per_block)
     lora = None if meta.lora is None else model.__dict__.setdefault("lora_sender", LoraSender()).message(meta.lora)
-    step = Step(key, id(kv_cache), shape, ids.cpu(), fields, all_logits, copies, lora, dispatch.mode())
-    model.steps_driven += 1
-    model.pools_driven[id(kv_cache)] = shape
+    step = Step(driven.key, id(kv_cache), shape, ids.cpu(), fields, all_logits, copies, lora, dispatch.mode())
+    driven.steps += 1
+    driven.pools[id(kv_cache)] = shape
     try:
         group.step_begins()
         send(group, step)
@@ -216,7 +232,7 @@ def _driven_forward(forward, group: WorkerGroup, key: int, ids: torch.Tensor, me
         raise
 
 
-def check_mirror(engine) -> list[dict]:
+def check_mirror(engine: Engine) -> list[dict[str, Any]]:
     """The multi-rank invariant (tests call it after a workload): every rank ran as many steps of
     `engine` as the driver sent, holds a pool for each of the driver's with the same blocks and
     block size, and its pools hold the kv heads `kv_heads_of_rank` gives its tp rank and the layers
@@ -225,21 +241,33 @@ def check_mirror(engine) -> list[dict]:
     from bestiary.core.runtime.model import pp_layer_range
 
     group, model = engine.group, engine.model
-    send(group, Probe(model.engine_key))
-    mine = {"rank": 0, "steps": model.steps_driven, "pools": dict(model.pools_driven),
+    driven: Driven | None = model.__dict__.get("driven")
+    assert group is not None and driven is not None, "check_mirror checks a multi-rank engine (load_on_ranks)"
+    send(group, Probe(driven.key))
+    mine = {"rank": 0, "steps": driven.steps, "pools": dict(driven.pools),
             "plan_steps": model.__dict__.get("plan_steps", 0), "pipeline": _pipeline_stats(model)}
-    reports = [None] * group.world_size
-    dist.all_gather_object(reports, mine, group=group.control)
+    reports = _gather(group, mine)
     c = model.config
+    kv_heads_total = c.num_key_value_heads
+    assert kv_heads_total is not None, "PretrainedConfig's validator fills num_key_value_heads in"
     for report in reports[1:]:
         assert report["steps"] == mine["steps"], f"rank {report['rank']} ran {report['steps']} steps, driver {mine['steps']}"
         m = c.mapping
-        heads = len(kv_heads_of_rank(c.num_attention_heads, c.num_key_value_heads, m.tp_size, m.tp_rank(report["rank"])))
+        heads = len(kv_heads_of_rank(c.num_attention_heads, kv_heads_total, m.tp_size, m.tp_rank(report["rank"])))
         layers = len(pp_layer_range(c.num_hidden_layers, m.pp_size, m.pp_rank(report["rank"])))
         for pool, (blocks, block_size, pool_layers, kv_heads, _) in report["pools"].items():
             assert (blocks, block_size) == mine["pools"].get(pool), f"rank {report['rank']} pool {pool} differs"
             assert kv_heads == heads, f"rank {report['rank']} holds {kv_heads} kv heads, expected {heads}"
             assert pool_layers == layers, f"rank {report['rank']} holds {pool_layers} layers, expected {layers}"
+    return reports
+
+
+def _gather(group: WorkerGroup, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's answer to a Probe, in rank order (`mine`: rank 0's)."""
+    gathered: list[dict[str, Any] | None] = [None] * group.world_size
+    dist.all_gather_object(gathered, mine, group=group.control)
+    reports = [r for r in gathered if r is not None]
+    assert len(reports) == len(gathered), "every rank answers a Probe with its report"
     return reports
 
 
@@ -299,7 +327,7 @@ def run_step(engine, pools: dict[int, KVCache], step: Step, device: str) -> None
         kv = pools[step.pool] = KVCache.for_model(engine.model, *step.pool_shape)
     for dst, src in step.copies:
         kv.copy_block(dst, src)
-    fields = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in step.meta.items()}
+    fields: dict[str, Any] = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in step.meta.items()}
     meta = AttentionMetadata(**fields)
     if step.lora is not None:  # this rank's shard of the step's adapters
         meta.lora = engine.__dict__.setdefault("lora_receiver", LoraReceiver(engine.model)).step(step.lora, device)

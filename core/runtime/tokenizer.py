@@ -118,7 +118,8 @@ class Tokenizer:
     def special_tokens(self) -> dict[str, str]:
         """bos_token, eos_token, unk_token, pad_token: the ones the tokenizer config names."""
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
-        return {n: _token_text(self.config[n]) for n in names if self.config.get(n) is not None}
+        texts = {n: _token_text(self.config.get(n)) for n in names}
+        return {n: text for n, text in texts.items() if text is not None}
 
 
 class StreamDecoder:

@@ -36,6 +36,8 @@ import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,7 +130,7 @@ class SpawnedRank:
     """A rank process the driver started, and the driver's end of its pipe."""
 
     rank: int
-    process: object  # torch.multiprocessing SpawnProcess
+    process: BaseProcess  # a torch.multiprocessing SpawnProcess
     conn: Connection
 
 
@@ -175,6 +177,7 @@ class WorkerGroup:
             process.start()
             rank_end.close()
             spawned.append(SpawnedRank(rank, process, driver_end))
+        # control is None only until join_world below (the watch thread must run while the ranks join)
         group = cls(world_size, rank_device(device, 0), None, spawned)  # type: ignore[arg-type]
         group._watch()
         group._bound_ctrl_c()
@@ -191,7 +194,8 @@ class WorkerGroup:
         threading.Thread(target=self._watch_loop, name="bestiary-rank-watch", daemon=True).start()
 
     def _watch_loop(self) -> None:
-        by_handle = {}
+        # what `wait` takes and returns (process sentinels: int; pipe ends: Connection) -> their rank
+        by_handle: dict[Any, SpawnedRank] = {}
         for s in self.spawned:
             by_handle[s.process.sentinel] = s
             by_handle[s.conn] = s

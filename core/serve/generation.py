@@ -20,7 +20,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from bestiary.core.lora.request import LoraRequest
@@ -33,7 +33,7 @@ NO_LOG_PROB = -9999.0
 
 
 async def choice_deltas(llm: LLM, prompts: list[list[int]], sampling: SamplingConfig,
-                        lora: LoraRequest | None = None) -> AsyncIterator[tuple[int, Delta]]:
+                        lora: LoraRequest | None = None) -> AsyncGenerator[tuple[int, Delta], None]:
     """(choice index, delta) of every sample of every prompt (with adapter `lora`), in arrival order.
 
     Limit errors (BestiaryError) come out of the first iteration; closing the iterator cancels
@@ -110,6 +110,8 @@ class Formatter:
         self.object = "chat.completion" if chat else "text_completion"
 
     def _token(self, token: int) -> str:
+        """A token's text (log probs are asked for only of an engine with a tokenizer: core.serve.completions)."""
+        assert self.llm.tokenizer is not None, "log probs need the engine's tokenizer"
         return self.llm.tokenizer.decode([token], skip_special_tokens=False)
 
     def usage(self, completion_tokens: int, speculative: Iterable[AcceptanceStats | None] = ()) -> dict:
@@ -193,7 +195,7 @@ async def collect(deltas: AsyncIterator[tuple[int, Delta]], num_choices: int, ti
     return choices
 
 
-async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncIterator[tuple[int, Delta]], fmt: Formatter,
+async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[tuple[int, Delta], None], fmt: Formatter,
                      timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
     """The event stream: (chat: a role chunk per choice), a chunk per delta, (usage), [DONE].
 

@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TextIO
 
 from bestiary.core.format.errors import BestiaryError
 
@@ -33,8 +34,8 @@ class ServerProcess:
                     "--host", "127.0.0.1", "--port", str(self.port), *flags]
         self.log = Path(log) if log else None
         self.start_timeout = start_timeout
-        self.proc: subprocess.Popen | None = None
-        self._out = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._out: TextIO | None = None
 
     def __enter__(self) -> ServerProcess:
         self._out = open(self.log, "w") if self.log else None  # closed in __exit__
@@ -77,12 +78,14 @@ class ServerProcess:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server process (Linux /proc)."""
+        if self.proc is None:
+            raise BestiaryError("the server is not running: use ServerProcess in a `with` block")
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

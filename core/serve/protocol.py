@@ -9,7 +9,7 @@ so a typo never passes silently. Responses are plain dicts built in `generation`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -111,9 +111,15 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]
-        return list(p)
+        ids = [t for t in p if isinstance(t, int)]
+        if len(ids) == len(p):  # one prompt of token ids
+            return [ids]
+        return [t for t in p if not isinstance(t, int)]
+
+    @property
+    def token_limit(self) -> int:
+        """max_tokens; null (which OpenAI allows) means the default, 16."""
+        return 16 if self.max_tokens is None else self.max_tokens
 
 
 class TextPart(BaseModel):
@@ -142,8 +148,11 @@ class ChatMessage(BaseModel):
 
     def as_template_message(self) -> dict:
         """The dict a chat template sees: role and text content (text parts joined by newlines)."""
-        content = self.content if isinstance(self.content, str) or self.content is None else (
-            "\n".join(part.text for part in self.content))
+        content: str | None
+        if isinstance(self.content, list):  # TextParts: _text_only validated every part
+            content = "\n".join(cast(TextPart, part).text for part in self.content)
+        else:
+            content = self.content
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
 
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -23,20 +23,23 @@ CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 's
 
 def static_text(name: str) -> str:
     """The text of a file of core/serve/static."""
-    return resources.files("bestiary.core.serve").joinpath("static", name).read_text(encoding="utf-8")
+    return resources.files("bestiary.core.serve").joinpath("static").joinpath(name).read_text(encoding="utf-8")
 
 
-def add_web_routes(app: FastAPI) -> None:
-    """Serve the chat page at / and its files under /static/."""
+def web_router() -> APIRouter:
+    """The chat page at / and its files under /static/."""
     headers = {"Content-Security-Policy": CSP, "Cache-Control": "no-cache"}
+    router = APIRouter()
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    @router.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
         return HTMLResponse(static_text("index.html"), headers=headers)
 
-    @app.get("/static/{name}", include_in_schema=False)
+    @router.get("/static/{name}", include_in_schema=False)
     async def asset(name: str) -> Response:
         if name not in PAGE_FILES:
             return Response(f"GET /static/{name}: not found", status_code=404, media_type="text/plain")
         suffix = name[name.rindex("."):]
         return Response(static_text(name), media_type=MEDIA_TYPES[suffix], headers=headers)
+
+    return router

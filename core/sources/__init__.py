@@ -8,6 +8,7 @@ Layer 1 of the core (docs/architecture.md). May import: format.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
@@ -58,7 +59,7 @@ def hf_tokenizer_files(directory: Path) -> TokenizerFiles | None:
     tok = directory / "tokenizer.json"
     if not tok.is_file():
         return None
-    config: dict = {}
+    config: dict[str, Any] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         if (directory / name).is_file():
             config.update(read_json(directory / name))
@@ -111,7 +112,7 @@ def open_source(path: str | Path) -> ModelSource:
                        hf_config=hf_config, tokenizer=_tokenizer_files(directory, hf_config))
 
 
-def _tokenizer_files(directory: Path, hf_config: dict) -> TokenizerFiles | None:
+def _tokenizer_files(directory: Path, hf_config: dict[str, Any]) -> TokenizerFiles | None:
     """tokenizer.json, else a sentencepiece model (tokenizer.model, THUDM's ice_text.model) converted."""
     found = hf_tokenizer_files(directory)
     if found is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -57,7 +57,7 @@ class TokenizerFiles:
     """
 
     tokenizer_json: str
-    tokenizer_config: dict = field(default_factory=dict)
+    tokenizer_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,5 +67,5 @@ class ModelSource:
     path: Path
     format: str  # "hf_dir" | "safetensors" | "torch" | "gguf" | "flm"
     weights: WeightSource
-    hf_config: dict
+    hf_config: dict[str, Any]
     tokenizer: TokenizerFiles | None = None

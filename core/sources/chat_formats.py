@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from typing import Any
 
 # THUDM's special tokens: v1 pieces of ice_text.model; v2/3 appended after the sentencepiece vocab.
 CHATGLM_SPECIALS = {
@@ -24,7 +25,7 @@ ROLE_KEYS = ("pre_prompt", "user_role", "bot_role", "history_sep")
 
 
 def _template(name: str) -> str:
-    return resources.files("bestiary.core.sources").joinpath("chat_templates", name).read_text(encoding="utf-8")
+    return (resources.files("bestiary.core.sources") / "chat_templates" / name).read_text(encoding="utf-8")
 
 
 def _literal(text: str) -> str:
@@ -40,14 +41,14 @@ def fastllm_roles_template(roles: dict[str, str]) -> str:
     return text
 
 
-def chatglm_version(config: dict) -> int | None:
+def chatglm_version(config: dict[str, Any]) -> int | None:
     """1 or 2 for a THUDM ChatGLM config (v1 has position_encoding_2d), None otherwise."""
     if config.get("model_type") != "chatglm":
         return None
     return 1 if "position_encoding_2d" in config else 2
 
 
-def chat_template_for(config: dict) -> str | None:
+def chat_template_for(config: dict[str, Any]) -> str | None:
     """The chat template an HF-style config implies: FastLLM roles when it has them, ChatGLM rounds."""
     if any(config.get(key) for key in ("user_role", "bot_role")):
         return fastllm_roles_template({k: str(config.get(k) or "") for k in ROLE_KEYS})
@@ -55,7 +56,7 @@ def chat_template_for(config: dict) -> str | None:
     return None if version is None else _template(f"chatglm_v{version}.jinja")
 
 
-def chatglm_post_processor(version: int, ids: dict[str, int]) -> dict:
+def chatglm_post_processor(version: int, ids: dict[str, int]) -> dict[str, Any]:
     """tokenizers TemplateProcessing putting ChatGLM's prompt tokens around the text's ids."""
     before, after = CHATGLM_PROMPT[version]
     single = [{"SpecialToken": {"id": t, "type_id": 0}} for t in before]

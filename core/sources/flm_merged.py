@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from bestiary.core.format.errors import ConfigError, WeightsError
 from bestiary.core.format.hf_config import read_common
@@ -36,7 +37,7 @@ def is_merged(name: str) -> bool:
     return bool(QKV.match(name) or GATEUP.match(name))
 
 
-def qkv_rows(config: dict) -> tuple[int, int, int] | None:
+def qkv_rows(config: dict[str, Any]) -> tuple[int, int, int] | None:
     """(q, k, v) rows of a mergeqkv tensor from the HF config (core.format.hf_config.read_common's heads,
     kv heads and head size), None when the config lacks them."""
     try:
@@ -57,19 +58,20 @@ def row_slice(t: FlmTensor, start: int, stop: int, name: str) -> FlmTensor:
     if first_bit % 8:
         raise ValueError(f"row {start} starts inside a byte ({per_row} values of {t.ftype.bits} bits a row), "
                          f"so FastLLM's byte-wise merge did not keep {name!r} whole")
-    fields = {}
+    bounds_offset = t.bounds_offset
     if t.ftype.quantized:
         if t.axis not in (0, -1):
             raise ValueError(f"quantization axis {t.axis}: only per-row (0) or per-tensor (-1) configs "
                              f"can be split by rows")
         if t.axis == 0:
-            fields["bounds_offset"] = t.bounds_offset + 8 * start * t.groups
-    return dataclasses.replace(t, name=name, dims=(stop - start, *t.dims[1:]),
-                               data_offset=t.data_offset + first_bit // 8, part_of=t.name, **fields)
+            bounds_offset += 8 * start * t.groups
+    return dataclasses.replace(t, name=name, dims=(stop - start, *t.dims[1:]), bounds_offset=bounds_offset,
+                               data_offset=t.data_offset + first_bit // 8, part_of=t.name)
 
 
-def split_rows(flm: FlmFile, t: FlmTensor, config: dict) -> list[FlmTensor]:
+def split_rows(flm: FlmFile, t: FlmTensor, config: dict[str, Any]) -> list[FlmTensor]:
     """The HF tensors a merged tensor holds (module doc), or [t] when `t` is not a merged tensor."""
+    sizes: tuple[int, ...] | None
     if match := QKV.match(t.name):
         sizes = qkv_rows(config)
         if sizes is None:
@@ -98,7 +100,7 @@ def split_rows(flm: FlmFile, t: FlmTensor, config: dict) -> list[FlmTensor]:
     return parts
 
 
-def unmerge(flm: FlmFile, config: dict) -> FlmFile:
+def unmerge(flm: FlmFile, config: dict[str, Any]) -> FlmFile:
     """`flm` with every merged tensor replaced by the HF tensors it holds (in its place), or `flm` itself
     when it has none; a part whose name the file also holds is refused."""
     if not any(is_merged(name) for name in flm.tensors):

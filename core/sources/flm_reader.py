@@ -72,7 +72,7 @@ class FlmFile:
 class _Cursor:
     """Reads little-endian int32 / float32 / strings from `data`, with offsets in every error."""
 
-    def __init__(self, data, path: Path) -> None:
+    def __init__(self, data: mmap.mmap | bytes, path: Path) -> None:
         self.data, self.path, self.pos = data, path, 0
         self.size = len(data)
         self.tensor: str | None = None  # named in errors once known
@@ -87,12 +87,14 @@ class _Cursor:
 
     def int32(self, what: str) -> int:
         self.need(4, what)
+        value: int
         (value,) = struct.unpack_from("<i", self.data, self.pos)
         self.pos += 4
         return value
 
     def float32(self, what: str) -> float:
         self.need(4, what)
+        value: float
         (value,) = struct.unpack_from("<f", self.data, self.pos)
         self.pos += 4
         return value
@@ -164,13 +166,12 @@ def _read_tensor(cur: _Cursor) -> FlmTensor:
         known = ", ".join(f"{t.name} {c}" for c, t in TYPES.items())
         raise cur.fail(f"unknown data type code {code} (known: {known})", at)
     count = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    fields: dict = {}
+    axis, groups, group_size, bounds_offset = -1, 1, 0, 0  # FlmTensor's defaults: a float tensor
     if ftype.quantized:
         at = cur.pos
         axis = cur.int32("quantization axis")
         if not -1 <= axis < max(ndims, 1) or (axis >= 0 and ndims == 0):
             raise cur.fail(f"quantization axis {axis} is out of range for dims {dims}", at)
-        groups, group_size = 1, 0
         if ftype.grouped:
             at = cur.pos
             groups, group_size = cur.int32("group count"), cur.int32("group size")
@@ -178,14 +179,15 @@ def _read_tensor(cur: _Cursor) -> FlmTensor:
             if group_size <= 0 or groups != -(-last // group_size):
                 raise cur.fail(f"{groups} groups of {group_size} do not cover the last dim {last} of dims {dims}", at)
         configs = (1 if axis == -1 else dims[axis]) * groups
-        fields = {"axis": axis, "groups": groups, "group_size": group_size,
-                  "bounds_offset": cur.skip(8 * configs, f"{configs} (min, max) pairs of dims {dims}")}
+        bounds_offset = cur.skip(8 * configs, f"{configs} (min, max) pairs of dims {dims}")
     nbytes = data_bytes(ftype, count)
     data_offset = cur.skip(nbytes, f"{ftype.name} data of dims {dims}")
-    return FlmTensor(name, tuple(dims), ftype, offset, data_offset, **fields)
+    return FlmTensor(name, tuple(dims), ftype, offset, data_offset, axis=axis, groups=groups, group_size=group_size,
+                     bounds_offset=bounds_offset)
 
 
-def _map(path: Path):
+def _map(path: Path) -> mmap.mmap | bytes:
+    """`path`'s bytes, memory-mapped (an empty file, which mmap refuses: b"")."""
     with open(path, "rb") as f:
         if path.stat().st_size == 0:
             return b""

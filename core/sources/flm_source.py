@@ -170,6 +170,7 @@ def requantize(flm: FlmFile, t: FlmTensor, bits: int, group: int) -> dict[str, t
         back = packing.dequantize_int8(q, s)
     else:
         codes, s, z = packing.quantize_int4_groupwise(w, group, zero_point=True)
+        assert z is not None  # zero_point=True: the zero points are always returned
         out = {"weight": packing.pack_int4(codes), "weights_scaling_factor": s, "zeros": z}
         back = packing.dequantize_int4(codes, s, z, group)
     err = (back - w).abs()
@@ -209,7 +210,7 @@ class FlmWeights:
         full = read_tensor(self.flm, self.tensor(key))
         return full[slice_dim(tuple(full.shape), tp_size, tp_dim, tp_rank)].contiguous()
 
-    def quant_layout(self) -> dict | None:
+    def quant_layout(self) -> dict[str, Any] | None:
         """{"bits", "group_size"} of the file's quantized linears (None when they are all float)."""
         linears = [t for t in self.flm.tensors.values() if linear_quant_kind(t)]
         if not linears:
@@ -301,7 +302,7 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def hf_config_from_info(info: dict[str, str]) -> dict:
+def hf_config_from_info(info: dict[str, str]) -> dict[str, Any]:
     """The HF-style config: values parsed, dotted keys (rope_scaling.type) nested back into dicts.
 
     FastLLM's chat keys and tokenizer flags stay strings (their text is the value)."""

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 
 _SCALARS = {  # GGUF scalar type -> (struct code, size)
     GGUFValueType.UINT8: ("B", 1), GGUFValueType.INT8: ("b", 1), GGUFValueType.UINT16: ("H", 2),
@@ -31,9 +32,9 @@ class CompactField(NamedTuple):
 
     offset: int
     name: str
-    values: list
-    types: list
-    parts: list = []  # nothing to add up: fields are pushed with skip_sum
+    values: list[Any]
+    types: list[GGUFValueType]
+    parts: list[Any] = []  # nothing to add up: fields are pushed with skip_sum
 
     @property
     def data(self) -> range:
@@ -50,7 +51,7 @@ class CompactGGUFReader(GGUFReader):
     def _build_fields(self, offs: int, count: int) -> int:
         if self.byte_order != "I":
             return super()._build_fields(offs, count)
-        buf = memoryview(self.data)
+        buf = self.data.data  # the memmap's memoryview: no copy
         for _ in range(int(count)):
             start = offs
             (key_len,) = struct.unpack_from("<Q", buf, offs)
@@ -63,28 +64,30 @@ class CompactGGUFReader(GGUFReader):
                 if item_type == GGUFValueType.STRING or GGUFValueType(item_type) in _SCALARS:
                     (length,) = struct.unpack_from("<Q", buf, offs + 4)
                     values, end = _array(buf, offs + 12, GGUFValueType(item_type), length)
-                    self._push_field(CompactField(start, key, values, [GGUFValueType.ARRAY, GGUFValueType(item_type)]),
-                                     skip_sum=True)
+                    field = CompactField(start, key, values, [GGUFValueType.ARRAY, GGUFValueType(item_type)])
+                    # a CompactField stands in for a ReaderField (same contents() / types / data; module doc)
+                    self._push_field(field, skip_sum=True)  # type: ignore[arg-type]
                     offs = end
                     continue
             size, parts, idxs, types = self._get_field_parts(offs, raw_type)  # scalars, strings, nested arrays
-            head = [np.array([key_len], np.uint64), np.frombuffer(key.encode(), np.uint8), np.array([raw_type], np.uint32)]
+            head: list[np.ndarray] = [np.array([key_len], np.uint64), np.frombuffer(key.encode(), np.uint8),
+                                      np.array([raw_type], np.uint32)]
             self._push_field(self._reader_field(start, key, head + parts, [i + 3 for i in idxs], types), skip_sum=True)
             offs += size
         return offs
 
     @staticmethod
-    def _reader_field(offset: int, name: str, parts: list, data: list[int], types: list):
-        from gguf.gguf_reader import ReaderField
-
+    def _reader_field(offset: int, name: str, parts: list[np.ndarray], data: list[int],
+                      types: list[GGUFValueType]) -> ReaderField:
+        """gguf-py's own field for what `_build_fields` leaves to its parser (scalars, strings, nested arrays)."""
         return ReaderField(offset, name, parts, data, types)
 
 
-def _array(buf: memoryview, offs: int, item: GGUFValueType, length: int) -> tuple[list, int]:
+def _array(buf: memoryview, offs: int, item: GGUFValueType, length: int) -> tuple[list[Any], int]:
     """`length` elements of type `item` from offset `offs`: (values, offset after them). ValueError
     when the array runs past the end of the file."""
     if item == GGUFValueType.STRING:
-        values = []
+        values: list[Any] = []
         for _ in range(length):
             (n,) = struct.unpack_from("<Q", buf, offs)
             if offs + 8 + n > len(buf):

@@ -26,6 +26,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from gguf.gguf_reader import ReaderTensor
 
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.sources.base import ModelSource, slice_dim
@@ -100,7 +101,7 @@ def _require(reader: Any, key: str, path: Path | str) -> Any:
 def _architecture(reader: Any, path: Path | str) -> str:
     """general.architecture, checked against the supported ones."""
     arch = _require(reader, "general.architecture", path)
-    if arch not in TENSOR_NAMES:
+    if not isinstance(arch, str) or arch not in TENSOR_NAMES:
         raise BestiaryError(
             f"{path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(sorted(TENSOR_NAMES))})"
@@ -158,7 +159,8 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     if rows % (2 * n_head):
         raise ValueError(f"{rows} rows cannot be split into {n_head} heads of even size")
     # [n_head, head_dim/2, 2, ...] -> [n_head, 2, head_dim/2, ...]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    out: np.ndarray = w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return out
 
 
 def _permute_heads(reader: Any, path: Path | str, arch: str) -> dict[str, int]:
@@ -212,7 +214,7 @@ class GGUFWeights:
         self.path = Path(path)
         self.reader = reader if reader is not None else _read_gguf(self.path)
         self.arch = _architecture(self.reader, self.path)
-        self._tensors: dict[str, Any] = {}  # HF key -> gguf ReaderTensor
+        self._tensors: dict[str, ReaderTensor] = {}  # HF key -> its tensor in the file
         for tensor in self.reader.tensors:
             if tensor.name in DROPPED_TENSORS.get(self.arch, ()):
                 continue
@@ -271,7 +273,7 @@ class GGUFWeights:
         """llama.cpp name of HF key `key` (for messages)."""
         return self._tensor(key).name
 
-    def _tensor(self, key: str) -> Any:
+    def _tensor(self, key: str) -> ReaderTensor:
         """ReaderTensor of `key`; WeightsError naming key and file when absent."""
         tensor = self._tensors.get(key)
         if tensor is None:
@@ -306,7 +308,7 @@ def _llama3_rope_factors(
     return np.asarray(factors, dtype=np.float32)
 
 
-def _rope_scaling_from_freqs(reader: Any, path: Path | str, head_dim: int, theta: float) -> dict | None:
+def _rope_scaling_from_freqs(reader: Any, path: Path | str, head_dim: int, theta: float) -> dict[str, Any] | None:
     """rope_scaling for a file with a rope_freqs tensor (Llama 3.1+), or None when it has none.
 
     The file keeps only the resulting factors; we check they are what Llama-3 scaling with the
@@ -319,20 +321,10 @@ def _rope_scaling_from_freqs(reader: Any, path: Path | str, head_dim: int, theta
     found = _dequantize(tensor.data, tensor.tensor_type).reshape(-1)
     if np.allclose(found, 1.0):
         return None
-    params = {
-        "factor": float(found.max()),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    expected = _llama3_rope_factors(
-        head_dim,
-        theta,
-        params["factor"],
-        params["low_freq_factor"],
-        params["high_freq_factor"],
-        params["original_max_position_embeddings"],
-    )
+    factor, low, high, orig = float(found.max()), 1.0, 4.0, 8192
+    params = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+              "original_max_position_embeddings": orig}
+    expected = _llama3_rope_factors(head_dim, theta, factor, low, high, orig)
     if found.shape != expected.shape or not np.allclose(found, expected, rtol=1e-4, atol=1e-4):
         raise ConfigError(
             f"{path}: tensor 'rope_freqs.weight' does not match Llama-3 RoPE scaling; not supported"
@@ -340,7 +332,7 @@ def _rope_scaling_from_freqs(reader: Any, path: Path | str, head_dim: int, theta
     return {"rope_type": "llama3", **params}
 
 
-def _rope_scaling(reader: Any, path: Path | str, arch: str) -> dict | None:
+def _rope_scaling(reader: Any, path: Path | str, arch: str) -> dict[str, Any] | None:
     """rope_scaling from {arch}.rope.scaling.* metadata (linear / yarn), or None."""
     kind = _meta(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
@@ -356,7 +348,7 @@ def _rope_scaling(reader: Any, path: Path | str, arch: str) -> dict | None:
     raise ConfigError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (linear, yarn)")
 
 
-def _llama_config(reader: Any, path: Path | str) -> dict:
+def _llama_config(reader: Any, path: Path | str) -> dict[str, Any]:
     """HF LlamaConfig dict from llama.* metadata and the tensor list."""
 
     def key(name: str) -> Any:
@@ -410,12 +402,12 @@ def _llama_config(reader: Any, path: Path | str) -> dict:
     return config
 
 
-CONFIG_BUILDERS: dict[str, Callable[[Any, Path | str], dict]] = {
+CONFIG_BUILDERS: dict[str, Callable[[Any, Path | str], dict[str, Any]]] = {
     "llama": _llama_config,
 }
 
 
-def hf_config_from_gguf(reader: Any, path: Path | str) -> dict:
+def hf_config_from_gguf(reader: Any, path: Path | str) -> dict[str, Any]:
     """HF-style config dict (LlamaConfig fields) from a GGUFReader's metadata; `path` is for messages."""
     return CONFIG_BUILDERS[_architecture(reader, path)](reader, path)
 

@@ -285,16 +285,14 @@ def _add_special_tokens(
     )
 
 
-def _post_processor(
-    add_bos: bool, add_eos: bool, bos: str | None, eos: str | None, vocab: dict[str, int]
-) -> processors.TemplateProcessing:
+def _post_processor(bos: str | None, eos: str | None, vocab: dict[str, int]) -> processors.TemplateProcessing:
     """TemplateProcessing adding BOS/EOS around each sequence (transformers' update_post_processor).
 
-    Callers pass add_bos/add_eos False when the token is None or not in `vocab`.
+    `bos` / `eos`: the token to add, or None for none (callers pass None when it is not in `vocab`).
     """
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    special = ([(bos, vocab[bos])] if add_bos else []) + ([(eos, vocab[eos])] if add_eos else [])
+    single = f"{'' if bos is None else bos + ':0 '}$A:0{'' if eos is None else ' ' + eos + ':0'}"
+    pair = f"{single}{'' if bos is None else ' ' + bos + ':1'} $B:1{'' if eos is None else ' ' + eos + ':1'}"
+    special = ([] if bos is None else [(bos, vocab[bos])]) + ([] if eos is None else [(eos, vocab[eos])])
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
@@ -338,7 +336,7 @@ def tokenizer_from_gguf(reader: Any) -> TokenizerFiles:
     add_bos = bool(meta.get("add_bos_token", _DEFAULT_ADD_BOS[kind])) and named["bos_token"] in vocab
     add_eos = bool(meta.get("add_eos_token", False)) and named["eos_token"] in vocab
     tokenizer.post_processor = _post_processor(
-        add_bos, add_eos, named["bos_token"], named["eos_token"], vocab
+        named["bos_token"] if add_bos else None, named["eos_token"] if add_eos else None, vocab
     )
 
     config: dict[str, Any] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -15,7 +16,7 @@ class SafetensorsWeights:
     """WeightSource over one or more .safetensors files (memory-mapped, sliced on read)."""
 
     def __init__(self, files: list[Path]) -> None:
-        self._handles = {}
+        self._handles: dict[Path, safe_open] = {}
         self._where: dict[str, Path] = {}
         for f in files:
             try:
@@ -23,7 +24,7 @@ class SafetensorsWeights:
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
                 raise WeightsError(f"{f}: not a readable .safetensors file ({err})") from None
             self._handles[f] = handle
-            for key in handle.keys():
+            for key in handle.keys():  # type: ignore[no-untyped-call]  # safetensors' stub leaves keys() unannotated
                 self._where[key] = f
 
     def keys(self) -> list[str]:
@@ -33,12 +34,17 @@ class SafetensorsWeights:
         return str(self._where[key])
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[key]].get_slice(key).get_shape())
+        return tuple(self._slice(key).get_shape())
 
     def load(self, key: str, tp_size: int = 1, tp_dim: int = -1, tp_rank: int = 0) -> torch.Tensor:
-        part = self._handles[self._where[key]].get_slice(key)
+        part = self._slice(key)
         index = slice_dim(tuple(part.get_shape()), tp_size, tp_dim, tp_rank)
         try:
-            return part[index] if index else part[:]
+            tensor: torch.Tensor = part[index] if index else part[:]
+            return tensor
         except Exception as err:  # noqa: BLE001
             raise WeightsError(f"{self._where[key]}: cannot read tensor {key!r} ({err})") from None
+
+    def _slice(self, key: str) -> Any:
+        """safetensors' lazy slice of `key` (`get_shape()`, and indexing reads the tensor)."""
+        return self._handles[self._where[key]].get_slice(key)  # type: ignore[no-untyped-call]  # unannotated stub

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
@@ -63,12 +65,13 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: bytes):
+def _fields(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
     """(field number, wire type, value) of a protobuf message: ints for varints, bytes else."""
     pos = 0
     while pos < len(data):
         key, pos = _varint(data, pos)
         number, wire = key >> 3, key & 7
+        value: int | bytes
         if wire == 0:
             value, pos = _varint(data, pos)
         elif wire == 1:
@@ -85,11 +88,29 @@ def _fields(data: bytes):
         yield number, wire, value
 
 
+def _int(value: int | bytes) -> int:
+    """A varint field's value; ValueError for a field of another wire type."""
+    if not isinstance(value, int):
+        raise ValueError("a length-delimited field where a varint was expected")
+    return value
+
+
+def _bool(value: int | bytes) -> bool:
+    return bool(_int(value))
+
+
+def _bytes(value: int | bytes) -> bytes:
+    """A length-delimited field's bytes; ValueError for a varint (bytes(n) would be n zero bytes)."""
+    if not isinstance(value, bytes):
+        raise ValueError("a varint where a length-delimited field was expected")
+    return value
+
+
 # ModelProto sub-message -> {field number: (SpModel attribute, conversion)}
-SPEC_FIELDS = {
-    2: {3: ("model_type", int), 35: ("byte_fallback", bool)},  # trainer_spec
-    3: {2: ("precompiled_charsmap", bytes), 3: ("add_dummy_prefix", bool),  # normalizer_spec
-        4: ("remove_extra_whitespaces", bool)},
+SPEC_FIELDS: dict[int, dict[int, tuple[str, Callable[[int | bytes], object]]]] = {
+    2: {3: ("model_type", _int), 35: ("byte_fallback", _bool)},  # trainer_spec
+    3: {2: ("precompiled_charsmap", _bytes), 3: ("add_dummy_prefix", _bool),  # normalizer_spec
+        4: ("remove_extra_whitespaces", _bool)},
 }
 
 
@@ -97,11 +118,11 @@ def _piece(message: bytes) -> tuple[str, float, int]:
     piece, score, kind = "", 0.0, NORMAL
     for n, _, v in _fields(message):
         if n == 1:
-            piece = v.decode()
+            piece = _bytes(v).decode()
         elif n == 2:
-            (score,) = struct.unpack("<f", v)
+            (score,) = struct.unpack("<f", _bytes(v))
         elif n == 3:
-            kind = v
+            kind = _int(v)
     return piece, score, kind
 
 
@@ -110,8 +131,8 @@ def parse_sp_model(data: bytes) -> SpModel:
     model = SpModel()
     for number, _, value in _fields(data):
         if number == 1:
-            model.pieces.append(_piece(value))
-        for n, _, v in _fields(value) if number in SPEC_FIELDS else ():
+            model.pieces.append(_piece(_bytes(value)))
+        for n, _, v in _fields(_bytes(value)) if number in SPEC_FIELDS else ():
             if n in SPEC_FIELDS[number]:
                 name, convert = SPEC_FIELDS[number][n]
                 setattr(model, name, convert(v))
@@ -127,8 +148,9 @@ def read_sp_model(path: Path) -> SpModel:
         raise BestiaryError(f"{path}: not a sentencepiece model ({err})") from None
 
 
-def _normalizers(model: SpModel) -> list[dict]:
-    steps = []
+def _normalizers(model: SpModel) -> list[dict[str, Any]]:
+    """tokenizers normalizer JSON of `model`'s normalizer_spec: its precompiled charsmap, its whitespace rules."""
+    steps: list[dict[str, Any]] = []
     if model.precompiled_charsmap:
         steps.append({"type": "Precompiled",
                       "precompiled_charsmap": base64.b64encode(model.precompiled_charsmap).decode()})
@@ -152,7 +174,7 @@ def vocab_from_sp(model: SpModel, offset: int = 0) -> Vocab:
 # ---- THUDM ChatGLM -------------------------------------------------------------------------------
 
 
-def _replace(a: str, b: str) -> dict:
+def _replace(a: str, b: str) -> dict[str, Any]:
     return {"type": "Replace", "pattern": {"String": a}, "content": b}
 
 
@@ -180,12 +202,12 @@ def chatglm_vocab(vocab: Vocab, version: int) -> Vocab:
     return vocab
 
 
-def chatglm_tokenizer(vocab: Vocab, config: dict) -> TokenizerFiles:
+def chatglm_tokenizer(vocab: Vocab, config: dict[str, Any]) -> TokenizerFiles:
     """tokenizer.json + tokenizer_config for a ChatGLM vocab: specials, prompt tokens, rounds, bos/eos."""
     version = chatglm_version(config) or 2
     vocab = chatglm_vocab(vocab, version)
     ids = {p: i for i, p in enumerate(vocab.pieces) if p is not None}
-    tok_config: dict = {"chat_template": chat_template_for(config)}
+    tok_config: dict[str, Any] = {"chat_template": chat_template_for(config)}
     for key, default in (("bos", "<sop>" if version == 1 else None), ("eos", "<eop>" if version == 1 else "</s>"),
                          ("pad", None)):
         token_id = config.get(f"{key}_token_id")
@@ -198,7 +220,7 @@ def chatglm_tokenizer(vocab: Vocab, config: dict) -> TokenizerFiles:
 SP_FILES = ("tokenizer.model", "ice_text.model")
 
 
-def sentencepiece_tokenizer_files(directory: Path, hf_config: dict) -> TokenizerFiles | None:
+def sentencepiece_tokenizer_files(directory: Path, hf_config: dict[str, Any]) -> TokenizerFiles | None:
     """The tokenizer of an HF directory that has a sentencepiece model but no tokenizer.json."""
     directory = Path(directory)
     config = read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}

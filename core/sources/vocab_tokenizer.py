@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from bestiary.core.sources.base import TokenizerFiles
+from bestiary.core.sources.flm_reader import FlmFile
 
 SPACE = "\u2581"  # sentencepiece's "▁"
 BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
@@ -39,8 +41,8 @@ class Vocab:
     special: list[str] = field(default_factory=list)  # matched whole on the raw text, never split
     user_defined: list[str] = field(default_factory=list)  # matched whole on the normalized text
     unk: str | None = None
-    normalizers: list[dict] = field(default_factory=list)  # tokenizers normalizer JSON, in order
-    decoders: list[dict] = field(default_factory=list)  # after the piece decoding, in order
+    normalizers: list[dict[str, Any]] = field(default_factory=list)  # tokenizers normalizer JSON, in order
+    decoders: list[dict[str, Any]] = field(default_factory=list)  # after the piece decoding, in order
 
 
 def merges_from_scores(pieces: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -56,18 +58,19 @@ def merges_from_scores(pieces: dict[str, int], scores: dict[str, float]) -> list
     return [m[3] for m in merges]
 
 
-def _normalizer(vocab: Vocab) -> dict | None:
+def _normalizer(vocab: Vocab) -> dict[str, Any] | None:
     return {"type": "Sequence", "normalizers": vocab.normalizers} if vocab.normalizers else None
 
 
-def _pre_tokenizer(vocab: Vocab) -> dict:
+def _pre_tokenizer(vocab: Vocab) -> dict[str, Any]:
     if vocab.byte_level:
         return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     scheme = "always" if vocab.add_dummy_prefix else "never"
     return {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": scheme, "split": False}
 
 
-def _decoder(vocab: Vocab) -> dict:
+def _decoder(vocab: Vocab) -> dict[str, Any]:
+    steps: list[dict[str, Any]]
     if vocab.byte_level:
         steps = [{"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]
     else:
@@ -78,7 +81,7 @@ def _decoder(vocab: Vocab) -> dict:
     return {"type": "Sequence", "decoders": steps + vocab.decoders}
 
 
-def _model(vocab: Vocab) -> dict:
+def _model(vocab: Vocab) -> dict[str, Any]:
     byte_fallback = any(p is not None and BYTE_PIECE.match(p) for p in vocab.pieces)
     ids = {p: i for i, p in enumerate(vocab.pieces) if p is not None}
     unk_id = ids.get(vocab.unk) if vocab.unk is not None else None
@@ -96,7 +99,7 @@ def _model(vocab: Vocab) -> dict:
             "vocab": ids, "merges": [[a, b] for a, b in merges]}
 
 
-def tokenizer_json(vocab: Vocab, post_processor: dict | None = None) -> str:
+def tokenizer_json(vocab: Vocab, post_processor: dict[str, Any] | None = None) -> str:
     """tokenizer.json text of `vocab` (special tokens as added tokens, `post_processor` as given)."""
     ids = {p: i for i, p in enumerate(vocab.pieces) if p is not None}
     # user-defined pieces: a unigram model's Viterbi picks them whole (score 0, as sentencepiece does);
@@ -132,7 +135,8 @@ def vocab_from_flm(entries: list[tuple[bytes, int, float | None]], info: dict[st
                  special=list(special), unk="<unk>" if "<unk>" in pieces else None)
 
 
-def _token_name(pieces: list[str | None], value) -> str | None:
+def _token_name(pieces: list[str | None], value: object) -> str | None:
+    """The piece of token id `value` (or of the first id of a list that has one), else None."""
     ids = value if isinstance(value, list) else [value]
     for token_id in ids:
         if isinstance(token_id, int) and 0 <= token_id < len(pieces) and pieces[token_id] is not None:
@@ -140,15 +144,15 @@ def _token_name(pieces: list[str | None], value) -> str | None:
     return None
 
 
-def tokenizer_from_flm(flm, config: dict) -> TokenizerFiles | None:
+def tokenizer_from_flm(flm: FlmFile, config: dict[str, Any]) -> TokenizerFiles | None:
     """The tokenizer of a .flm file: the tokenizer.json bestiary stored in the info, or one rebuilt
     from the vocab section; FastLLM's chat keys become the chat template (core.sources.chat_formats)."""
     from bestiary.core.sources.chat_formats import chat_template_for, chatglm_version
 
     info = flm.info
     if "bestiary.tokenizer_json" in info:
-        tok_config = json.loads(info.get("bestiary.tokenizer_config", "{}"))
-        return TokenizerFiles(info["bestiary.tokenizer_json"], tok_config)
+        stored: dict[str, Any] = json.loads(info.get("bestiary.tokenizer_config", "{}"))
+        return TokenizerFiles(info["bestiary.tokenizer_json"], stored)
     if not flm.vocab:
         return None
     vocab = vocab_from_flm(flm.vocab, info, flm.special_tokens)
@@ -160,7 +164,7 @@ def tokenizer_from_flm(flm, config: dict) -> TokenizerFiles | None:
         name = _token_name(vocab.pieces, config.get(key))
         if name is not None and name not in vocab.special:
             vocab.special.append(name)
-    tok_config: dict = {}
+    tok_config: dict[str, Any] = {}
     for key in ("bos", "eos", "pad"):
         name = _token_name(vocab.pieces, config.get(f"{key}_token_id"))
         if name is not None:

@@ -65,6 +65,7 @@ class ChatGLM2Config(DecoderConfig):
 
     @model_validator(mode="after")
     def _check_rotary(self) -> ChatGLM2Config:
+        assert self.head_size is not None  # set by PretrainedConfig._derive (validated before this subclass's check)
         if int(self.head_size * self.rotary_pct) % 2 or self.rotary_dim == 0:
             raise ValueError(
                 f"head_size {self.head_size} * rotary_pct {self.rotary_pct} must be a positive even number"

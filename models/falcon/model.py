@@ -15,7 +15,7 @@ bias_h(j) = slope_h * j / sqrt(D) for key position j, with HF's bfloat16 roundin
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -23,11 +23,11 @@ from torch import nn
 
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
 from bestiary.core.layers.attention import alibi_slopes
-from bestiary.core.layers.builder import layer_norm, standard_layer
+from bestiary.core.layers.builder import Layout, layer_norm, standard_layer
 from bestiary.core.runtime.model import DecoderLM
 
 # HF FalconConfig's defaults (falcon-7b) by bestiary field, where config.json omits a field.
-HF_DEFAULTS = dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
+HF_DEFAULTS: dict[str, Any] = dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
                    max_position_embeddings=2048, norm_epsilon=1e-5, hidden_act="gelu", tie_word_embeddings=True)
 
 
@@ -136,7 +136,7 @@ class FalconForCausalLM(DecoderLM):
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
         c = self.config
-        layout = "parallel" if c.parallel_attention else "pre"
+        layout: Layout = "parallel" if c.parallel_attention else "pre"
         alibi = self._alibi() if c.alibi else None
         return standard_layer(self, device, gated=False, rotary=alibi is None, key_bias=alibi, layout=layout,
                               parallel_norms=c.num_ln_in_parallel_attn)
@@ -149,6 +149,7 @@ class FalconForCausalLM(DecoderLM):
         alibi = getattr(self, "_falcon_alibi", None)
         if alibi is None:
             c = self.config
+            assert c.head_size is not None  # set by PretrainedConfig._derive
             per_rank = c.num_attention_heads // self.tp_size
             heads = range(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank)
             alibi = self._falcon_alibi = FalconAlibi(c.num_attention_heads, heads, c.head_size,

@@ -59,6 +59,7 @@ class GPT2LMHeadModel(DecoderLM):
     def attention_scale(self, layer_idx: int) -> float:
         """s of layer `layer_idx` (see the module doc)."""
         c = self.config
+        assert c.head_size is not None  # set by PretrainedConfig._derive
         scale = c.head_size**-0.5 if c.scale_attn_weights else 1.0
         return scale / (layer_idx + 1) if c.scale_attn_by_inverse_layer_idx else scale
 

@@ -32,7 +32,7 @@ class LlamaConfig(WindowFields):
 
 def max_positions(hf: dict) -> int:
     """max_position_embeddings, else the default of the HF config class that wrote the file."""
-    return first_present(hf, ("max_position_embeddings",)) or MAX_POSITIONS.get(hf.get("model_type"), 2048)
+    return first_present(hf, ("max_position_embeddings",)) or MAX_POSITIONS.get(hf.get("model_type", ""), 2048)
 
 
 from_hf_config = hf_config_reader(LlamaConfig, max_position_embeddings=max_positions)

@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from bestiary.core.format.hf_config import DecoderConfig, hf_config_reader
-from bestiary.core.layers.builder import layer_norm, standard_layer
+from bestiary.core.layers.builder import Layout, layer_norm, standard_layer
 from bestiary.core.layers.linear import Linear
 from bestiary.core.layers.position_embedding import LearnedPositionEmbedding
 from bestiary.core.runtime.model import DecoderLM
@@ -56,6 +56,12 @@ class OPTConfig(DecoderConfig):
         return self
 
     @property
+    def embed_dim(self) -> int:
+        """word_embed_proj_dim, set by validation (hidden_size when the source gives none)."""
+        assert self.word_embed_proj_dim is not None, "set by _derive_proj_dim"
+        return self.word_embed_proj_dim
+
+    @property
     def has_final_norm(self) -> bool:
         """HF builds decoder.final_layer_norm only for pre-norm models that keep it."""
         return self.do_layer_norm_before and not self.remove_final_layer_norm
@@ -85,22 +91,22 @@ class OPTForCausalLM(DecoderLM):
             extra["position_embedding"] = LearnedPositionEmbedding(
                 c.max_position_embeddings or 2048, c.hidden_size, c.position_offset, **place)
             if self.projected:
-                extra["project_in"] = Linear(c.word_embed_proj_dim, c.hidden_size, **place)
+                extra["project_in"] = Linear(c.embed_dim, c.hidden_size, **place)
         if self.is_last_stage and self.projected:
-            extra["project_out"] = Linear(c.hidden_size, c.word_embed_proj_dim, **place)
+            extra["project_out"] = Linear(c.hidden_size, c.embed_dim, **place)
         return extra
 
     @property
     def projected(self) -> bool:
         """Token embeddings are narrower/wider than the layers (OPT-350m): project_in/out exist."""
-        return self.config.word_embed_proj_dim != self.config.hidden_size
+        return self.config.embed_dim != self.config.hidden_size
 
     @property
     def embedding_dim(self) -> int:
-        return self.config.word_embed_proj_dim
+        return self.config.embed_dim
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
-        layout = "pre" if self.config.do_layer_norm_before else "post"
+        layout: Layout = "pre" if self.config.do_layer_norm_before else "post"
         return standard_layer(self, device, gated=False, rotary=False, layout=layout, norm=layer_norm)
 
     def make_final_norm(self, device) -> nn.Module:

@@ -69,6 +69,7 @@ class QWenLMHeadModel(DecoderLM):
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
         c = self.config
+        assert c.head_size is not None  # set by PretrainedConfig._derive
         logn = c.use_logn_attn and (c.max_position_embeddings or 0) > c.seq_length
         return standard_layer(self, device, attn=LognPagedAttention(c.head_size, c.seq_length) if logn else None)
 

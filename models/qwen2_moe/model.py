@@ -59,9 +59,10 @@ class Qwen2MoeForCausalLM(DecoderLM):
 
     def make_layer(self, layer_idx: int, device) -> nn.Module:
         c = self.config
+        assert c.intermediate_size is not None  # an expert's FFN width: the HF reader always sets it
         moe = SharedExpertMoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                               c.shared_expert_intermediate_size, c.hidden_act, renormalize=c.norm_topk_prob,
-                              ep_size=c.mapping.moe_ep_size, **self.placement(device))
+                              ep_size=c.mapping.moe_sizes()[1], **self.placement(device))
         return standard_layer(self, device, mlp=moe)
 
     def make_final_norm(self, device) -> nn.Module:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from bestiary.core.cli.main import main
 from bestiary.core.convert.lint import lint
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.runtime.engine import Engine
 from bestiary.registry import Registry, Supports
@@ -114,9 +114,9 @@ def test_unsupported_options_are_refused_before_weights_are_read(source, tmp_pat
     monkeypatch.setattr(SafetensorsWeights, "load", no_reading)
     registry = registry_with(supports=Supports(tensor_parallel=False, quant_algos=("W8A16",)))
     with pytest.raises(BestiaryError, match="--tp_size 2: LlamaForCausalLM does not support tensor parallelism"):
-        convert(source, tmp_path / "a", tp_size=2, registry=registry, show_progress=False)
+        convert(source, tmp_path / "a", ConvertOptions(tp_size=2), registry=registry, show_progress=False)
     with pytest.raises(BestiaryError, match="quantization W4A16: LlamaForCausalLM supports W8A16"):
-        convert(source, tmp_path / "b", quantization=QuantConfig(quant_algo="W4A16"), registry=registry,
+        convert(source, tmp_path / "b", ConvertOptions(quantization=QuantConfig(quant_algo="W4A16")), registry=registry,
                 show_progress=False)
     with pytest.raises(BestiaryError, match="--tp_size 2: LlamaForCausalLM does not support"):
         lint(source, tp_size=2, registry=registry)

@@ -21,7 +21,7 @@ import torch
 from test_gguf_source import write_tiny_llama
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format import packing
 from bestiary.core.format.checkpoint import FINITE_CHUNK, check_finite, load_rank_weights
 from bestiary.core.format.config import QuantConfig
@@ -107,14 +107,14 @@ def test_row_blocked_convert_equals_whole(source_kind, quant, tmp_path, monkeypa
     else:
         src = tmp_path / "tiny.gguf"
         write_tiny_llama(src)
-    kwargs = {"quantization": quant, "weight_quantizer": "rtn" if quant else None, "show_progress": False}
-    whole = load_rank_weights(convert(src, tmp_path / "whole", **kwargs), 0)
+    options = ConvertOptions(quantization=quant, weight_quantizer="rtn" if quant else None)
+    whole = load_rank_weights(convert(src, tmp_path / "whole", options, show_progress=False), 0)
     calls = []
     monkeypatch.setattr(loader_module, "STREAM_ROWS", 16)
     original = loader_module.WeightsLoader.load_rows
     monkeypatch.setattr(loader_module.WeightsLoader, "load_rows",
                         lambda self, target, *a: calls.append(target.key) or original(self, target, *a))
-    blocked = load_rank_weights(convert(src, tmp_path / "blocked", **kwargs), 0)
+    blocked = load_rank_weights(convert(src, tmp_path / "blocked", options, show_progress=False), 0)
     assert set(blocked) == set(whole)
     for key, tensor in whole.items():
         assert torch.equal(blocked[key], tensor), key
@@ -132,7 +132,7 @@ def reset_peak():
         f.write("5")
 what, gguf_path, out, mode = sys.argv[1:5]
 import torch
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
@@ -141,8 +141,8 @@ base = status("VmRSS")
 reset_peak()
 if what == "convert":
     quant = {"bf16": None, "W8A16": QuantConfig(quant_algo="W8A16"), "W4A16": QuantConfig(quant_algo="W4A16")}[mode]
-    convert(gguf_path, out, dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None,
-            show_progress=False)
+    options = ConvertOptions(dtype="bfloat16", quantization=quant, weight_quantizer="rtn" if quant else None)
+    convert(gguf_path, out, options, show_progress=False)
     print(json.dumps({"peak_mib": status("VmHWM") - base}))
 else:
     llm = LLM(out)

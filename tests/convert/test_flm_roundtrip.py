@@ -14,7 +14,7 @@ from tiny_llama import make_tiny_llama
 
 from bestiary.core.cli.main import main
 from bestiary.core.convert.export_flm import export_flm
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.engine import Engine
 
@@ -28,7 +28,7 @@ def logits_of(directory, prompt: list[int]) -> torch.Tensor:
 def round_trip(src, tmp_path, flm_dtype=None, **convert_kwargs):
     """(first checkpoint, checkpoint converted back from the exported .flm)."""
     first, back = tmp_path / "ck", tmp_path / "back"
-    convert(src, first, show_progress=False, **convert_kwargs)
+    convert(src, first, ConvertOptions(**convert_kwargs), show_progress=False)
     flm = export_flm(first, tmp_path / "model.flm", flm_dtype, show_progress=False)
     convert(flm, back, show_progress=False)
     return first, back

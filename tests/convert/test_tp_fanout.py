@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.errors import BestiaryError
 
@@ -22,7 +22,7 @@ from bestiary.core.format.errors import BestiaryError
 def assert_reassembles(src, tmp_path, tp: int) -> dict[int, dict[str, torch.Tensor]]:
     """Convert at tp 1 and at `tp`; every whole tensor re-assembled from the ranks equals tp 1's."""
     convert(src, tmp_path / "tp1", show_progress=False)
-    convert(src, tmp_path / f"tp{tp}", tp_size=tp, show_progress=False)
+    convert(src, tmp_path / f"tp{tp}", ConvertOptions(tp_size=tp), show_progress=False)
     whole = parity.reassemble_checkpoint(tmp_path / f"tp{tp}")
     reference = load_rank_weights(tmp_path / "tp1", 0)
     for key, tensor in reference.items():
@@ -64,7 +64,7 @@ def test_wrong_kv_source_is_named(tmp_path):
     weights["model.layers.0.self_attn.k_proj.weight"] = weights["model.layers.0.self_attn.k_proj.weight"][:8]
     save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(BestiaryError) as err:
-        convert(src, tmp_path / "out", tp_size=2, show_progress=False)
+        convert(src, tmp_path / "out", ConvertOptions(tp_size=2), show_progress=False)
     message = str(err.value)
     assert "'model.layers.0.self_attn.k_proj.weight'" in message and "q_proj" not in message, message
     assert "expected 16 along dim 0" in message, message

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from tiny_llama import make_tiny_llama  # noqa: E402
 
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.format.checkpoint import StreamingSafetensorsWriter, atomic_directory  # noqa: E402
 from bestiary.core.format.config import read_json  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
@@ -95,8 +95,8 @@ def tp_dim(key: str) -> int:
 
 
 def assert_tp_reassembles(src, tmp_path, tp: int, heads: int, kv_heads: int, **kw) -> None:
-    convert(src, tmp_path / "tp1", show_progress=False, **kw)
-    convert(src, tmp_path / f"tp{tp}", tp_size=tp, show_progress=False, **kw)
+    convert(src, tmp_path / "tp1", ConvertOptions(**kw), show_progress=False)
+    convert(src, tmp_path / f"tp{tp}", ConvertOptions(tp_size=tp, **kw), show_progress=False)
     full = load_file(str(tmp_path / "tp1" / "rank0.safetensors"))
     shards = [load_file(str(tmp_path / f"tp{tp}" / f"rank{r}.safetensors")) for r in range(tp)]
     config = read_json(tmp_path / f"tp{tp}" / "config.json")
@@ -119,7 +119,7 @@ def test_tiny_llama_tied_tp2_materialises_lm_head(tmp_path):
 def test_pp2_splits_layers(tmp_path):
     src = make_tiny_llama(tmp_path, num_hidden_layers=3)
     convert(src, tmp_path / "pp1", show_progress=False)
-    convert(src, tmp_path / "pp2", pp_size=2, show_progress=False)
+    convert(src, tmp_path / "pp2", ConvertOptions(pp_size=2), show_progress=False)
     full = load_file(str(tmp_path / "pp1" / "rank0.safetensors"))
     first, last = (load_file(str(tmp_path / "pp2" / f"rank{r}.safetensors")) for r in range(2))
     assert "transformer.vocab_embedding.weight" in first and "lm_head.weight" not in first
@@ -132,7 +132,7 @@ def test_pp2_splits_layers(tmp_path):
 def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
     src = make_tiny_llama(tmp_path)
     with pytest.raises(BestiaryError, match="--tp_size 3 .*must divide num_attention_heads 4"):
-        convert(src, tmp_path / "out", tp_size=3, show_progress=False)
+        convert(src, tmp_path / "out", ConvertOptions(tp_size=3), show_progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -163,8 +163,9 @@ def test_single_safetensors_file_and_customized_key_dict(tmp_path):
     save_file(state, str(other / "weights.safetensors"))
     with pytest.raises(BestiaryError, match="not found in the source"):
         convert(other / "weights.safetensors", tmp_path / "x", show_progress=False)
-    convert(other / "weights.safetensors", tmp_path / "x", show_progress=False,
-            customized_key_dict={"transformer": "language_model.model", "lm_head": "language_model.lm_head"})
+    options = ConvertOptions(customized_key_dict={"transformer": "language_model.model",
+                                                  "lm_head": "language_model.lm_head"})
+    convert(other / "weights.safetensors", tmp_path / "x", options, show_progress=False)
     convert(src, tmp_path / "ref", show_progress=False)
     a, b = (load_file(str(tmp_path / d / "rank0.safetensors")) for d in ("x", "ref"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -175,7 +176,7 @@ def test_smollm2_tp3_reassembles(tmp_path, smollm2_gguf):
     gguf = smollm2_gguf
     assert_tp_reassembles(gguf, tmp_path, 3, heads=9, kv_heads=3)
     with pytest.raises(BestiaryError, match="--tp_size 2 .*must divide num_attention_heads 9"):
-        convert(gguf, tmp_path / "tp2", tp_size=2, show_progress=False)
+        convert(gguf, tmp_path / "tp2", ConvertOptions(tp_size=2), show_progress=False)
 
 
 def test_transposed_source_slices_along_the_other_dim(tmp_path):
@@ -200,8 +201,8 @@ def test_transposed_source_slices_along_the_other_dim(tmp_path):
     hook = "bestiary.core.convert.postprocess:transpose"
     registry.specs[spec.name] = dataclasses.replace(
         spec, postprocess={**spec.postprocess, "*.mlp.fc.weight": hook, "*.attention.dense.weight": hook})
-    convert(src, tmp_path / "ref", tp_size=2, show_progress=False)
-    convert(flipped_dir, tmp_path / "flip", tp_size=2, registry=registry, show_progress=False)
+    convert(src, tmp_path / "ref", ConvertOptions(tp_size=2), show_progress=False)
+    convert(flipped_dir, tmp_path / "flip", ConvertOptions(tp_size=2), registry=registry, show_progress=False)
     for rank in range(2):
         a, b = (load_file(str(tmp_path / d / f"rank{rank}.safetensors")) for d in ("ref", "flip"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank

@@ -59,9 +59,9 @@ def test_layer_dispatches(device):
     qkv = _qkv(32, torch.float32, device)
     out, ref = qkv.clone(), qkv.clone()
     with dispatch.kernels_mode("triton"):
-        rot.apply(out[:, :4], cos, sin)
+        rot.rotate(out[:, :4], cos, sin)
     with dispatch.kernels_mode("torch"):
-        rot.apply(ref[:, :4], cos, sin)
+        rot.rotate(ref[:, :4], cos, sin)
     assert_close(out, ref, torch.float32)
 
 

@@ -15,7 +15,7 @@ import parity  # noqa: E402
 from lora_helpers import peft_adapter, tiny_llama  # noqa: E402
 
 from bestiary.core.cli.main import main  # noqa: E402
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
@@ -27,7 +27,7 @@ PROMPTS = ["5,17,60,3,42", "8,61,27", "11,70,7,33,2"]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_bundle")
-    convert(parity.save_hf(tiny_llama(), root), root / "ckpt", dtype="float32", show_progress=False)
+    convert(parity.save_hf(tiny_llama(), root), root / "ckpt", ConvertOptions(dtype="float32"), show_progress=False)
     peft_adapter(tiny_llama(), root / "qv4", seed=4, b_scale=2.0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     peft_adapter(tiny_llama(), root / "all8", seed=8, b_scale=2.0, r=8, lora_alpha=4,
                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

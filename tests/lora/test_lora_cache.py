@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import parity  # noqa: E402
 from lora_helpers import tiny_llama  # noqa: E402
 
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
@@ -42,7 +42,7 @@ def seed_adapter(seed: int, rank: int = 2) -> LoraRequest:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_cache")
-    convert(parity.save_hf(tiny_llama(), root), root / "ckpt", dtype="float32", show_progress=False)
+    convert(parity.save_hf(tiny_llama(), root), root / "ckpt", ConvertOptions(dtype="float32"), show_progress=False)
     return root / "ckpt"
 
 

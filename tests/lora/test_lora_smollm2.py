@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 from lora_helpers import peft_adapter  # noqa: E402
 from parity import greedy_mismatch, hf_greedy  # noqa: E402
 
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
@@ -85,7 +85,7 @@ def test_tp3_equals_tp1_with_an_adapter(models, smollm2_gguf, tmp_path):
     from bestiary.core.runtime.step_broadcast import check_mirror
 
     llm, _, tok, adapter = models
-    convert(smollm2_gguf, tmp_path / "tp3", dtype="float32", tp_size=3, show_progress=False)
+    convert(smollm2_gguf, tmp_path / "tp3", ConvertOptions(dtype="float32", tp_size=3), show_progress=False)
     tp3 = LLM(tmp_path / "tp3", num_threads=1)
     lora = LoraRequest("rand8", adapter)
     ids = [tok(p).input_ids for p in PROMPTS[:3]]

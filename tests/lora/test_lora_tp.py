@@ -14,7 +14,7 @@ peft = pytest.importorskip("peft")
 from lora_helpers import peft_adapter  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
-from bestiary.core.convert.source_to_checkpoint import convert, instantiate  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert, instantiate  # noqa: E402
 from bestiary.core.format.config import read_json  # noqa: E402
 from bestiary.core.lora.adapter import load_adapter, place, read_peft  # noqa: E402
 from bestiary.core.lora.request import LoraRequest  # noqa: E402
@@ -33,7 +33,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_tp")
     source = make_tiny_llama(root / "llama")
     for name, tp, pp in (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2), ("tp2pp2", 2, 2)):
-        convert(source, root / name, tp_size=tp, pp_size=pp, dtype="float32", show_progress=False)
+        convert(source, root / name, ConvertOptions(tp_size=tp, pp_size=pp, dtype="float32"), show_progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source)
     peft_adapter(hf, root / "all8", seed=8, b_scale=2.0, r=8, lora_alpha=16, target_modules=TARGETS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source)

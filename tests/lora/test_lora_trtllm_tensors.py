@@ -16,7 +16,7 @@ import parity  # noqa: E402
 from lora_helpers import peft_adapter, run_logits, tiny_llama  # noqa: E402
 
 from bestiary.core.cli.main import main  # noqa: E402
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.lora import trtllm_tensors  # noqa: E402
 from bestiary.core.lora.adapter import load_adapter, module_dims  # noqa: E402
@@ -36,7 +36,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_seed_example")
-    convert(parity.save_hf(tiny_llama(0, **EXAMPLE), root), root / "ckpt", dtype="float32", show_progress=False)
+    convert(parity.save_hf(tiny_llama(0, **EXAMPLE), root), root / "ckpt", ConvertOptions(dtype="float32"),
+            show_progress=False)
     return root / "ckpt"
 
 
@@ -109,7 +110,7 @@ def tiny(tmp_path_factory):
     """A tiny LLaMA checkpoint and a PEFT adapter with rank_pattern / alpha_pattern and rslora."""
     root = tmp_path_factory.mktemp("lora_seed_tiny")
     hf = tiny_llama(0)
-    convert(parity.save_hf(hf, root), root / "ckpt", dtype="float32", show_progress=False)
+    convert(parity.save_hf(hf, root), root / "ckpt", ConvertOptions(dtype="float32"), show_progress=False)
     peft_model = peft_adapter(tiny_llama(0), root / "peft", seed=3, b_scale=2.0, r=8, lora_alpha=12,
                               use_rslora=True, target_modules=TARGETS, rank_pattern={"v_proj": 4},
                               alpha_pattern={"down_proj": 5})

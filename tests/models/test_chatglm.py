@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from split_dims import DENSE_TP_DIMS, assert_split_dims
 
 from bestiary.core.convert.loader import model_targets
-from bestiary.core.convert.source_to_checkpoint import convert, instantiate
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert, instantiate
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import Mapping, read_json
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
@@ -321,7 +321,7 @@ def checkpoints(sources, tmp_path_factory):
     def get(variant: str, tp: int = 1, pp: int = 1) -> Path:
         if (variant, tp, pp) not in done:
             out = root / f"{variant}_tp{tp}_pp{pp}"
-            convert(sources[variant], out, tp_size=tp, pp_size=pp, show_progress=False)
+            convert(sources[variant], out, ConvertOptions(tp_size=tp, pp_size=pp), show_progress=False)
             done[variant, tp, pp] = out
         return done[variant, tp, pp]
 
@@ -550,7 +550,7 @@ def test_architecture_override_in_convert(sources, checkpoints, tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="--architecture"):
         convert(src, tmp_path / "refused", show_progress=False)
-    convert(src, tmp_path / "out", architecture=V2, show_progress=False)
+    convert(src, tmp_path / "out", ConvertOptions(architecture=V2), show_progress=False)
     expected = load_rank_weights(checkpoints("thudm_mha"), 0)
     got = load_rank_weights(tmp_path / "out", 0)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
@@ -568,7 +568,8 @@ def test_v1_perplexity_and_kv_calibration_use_its_2d_positions(sources, checkpoi
     logits = parity.EngineRunner(engine).feed(ids, all_logits=True)  # the executor's metadata
     nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
     assert perplexity(engine, ids).nll == pytest.approx(float(nll), rel=1e-5)
-    convert(sources["v1"], tmp_path / "kv", show_progress=False, quantization=QuantConfig(kv_cache_quant_algo="INT8"))
+    convert(sources["v1"], tmp_path / "kv", ConvertOptions(quantization=QuantConfig(kv_cache_quant_algo="INT8")),
+            show_progress=False)
     # the scales are amax / 127 of the float engine's K and V over the calibration ids, per layer
     kv = load_file(str(tmp_path / "kv" / "rank0.safetensors"))
     for layer, expected in enumerate(expected_kv_scales(engine, 127.0)):

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 import parity  # noqa: E402
 from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.format.checkpoint import load_rank_weights  # noqa: E402
 from bestiary.core.format.config import Mapping  # noqa: E402
 from bestiary.core.format.errors import BestiaryError, WeightsError  # noqa: E402
@@ -109,7 +109,7 @@ TP_DIMS = {**DENSE_TP_DIMS, "transformer.layers.*.mlp_layernorm.weight": -1,  # 
 
 
 def _check_reassembles(src, ckpt, out, tp_size: int, pp_size: int) -> None:
-    convert(src, out, tp_size=tp_size, pp_size=pp_size, show_progress=False)
+    convert(src, out, ConvertOptions(tp_size=tp_size, pp_size=pp_size), show_progress=False)
     whole = parity.reassemble_checkpoint(out)
     ref = load_rank_weights(ckpt, 0)
     if "lm_head.weight" not in ref:  # tied at tp 1: lm_head is the embedding itself
@@ -139,7 +139,7 @@ def test_tp_must_divide_query_heads(tmp_path, tmp_path_factory):
     """tp 3 does not divide 4 query heads: a one-line error before anything is written."""
     _, src = _hf_variant("7b_shape", tmp_path_factory)
     with pytest.raises(BestiaryError, match="tp_size 3 must divide num_attention_heads 4"):
-        convert(src, tmp_path / "tp3", tp_size=3, show_progress=False)
+        convert(src, tmp_path / "tp3", ConvertOptions(tp_size=3), show_progress=False)
     assert not (tmp_path / "tp3").exists()
 
 

@@ -82,10 +82,10 @@ def test_half_precision_close_to_fp32(tmp_path, dtype, tol):
     """bf16/fp16 engines stay near the fp32 reference (relative to the logit scale)."""
     hf = make_hf("gqa_untied")
     src = parity.save_hf(hf, tmp_path)
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.runtime.engine import Engine
 
-    convert(src, tmp_path / dtype, dtype=dtype, show_progress=False)
+    convert(src, tmp_path / dtype, ConvertOptions(dtype=dtype), show_progress=False)
     engine = Engine.load(tmp_path / dtype)
     ours = parity.EngineRunner(engine).feed(PROMPT, all_logits=True)
     ref = parity.hf_logits(hf, PROMPT)

@@ -20,7 +20,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  
 
 from bestiary.core.convert import source_to_checkpoint as convert_module  # noqa: E402
 from bestiary.core.convert.loader import model_targets  # noqa: E402
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.format.checkpoint import load_rank_weights  # noqa: E402
 from bestiary.core.format.config import Mapping, read_json  # noqa: E402
 from bestiary.core.format.errors import WeightsError  # noqa: E402
@@ -239,7 +239,7 @@ TP_DIMS = {**DENSE_TP_DIMS, "transformer.layers.*.mlp.router.weight": -1,
 @pytest.mark.parametrize("tp_size, pp_size", [(2, 1), (1, 2), (2, 2)])
 def test_sharded_conversion_reassembles_to_tp1(hf_dir, ckpt, tmp_path, tp_size, pp_size):
     """--tp_size / --pp_size shards re-assemble to the tp 1 tensors; experts split along I."""
-    out = convert(hf_dir, tmp_path / "sharded", tp_size=tp_size, pp_size=pp_size, show_progress=False)
+    out = convert(hf_dir, tmp_path / "sharded", ConvertOptions(tp_size=tp_size, pp_size=pp_size), show_progress=False)
     reference = load_rank_weights(ckpt, 0)
     full = reassemble(out)
     assert set(full) == set(reference)

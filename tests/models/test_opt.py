@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import parity  # noqa: E402
 from split_dims import DENSE_TP_DIMS, assert_split_dims  # noqa: E402
 
-from bestiary.core.convert.source_to_checkpoint import convert  # noqa: E402
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert  # noqa: E402
 from bestiary.core.format.checkpoint import load_rank_weights  # noqa: E402
 from bestiary.core.format.config import Mapping  # noqa: E402
 from bestiary.core.format.errors import WeightsError  # noqa: E402
@@ -89,7 +89,7 @@ TP_DIMS = {**DENSE_TP_DIMS, "transformer.position_embedding.weight": -1,  # lear
 def test_tp2_pp2_shards_reassemble_to_tp1(case, tmp_path):
     """--tp_size 2 --pp_size 2: the 4 rank files re-assemble to exactly the tp 1 tensors."""
     _, _, src, ckpt = case
-    convert(src, tmp_path / "tp2pp2", tp_size=2, pp_size=2, show_progress=False)
+    convert(src, tmp_path / "tp2pp2", ConvertOptions(tp_size=2, pp_size=2), show_progress=False)
     whole = parity.reassemble_checkpoint(tmp_path / "tp2pp2")
     ref = load_rank_weights(ckpt, 0)
     if "lm_head.weight" not in ref:  # tied at tp 1: lm_head is the embedding itself

@@ -18,7 +18,7 @@ CASES = {f"{arch}-{name}": case for arch, cases in (test_zoo_hf.ZOO | test_zoo_r
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_engine_matches_the_reference(name, tmp_path):
-    from bestiary.core.convert.source_to_checkpoint import convert
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.runtime.llm import LLM
     from bestiary.testing.parity import reference_diffs
     from bestiary.testing.references import as_reference
@@ -26,7 +26,7 @@ def test_tp2_engine_matches_the_reference(name, tmp_path):
 
     reference = as_reference(CASES[name])
     source = reference.save(tmp_path / "source")
-    llm = LLM(convert(source, tmp_path / "tp2", tp_size=2, show_progress=False), num_threads=1)
+    llm = LLM(convert(source, tmp_path / "tp2", ConvertOptions(tp_size=2), show_progress=False), num_threads=1)
     try:
         assert llm.engine.model.tp_size == 2
         diff, scale = reference_diffs(llm.engine, reference.logits, PROMPT, 6, 0)

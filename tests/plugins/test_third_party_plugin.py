@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.errors import WeightsError
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
@@ -166,7 +166,8 @@ def test_tensor_parallel_ranks_get_their_heads(registry, source, tmp_path):
     src, _ = source
     whole = load_file(str(convert(src, tmp_path / "tp1", registry=registry, show_progress=False)
                           / "rank0.safetensors"))
-    rank1 = load_file(str(convert(src, tmp_path / "tp2", tp_size=2, registry=registry, show_progress=False)
+    rank1 = load_file(str(convert(src, tmp_path / "tp2", ConvertOptions(tp_size=2), registry=registry,
+                                  show_progress=False)
                           / "rank1.safetensors"))
     for kind in ("weight", "bias"):
         key = f"transformer.layers.0.attention.qkv.{kind}"

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from parity import EngineRunner
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format import packing
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import ConfigError
@@ -280,7 +280,7 @@ def test_engine_logits_equal_hand_dequantized_reference(mode, tiny_src, tmp_path
     if mode == "int4_g64_ragged":  # intermediate 80: mlp.proj's last group has 16 features
         tiny_src = make_tiny_llama(tmp_path)
     quant = MODES.get(mode, QuantConfig(quant_algo="W4A16", group_size=64))
-    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=quant)
+    convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=quant), show_progress=False)
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization"]["quant_algo"] == quant.quant_algo
     engine = Engine.load(tmp_path / "q")
@@ -295,7 +295,7 @@ def test_engine_logits_equal_hand_dequantized_reference(mode, tiny_src, tmp_path
 
 
 def test_bf16_activations_stay_close(tiny_src, tmp_path):
-    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=MODES["int8"])
+    convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=MODES["int8"]), show_progress=False)
     engine = Engine.load(tmp_path / "q")
     ref = Engine.load(float_reference(tmp_path / "q", tmp_path / "ref"))
     ours, theirs = _logits(engine, list(range(3, 15))), _logits(ref, list(range(3, 15)))
@@ -304,7 +304,7 @@ def test_bf16_activations_stay_close(tiny_src, tmp_path):
 
 def test_excluded_modules_stay_float(tiny_src, tmp_path):
     quant = QuantConfig(quant_algo="W8A16", exclude_modules=["lm_head", "mlp.proj"])
-    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=quant)
+    convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=quant), show_progress=False)
     tensors = load_file(str(tmp_path / "q" / "rank0.safetensors"))
     assert tensors["lm_head.weight"].dtype == torch.float32 and "lm_head.weights_scaling_factor" not in tensors
     assert tensors["transformer.layers.1.mlp.proj.weight"].dtype == torch.float32
@@ -313,7 +313,7 @@ def test_excluded_modules_stay_float(tiny_src, tmp_path):
 
 def test_tied_lm_head_gets_a_quantized_copy(tmp_path):
     src = make_tiny_llama(tmp_path, intermediate_size=128, tie_word_embeddings=True)
-    convert(src, tmp_path / "q", show_progress=False, quantization=MODES["int4_g32"])
+    convert(src, tmp_path / "q", ConvertOptions(quantization=MODES["int4_g32"]), show_progress=False)
     tensors = load_file(str(tmp_path / "q" / "rank0.safetensors"))
     assert tensors["transformer.vocab_embedding.weight"].dtype == torch.float32  # the lookup stays float
     assert tensors["lm_head.weight"].dtype == torch.uint8
@@ -323,13 +323,14 @@ def test_tied_lm_head_gets_a_quantized_copy(tmp_path):
     ours, theirs = _logits(engine, [5, 6, 7]), _logits(ref, [5, 6, 7])
     assert (ours - theirs).abs().max() < 1e-4 * max(1.0, theirs.abs().max().item())
     # excluded: shared again, no lm_head tensor at all
-    convert(src, tmp_path / "x", show_progress=False,
-            quantization=QuantConfig(quant_algo="W4A16", group_size=32, exclude_modules=["lm_head"]))
+    convert(src, tmp_path / "x",
+            ConvertOptions(quantization=QuantConfig(quant_algo="W4A16", group_size=32, exclude_modules=["lm_head"])),
+            show_progress=False)
     assert "lm_head.weight" not in load_file(str(tmp_path / "x" / "rank0.safetensors"))
 
 
 def test_kernel_threshold_does_not_change_results(tiny_src, tmp_path):
-    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=MODES["int4_g64_zp"])
+    convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=MODES["int4_g64_zp"]), show_progress=False)
     engine = Engine.load(tmp_path / "q")
     set_compute_dtype(engine.model, torch.float32)
     set_max_kernel_tokens(engine.model, 0)  # the 12-token prefill dequantizes
@@ -347,7 +348,7 @@ def test_kernel_bound_follows_the_kernel_build(mode, bits, tiny_src, tmp_path, m
     from bestiary.core.kernels.cpu.build import isa_name, library
     from bestiary.core.quant import slot as slot_module
 
-    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=MODES[mode])
+    convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=MODES[mode]), show_progress=False)
     engine = Engine.load(tmp_path / "q")
     linears = list(quantized_linears(engine.model).values())
     compiled = [m.quant._packed is not None for m in linears]
@@ -367,12 +368,12 @@ def test_groups_straddling_tensor_parallel_ranks_are_refused_before_writing(tmp_
     src = make_tiny_llama(tmp_path)  # intermediate 80: mlp.proj (row-parallel) has 40 input features per rank
     quant = QuantConfig(quant_algo="W4A16", group_size=32)
     with pytest.raises(ConfigError, match=r"--group_size 32: transformer.layers.0.mlp.proj has 40 input features per"):
-        convert(src, tmp_path / "q", show_progress=False, tp_size=2, quantization=quant)
+        convert(src, tmp_path / "q", ConvertOptions(tp_size=2, quantization=quant), show_progress=False)
     assert not (tmp_path / "q").exists()
     # excluding that layer makes it possible; one rank has no straddling groups
-    convert(src, tmp_path / "q", show_progress=False, tp_size=2, weight_quantizer="rtn",
-            quantization=QuantConfig(quant_algo="W4A16", group_size=32, exclude_modules=["mlp.proj"]))
-    convert(src, tmp_path / "q1", show_progress=False, quantization=quant)
+    convert(src, tmp_path / "q", ConvertOptions(tp_size=2, weight_quantizer="rtn", quantization=QuantConfig(
+        quant_algo="W4A16", group_size=32, exclude_modules=["mlp.proj"])), show_progress=False)
+    convert(src, tmp_path / "q1", ConvertOptions(quantization=quant), show_progress=False)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from parity import EngineRunner
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format import packing
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import ConfigError
@@ -122,7 +122,7 @@ def tiny_src(tmp_path_factory):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_engine_logits_equal_hand_written_reference(mode, tiny_src, tmp_path):
     quant = MODES[mode]
-    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=quant)
+    convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=quant), show_progress=False)
     section = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
     assert section["quant_algo"] == quant.quant_algo
     engine = Engine.load(tmp_path / "q")
@@ -276,10 +276,11 @@ def test_cli_refusals_exit_2_with_one_line(flags, message, tmp_path):
 def test_layer_refusals_before_writing(tiny_src, tmp_path):
     quant = QuantConfig(quant_algo="W4A8_AWQ", group_size=48, pre_quant_scale=True)
     with pytest.raises(ConfigError, match="--group_size 48: expected one of"):
-        convert(tiny_src, tmp_path / "q", show_progress=False, quantization=quant)
+        convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=quant), show_progress=False)
     with pytest.raises(ConfigError, match="W4A8_AWQ weights are symmetric"):
-        convert(tiny_src, tmp_path / "q", show_progress=False,
-                quantization=QuantConfig(quant_algo="W4A8_AWQ", has_zero_point=True))
+        convert(tiny_src, tmp_path / "q",
+                ConvertOptions(quantization=QuantConfig(quant_algo="W4A8_AWQ", has_zero_point=True)),
+                show_progress=False)
     assert not (tmp_path / "q").exists()
 
 
@@ -289,6 +290,6 @@ def test_cli_smoothquant_alpha_reaches_the_scales(tiny_src, tmp_path):
     key = "transformer.layers.0.mlp.fc.prequant_scaling_factor"
     cli = load_file(str(tmp_path / "cli" / "rank0.safetensors"))[key]
     for alpha, same in ((0.8, True), (0.5, False)):
-        convert(tiny_src, tmp_path / str(alpha), show_progress=False, quantization=MODES["sq"],
-                smoothquant_alpha=alpha)
+        convert(tiny_src, tmp_path / str(alpha), ConvertOptions(quantization=MODES["sq"], smoothquant_alpha=alpha),
+                show_progress=False)
         assert torch.equal(load_file(str(tmp_path / str(alpha) / "rank0.safetensors"))[key], cli) == same

@@ -24,7 +24,7 @@ from tiny_llama import make_tiny_llama
 
 from bestiary.core.convert.calibration import collect_linear_inputs
 from bestiary.core.convert.quantize_calibrated import check_weight_quantizer, float_model
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format import packing
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import ConfigError
@@ -272,7 +272,7 @@ def test_activation_stats_match_a_hand_computation(tiny_src, tmp_path):
                                    QuantConfig(quant_algo="W4A16", group_size=64, has_zero_point=True)],
                          ids=["g32", "g64_zp"])
 def test_gptq_convert_logits_equal_hand_dequantized_reference(quant, tiny_src, tmp_path):
-    convert(tiny_src, tmp_path / "q", show_progress=False, quantization=quant)  # int4 default: gptq
+    convert(tiny_src, tmp_path / "q", ConvertOptions(quantization=quant), show_progress=False)  # int4 default: gptq
     engine = Engine.load(tmp_path / "q")
     set_compute_dtype(engine.model, torch.float32)
     assert len(quantized_linears(engine.model)) == 2 * 5 + 1
@@ -280,7 +280,7 @@ def test_gptq_convert_logits_equal_hand_dequantized_reference(quant, tiny_src, t
     prompt = list(range(3, 15))
     ours, theirs = _logits(engine, prompt), _logits(ref, prompt)
     assert (ours - theirs).abs().max() < 1e-4 * max(1.0, theirs.abs().max().item())
-    convert(tiny_src, tmp_path / "rtn", show_progress=False, quantization=quant, weight_quantizer="rtn")
+    convert(tiny_src, tmp_path / "rtn", ConvertOptions(quantization=quant, weight_quantizer="rtn"), show_progress=False)
     gptq_w = load_file(str(tmp_path / "q" / "rank0.safetensors"))
     rtn_w = load_file(str(tmp_path / "rtn" / "rank0.safetensors"))
     assert gptq_w.keys() == rtn_w.keys()
@@ -328,14 +328,14 @@ def test_folded_awq_scales_leave_the_float_model_unchanged(tiny_src, tmp_path):
 def test_gptq_with_tied_lm_head_and_int8_kv_cache(tmp_path):
     src = make_tiny_llama(tmp_path, intermediate_size=128, tie_word_embeddings=True)
     quant = QuantConfig(quant_algo="W4A16", group_size=32, kv_cache_quant_algo="INT8")
-    convert(src, tmp_path / "q", show_progress=False, quantization=quant)
+    convert(src, tmp_path / "q", ConvertOptions(quantization=quant), show_progress=False)
     tensors = load_file(str(tmp_path / "q" / "rank0.safetensors"))
     assert tensors["lm_head.weight"].dtype == torch.uint8
     assert tensors["transformer.vocab_embedding.weight"].dtype == torch.float32
     # calibrated after the calibrated weights were written: amax / 127 of K and V of the same
     # W4A16 weights with a float KV cache, over the KV calibration ids
     weights_only = quant.model_copy(update={"kv_cache_quant_algo": None})
-    convert(src, tmp_path / "w", show_progress=False, quantization=weights_only)
+    convert(src, tmp_path / "w", ConvertOptions(quantization=weights_only), show_progress=False)
     weights = load_file(str(tmp_path / "w" / "rank0.safetensors"))
     assert all(torch.equal(tensors[k], w) for k, w in weights.items())  # the same packed weights
     for layer, expected in enumerate(expected_kv_scales(Engine.load(tmp_path / "w"), 127.0)):
@@ -395,13 +395,15 @@ def test_shared_calibration_runs_the_float_model_once_and_changes_nothing(tiny_s
                          tune_steps=2),
              "g64": dict(quantization=QuantConfig(quant_algo="W4A16", group_size=64), tune_steps=2),
              "sq": dict(quantization=QuantConfig(quant_algo="W8A8_SQ_PER_CHANNEL", pre_quant_scale=True))}
-    alone = {m: load_rank_weights(convert(tiny_src, tmp_path / f"alone-{m}", show_progress=False, **kw), 0)
+    alone = {m: load_rank_weights(convert(tiny_src, tmp_path / f"alone-{m}", ConvertOptions(**kw),
+                                          show_progress=False), 0)
              for m, kw in modes.items()}
     runs = []
     real = calibration.collect_linear_inputs
     monkeypatch.setattr(calibration, "collect_linear_inputs", lambda *a, **k: runs.append(1) or real(*a, **k))
     with calibration.shared_calibration():
-        shared = {m: load_rank_weights(convert(tiny_src, tmp_path / f"shared-{m}", show_progress=False, **kw), 0)
+        shared = {m: load_rank_weights(convert(tiny_src, tmp_path / f"shared-{m}", ConvertOptions(**kw),
+                                               show_progress=False), 0)
                   for m, kw in modes.items()}
     assert len(runs) == 1 and not calibration.shared_calibration_active()
     for m in modes:
@@ -409,6 +411,6 @@ def test_shared_calibration_runs_the_float_model_once_and_changes_nothing(tiny_s
         assert all(torch.equal(shared[m][k], alone[m][k]) for k in alone[m]), m
     with calibration.shared_calibration():  # another source (other weights): its own run
         other = make_tiny_llama(tmp_path / "other", seed=1, intermediate_size=128)
-        convert(other, tmp_path / "other-ckpt", show_progress=False, **modes["sq"])
-        convert(tiny_src, tmp_path / "again", show_progress=False, **modes["sq"])
+        convert(other, tmp_path / "other-ckpt", ConvertOptions(**modes["sq"]), show_progress=False)
+        convert(tiny_src, tmp_path / "again", ConvertOptions(**modes["sq"]), show_progress=False)
     assert len(runs) == 3

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from parity import EngineRunner, reassemble_checkpoint
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.layers.linear import Linear, Parallel
 from bestiary.core.quant import hf_formats
@@ -282,7 +282,7 @@ def test_tp2_convert_reassembles_to_tp1(tmp_path):
     act_order = {"attn_in": "random", "mlp_in": "random", "o": "local", "down": "local"}
     qdir, rdir = make_quantized(tmp_path, "gptq", 32, act_order=act_order)
     convert(qdir, tmp_path / "tp1", show_progress=False)
-    convert(qdir, tmp_path / "tp2", tp_size=2, show_progress=False)
+    convert(qdir, tmp_path / "tp2", ConvertOptions(tp_size=2), show_progress=False)
     whole = load_file(str(tmp_path / "tp1" / "rank0.safetensors"))
     joined = reassemble_checkpoint(tmp_path / "tp2")
     assert set(joined) == set(whole)
@@ -309,7 +309,7 @@ def test_tp2_convert_reassembles_to_tp1(tmp_path):
 def test_tp2_refuses_act_order_across_ranks(tmp_path):
     qdir, _ = make_quantized(tmp_path, "gptq", 32, act_order={"down": "random"})
     with pytest.raises(BestiaryError, match=r"^--tp_size 2: transformer.layers.0.mlp.proj has act-order"):
-        convert(qdir, tmp_path / "out", tp_size=2, show_progress=False)
+        convert(qdir, tmp_path / "out", ConvertOptions(tp_size=2), show_progress=False)
     assert not (tmp_path / "out").exists()
 
 

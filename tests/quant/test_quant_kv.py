@@ -14,7 +14,7 @@ from parity import EngineRunner
 from tiny_llama import make_tiny_llama
 
 from bestiary.core.convert.calibration import calibration_ids
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.kv_cache import KVCache
@@ -29,7 +29,8 @@ def tiny(tmp_path_factory):
     src = make_tiny_llama(base)
     convert(src, base / "float", show_progress=False)
     for algo in ALGOS:
-        convert(src, base / algo, show_progress=False, quantization=QuantConfig(kv_cache_quant_algo=algo))
+        convert(src, base / algo, ConvertOptions(quantization=QuantConfig(kv_cache_quant_algo=algo)),
+                show_progress=False)
     return base
 
 

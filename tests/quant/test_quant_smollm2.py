@@ -18,7 +18,7 @@ import torch
 
 from bestiary.core.convert.calibration import shared_calibration
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.layers.linear import Linear
@@ -103,8 +103,8 @@ def _ppl(workdir, name: str, quant: QuantConfig | None, checkpoint: Path | None 
     base, gguf = workdir
     if name not in MEASURED:
         if checkpoint is None:
-            checkpoint = convert(gguf, base / f"{name}-ckpt", dtype="float32", show_progress=False,
-                                 quantization=quant)
+            checkpoint = convert(gguf, base / f"{name}-ckpt", ConvertOptions(dtype="float32", quantization=quant),
+                                 show_progress=False)
         build_engine(checkpoint, base / name, BuildConfig(max_seq_len=2048, max_num_tokens=512))
     engine = Engine.load(base / name)
     ids = engine.tokenizer.encode(eval_text())

@@ -19,7 +19,7 @@ from tiny_llama import make_tiny_llama
 
 from bestiary.core.convert.calibration import calibration_chunks, chunk_logits
 from bestiary.core.convert.quantize_calibrated import check_tune_steps, load_tensors, weight_calibration_ids
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.convert.tune import (
     DEFAULT_STEPS,
     GroupScaled,
@@ -127,8 +127,8 @@ def test_tuning_lowers_the_loss_keeps_the_codes_and_reaches_every_layer(tiny_src
 
 def test_convert_tunes_scales_and_keeps_gptq_codes(tiny_src, tmp_path):
     quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)
-    convert(tiny_src, tmp_path / "gptq", show_progress=False, quantization=quant, tune_steps=0)
-    convert(tiny_src, tmp_path / "tuned", show_progress=False, quantization=quant, tune_steps=8)
+    convert(tiny_src, tmp_path / "gptq", ConvertOptions(quantization=quant, tune_steps=0), show_progress=False)
+    convert(tiny_src, tmp_path / "tuned", ConvertOptions(quantization=quant, tune_steps=8), show_progress=False)
     plain, tuned = (load_file(str(tmp_path / d / "rank0.safetensors")) for d in ("gptq", "tuned"))
     assert plain.keys() == tuned.keys()
     key = "transformer.layers.1.attention.qkv"
@@ -187,7 +187,7 @@ def test_tuned_convert_of_every_architecture_is_packed_exactly(arch, tmp_path):
 
     src = _source(arch, tmp_path / "src")
     quant = QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True)
-    convert(src, tmp_path / "q", show_progress=False, quantization=quant, tune_steps=2)
+    convert(src, tmp_path / "q", ConvertOptions(quantization=quant, tune_steps=2), show_progress=False)
     tensors = load_file(str(tmp_path / "q" / "rank0.safetensors"))
     zeros = [t for k, t in tensors.items() if k.endswith(".zeros")]
     assert zeros and all((z != z.round()).any() for z in zeros)  # tuned: no longer GPTQ's integers

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from tiny_llama import make_tiny_llama
 
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.cpu import build as cpu_build
@@ -54,7 +54,7 @@ def _llm(hf_dir, tmp_path, dtype, quant) -> LLM:
     kw = {"quantization": quant} if quant else {}
     if quant is not None and quant.quant_algo:
         kw["weight_quantizer"] = "rtn"
-    convert(hf_dir, tmp_path / "ckpt", dtype=dtype, show_progress=False, **kw)
+    convert(hf_dir, tmp_path / "ckpt", ConvertOptions(dtype=dtype, **kw), show_progress=False)
     build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildConfig(max_batch_size=4, max_seq_len=96,
                                                                        tokens_per_block=8))
     return _float32_gemms(LLM(tmp_path / "engine"), dtype, quant)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
@@ -23,7 +23,8 @@ GREEDY = SamplingConfig(temperature=0, max_new_tokens=12, ignore_eos=True)
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu")
     src = make_tiny_llama(root, num_key_value_heads=1)
-    return convert(src, root / "tp1", show_progress=False), convert(src, root / "tp2", tp_size=2, show_progress=False)
+    return convert(src, root / "tp1", show_progress=False), convert(src, root / "tp2", ConvertOptions(tp_size=2),
+                                                                    show_progress=False)
 
 
 def test_cuda_engine_matches_cpu(ckpts):

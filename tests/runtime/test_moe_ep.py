@@ -18,7 +18,7 @@ import torch
 from cli_errors import one_line
 from safetensors.torch import load_file
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import Mapping, PretrainedConfig, QuantConfig, read_json, validate_config
 from bestiary.core.format.errors import ConfigError
@@ -62,7 +62,8 @@ def checkpoints(tmp_path_factory):
         if not out.exists():
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr("bestiary.core.convert.quantize_calibrated.RANDOM_CALIB_TOKENS", 128)
-                convert(sources[experts, top_k], out, show_progress=False, **LAYOUTS.get(layout, {}), **quant[mode])
+                convert(sources[experts, top_k], out, ConvertOptions(**LAYOUTS.get(layout, {}), **quant[mode]),
+                        show_progress=False)
         return out
 
     get.source = lambda experts, top_k: sources[experts, top_k]
@@ -188,8 +189,9 @@ def test_stacked_expert_source_is_cut_by_expert_group(layout, checkpoints, tmp_p
             hf[f"{moe}.stacked_{name}.weight"] = torch.stack([hf.pop(f"{moe}.experts.{e}.{name}.weight")
                                                               for e in range(8)])
     save_file(hf, str(stacked / "model.safetensors"), metadata={"format": "pt"})
-    out = convert(stacked, tmp_path / "out", show_progress=False, **LAYOUTS[layout],
-                  customized_key_dict={"fc": "stacked_w1", "gate": "stacked_w3", "proj": "stacked_w2"})
+    keys = {"fc": "stacked_w1", "gate": "stacked_w3", "proj": "stacked_w2"}
+    out = convert(stacked, tmp_path / "out", ConvertOptions(**LAYOUTS[layout], customized_key_dict=keys),
+                  show_progress=False)
     for rank in EXPECTED_E8[layout]:
         ours, want = load_rank_weights(out, rank), load_rank_weights(checkpoints(8, 2, layout), rank)
         assert set(ours) == set(want) and all(torch.equal(ours[k], want[k]) for k in want), rank
@@ -287,7 +289,7 @@ def test_qwen2_moe_shared_expert_under_ep(tmp_path):
     torch.manual_seed(0)
     src = parity.save_hf(parity.reinit_(transformers.Qwen2MoeForCausalLM(config), seed=3), tmp_path, "hf")
     tp1 = convert(src, tmp_path / "tp1", show_progress=False)
-    ep2 = convert(src, tmp_path / "ep2", tp_size=2, moe_ep_size=2, show_progress=False)
+    ep2 = convert(src, tmp_path / "ep2", ConvertOptions(tp_size=2, moe_ep_size=2), show_progress=False)
     whole = load_rank_weights(tp1, 0)
     for rank in (0, 1):
         weights = load_rank_weights(ep2, rank)

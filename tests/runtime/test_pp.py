@@ -18,7 +18,7 @@ import test_tp_runtime as tpr
 import torch
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.checkpoint import global_layer_key, load_rank_weights
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import BestiaryError
@@ -110,7 +110,7 @@ def checkpoints(sources, tmp_path_factory):
         out = root / f"{case}_tp{tp}_pp{pp}"
         if not out.exists():
             source, kwargs = VARIANTS[case]
-            convert(sources[source], out, tp_size=tp, pp_size=pp, show_progress=False, **kwargs)
+            convert(sources[source], out, ConvertOptions(tp_size=tp, pp_size=pp, **kwargs), show_progress=False)
         return out
 
     return get

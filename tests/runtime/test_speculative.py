@@ -14,7 +14,7 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.build_config import BuildConfig, finalize_build_config
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.runtime.engine import Engine
@@ -39,8 +39,8 @@ def dirs(tmp_path_factory):
     base = tmp_path_factory.mktemp("spec")
     hf = make_tiny_llama(base / "a", max_position_embeddings=256)
     other = make_tiny_llama(base / "b", seed=7, max_position_embeddings=256)
-    out = {dtype: convert(hf, base / dtype, dtype=dtype, show_progress=False) for dtype in DTYPES}
-    out["other"] = convert(other, base / "other", dtype="float32", show_progress=False)
+    out = {dtype: convert(hf, base / dtype, ConvertOptions(dtype=dtype), show_progress=False) for dtype in DTYPES}
+    out["other"] = convert(other, base / "other", ConvertOptions(dtype="float32"), show_progress=False)
     return out
 
 
@@ -367,7 +367,7 @@ def smol(tmp_path_factory, smollm2_gguf, smollm2_fp32_checkpoint):
 
     base = tmp_path_factory.mktemp("spec_smol")
     out = {"float32": smollm2_fp32_checkpoint,
-           "bfloat16": convert(smollm2_gguf, base / "bfloat16", dtype="bfloat16", show_progress=False)}
+           "bfloat16": convert(smollm2_gguf, base / "bfloat16", ConvertOptions(dtype="bfloat16"), show_progress=False)}
     llm = LLM(out["float32"])
     out["prompts"] = [llm.chat_ids([{"role": "user", "content": p}]) for p in SMOL_PROMPTS]
     out["engines"] = {d: Engine.load(out[d]) for d in DTYPES}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.runtime.worker_group import describe_exit, settled_exitcode
 
 DRIVER = Path(__file__).resolve().parents[1] / "helpers" / "tp_fault_driver.py"
@@ -30,14 +30,14 @@ HANG_TIMEOUT_S = 8
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tp_faults")
-    return convert(make_tiny_llama(root), root / "tp2", tp_size=2, show_progress=False)
+    return convert(make_tiny_llama(root), root / "tp2", ConvertOptions(tp_size=2), show_progress=False)
 
 
 @pytest.fixture(scope="module")
 def tp2pp2(tmp_path_factory) -> Path:
     """Two pipeline stages of two tp ranks each: ranks 0, 1 run layer 0, ranks 2, 3 layer 1 and the logits."""
     root = tmp_path_factory.mktemp("pp_faults")
-    return convert(make_tiny_llama(root), root / "tp2pp2", tp_size=2, pp_size=2, show_progress=False)
+    return convert(make_tiny_llama(root), root / "tp2pp2", ConvertOptions(tp_size=2, pp_size=2), show_progress=False)
 
 
 def alive(pid: int) -> bool:

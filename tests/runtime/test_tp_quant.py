@@ -36,7 +36,7 @@ from parity import reassemble_checkpoint
 from test_tp_runtime import LOGIT_TOL, STEPS, teacher_forced
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.engine import Engine
@@ -47,7 +47,7 @@ pytest.importorskip("transformers")
 
 REL_TOL = 1e-2
 PROMPT = [52, 40, 27, 20, 18, 45, 49, 83]  # 8 tokens: the int4 prefill runs the kernels too (see above)
-MODES = {  # mode -> convert keyword arguments (quant_algo names: core.quant.modes)
+MODES = {  # mode -> ConvertOptions fields (quant_algo names: core.quant.modes)
     "fp8_fp8kv": dict(quantization=QuantConfig(quant_algo="FP8", kv_cache_quant_algo="FP8")),
     "sq_int8kv": dict(quantization=QuantConfig(quant_algo="W8A8_SQ_PER_CHANNEL", kv_cache_quant_algo="INT8")),
     "w4a8_awq": dict(quantization=QuantConfig(quant_algo="W4A8_AWQ", group_size=32, pre_quant_scale=True)),
@@ -70,8 +70,8 @@ def checkpoints(tmp_path_factory):
         if mode not in made:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr("bestiary.core.convert.quantize_calibrated.RANDOM_CALIB_TOKENS", 128)
-                made[mode] = tuple(convert(src, root / f"{mode}_tp{tp}", tp_size=tp, show_progress=False,
-                                           **MODES[mode]) for tp in (1, 2))
+                made[mode] = tuple(convert(src, root / f"{mode}_tp{tp}", ConvertOptions(tp_size=tp, **MODES[mode]),
+                                           show_progress=False) for tp in (1, 2))
         return made[mode]
 
     return get
@@ -127,6 +127,6 @@ def test_imported_gptq_tp2_runs_like_tp1(tmp_path):
 
     act_order = {"attn_in": "random", "mlp_in": "random", "o": "local", "down": "local"}
     qdir, _ = make_quantized(tmp_path, "gptq", 32, act_order=act_order)
-    tp1, tp2 = (convert(qdir, tmp_path / f"tp{tp}", tp_size=tp, show_progress=False) for tp in (1, 2))
+    tp1, tp2 = (convert(qdir, tmp_path / f"tp{tp}", ConvertOptions(tp_size=tp), show_progress=False) for tp in (1, 2))
     assert load_rank_weights(tp2, 1)["transformer.layers.0.mlp.proj.in_perm"].dtype == torch.int32
     assert_tp2_runs_like_tp1(tp1, tp2, act_quantized=False)

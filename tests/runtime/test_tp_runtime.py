@@ -16,7 +16,7 @@ import pytest
 import torch
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.checkpoint import load_rank_weights
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.format.errors import BestiaryError
@@ -62,7 +62,7 @@ def tiny_sources(root: Path) -> dict[str, Path]:
 PROMPTS = {"chatglm_v1": [3, 17, 45, 8, 60, 22, 31, 69, 70],  # ... [gMASK] bos
            "llama_i128": [56, 30, 82, 39, 44, 40, 79, 32, 21, 49, 46, 63]}  # no 2% near-tie in 16 steps (int4)
 DEFAULT_PROMPT = [(7 * i + 3) % 60 + 3 for i in range(12)]
-VARIANTS = {  # case -> (source, convert keyword arguments)
+VARIANTS = {  # case -> (source, ConvertOptions fields)
     **{name: (name, {}) for name in ("llama", "llama_kv1", "mixtral", "opt", "falcon", "glm", "chatglm_v1")},
     "llama_w8a16": ("llama", {"quantization": QuantConfig(quant_algo="W8A16")}),
     "llama_int8_kv": ("llama", {"quantization": QuantConfig(kv_cache_quant_algo="INT8")}),
@@ -91,7 +91,7 @@ def checkpoints(sources, tmp_path_factory):
         out = root / f"{case}_tp{tp}"
         if not out.exists():
             source, kwargs = VARIANTS[case]
-            convert(sources[source], out, tp_size=tp, show_progress=False, **kwargs)
+            convert(sources[source], out, ConvertOptions(tp_size=tp, **kwargs), show_progress=False)
         return out
 
     return get

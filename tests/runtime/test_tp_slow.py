@@ -11,7 +11,7 @@ from test_executor import alone, executor, staggered
 from test_tp_runtime import STEPS, first_near_tie, teacher_forced
 from tiny_llama import make_tiny_llama
 
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.runtime.engine import Engine
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
@@ -26,7 +26,8 @@ def test_smollm2_parallel_equals_tp1(smollm2_gguf, smollm2_fp32_checkpoint, tmp_
     """fp32 at tp 3 (9 heads, 3 kv heads) and on 2 and 3 pipeline stages (30 layers: 15 + 15, 10 x 3):
     logits within 1e-4 (max abs) over the prefill and 16 decode steps, same greedy text."""
     tp1 = smollm2_fp32_checkpoint  # the session's fp32 tp 1 checkpoint (tests/conftest.py)
-    other = convert(smollm2_gguf, tmp_path / "other", dtype="float32", tp_size=tp, pp_size=pp, show_progress=False)
+    other = convert(smollm2_gguf, tmp_path / "other", ConvertOptions(dtype="float32", tp_size=tp, pp_size=pp),
+                    show_progress=False)
     reference = LLM(tp1)
     prompt = reference.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
     ref, tokens = teacher_forced(reference.engine, prompt)
@@ -52,7 +53,8 @@ def test_mixed_inflight_workload_equals_each_alone_on_tp1(tmp_path, tp, pp):
     batch cut into micro-batches): every request's tokens equal its run alone on tp 1."""
     src = make_tiny_llama(tmp_path, max_position_embeddings=512, num_key_value_heads=1)
     tp1 = Engine.load(convert(src, tmp_path / "tp1", show_progress=False))
-    llm = LLM(convert(src, tmp_path / "other", tp_size=tp, pp_size=pp, show_progress=False), num_threads=1)
+    llm = LLM(convert(src, tmp_path / "other", ConvertOptions(tp_size=tp, pp_size=pp), show_progress=False),
+              num_threads=1)
     try:
         rng = random.Random(0)
         lengths = [4, 400, 37, 5, 180, 64, 9, 250, 16, 120]
@@ -81,9 +83,9 @@ def test_an_llm_dropped_without_close_does_not_pin_its_worker_group(tmp_path):
     tp1 = LLM(convert(src, tmp_path / "tp1", show_progress=False))
     sampling = SamplingConfig(max_new_tokens=6, **GREEDY)
     expected = tp1.generate([[5, 9, 14]], sampling)[0].output_ids
-    tp3 = LLM(convert(src, tmp_path / "tp3", tp_size=3, show_progress=False), num_threads=1)
+    tp3 = LLM(convert(src, tmp_path / "tp3", ConvertOptions(tp_size=3), show_progress=False), num_threads=1)
     assert tp3.generate([[5, 9, 14]], sampling)[0].output_ids == expected
-    tp2_dir = convert(src, tmp_path / "tp2", tp_size=2, show_progress=False)
+    tp2_dir = convert(src, tmp_path / "tp2", ConvertOptions(tp_size=2), show_progress=False)
     with pytest.raises(BestiaryError, match="runs a 3-rank engine"):
         LLM(tp2_dir, num_threads=1)  # tp3 is alive: refused, tp3 still runs
     assert tp3.generate([[5, 9, 14]], sampling)[0].output_ids == expected

@@ -18,7 +18,7 @@ from tiny_llama import make_tiny_llama, write_tiny_tokenizer
 
 from bestiary.core.cli.main import main
 from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.runtime.worker_group import free_port
 
 RUN = ["run", "--input_ids", "3,17,45,8,60,22", "4,5,6", "--max_output_len", "12", "--num_threads", "1"]
@@ -52,7 +52,7 @@ def engines(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("torchrun")
     src = make_tiny_llama(root, num_key_value_heads=1)
     write_tiny_tokenizer(src)
-    return tuple(build_engine(convert(src, root / f"ckpt_tp{tp}", tp_size=tp, show_progress=False),
+    return tuple(build_engine(convert(src, root / f"ckpt_tp{tp}", ConvertOptions(tp_size=tp), show_progress=False),
                               root / f"engine_tp{tp}", BuildConfig()) for tp in (1, 2))
 
 

@@ -43,7 +43,7 @@ from flm_judge import (
 from tiny_llama import make_tiny_llama
 
 from bestiary.core.convert.export_flm import export_flm
-from bestiary.core.convert.source_to_checkpoint import convert
+from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
 from bestiary.core.format.config import QuantConfig
 from bestiary.core.runtime.engine import Engine
 
@@ -83,8 +83,9 @@ def ftllm_file_in_bestiary(hf_dir, tmp, dtype, prompts, with_tokenizer=False):
 
 def bestiary_file_in_ftllm(hf_dir, tmp, dtype, prompts, quant=QUANT):
     ck = tmp / f"ours_{dtype}"
-    convert(hf_dir, ck, dtype="float16", quantization=quant[dtype],
-            weight_quantizer="rtn" if quant[dtype] else None, show_progress=False)
+    options = ConvertOptions(dtype="float16", quantization=quant[dtype],
+                             weight_quantizer="rtn" if quant[dtype] else None)
+    convert(hf_dir, ck, options, show_progress=False)
     flm = export_flm(ck, tmp / f"ours_{dtype}.flm", show_progress=False)
     return check(Engine.load(ck), ftllm_model(flm), prompts, dtype, flm_eos(flm))
 
@@ -112,7 +113,7 @@ def test_float16_files_decode_the_same_both_ways(tiny, tmp_path):
 def int4_files(tiny, tmp_path) -> list[tuple[str, object, int | None]]:
     """(label, .flm, input group of FastLLM's online quantization) of ftllm's and bestiary's int4 files."""
     ck = tmp_path / "ours"
-    convert(tiny, ck, quantization=QUANT["int4"], weight_quantizer="rtn", show_progress=False)
+    convert(tiny, ck, ConvertOptions(quantization=QUANT["int4"], weight_quantizer="rtn"), show_progress=False)
     return [("ftllm int4 (per row)", ftllm_export(tiny, tmp_path / "ft_int4.flm", "int4", False), None),
             ("ftllm int4g64", ftllm_export(tiny, tmp_path / "ft_int4g64.flm", "int4g64", False), 64),
             ("bestiary int4g128", export_flm(ck, tmp_path / "ours_g.flm", show_progress=False), 128),
@@ -281,7 +282,7 @@ def test_model_save_files_of_the_tiny_llama(tiny_fp16_hf, tmp_path, dtype):
         assert all(torch.equal(weights.load(k).to(hf[k].dtype), hf[k]) for k in hf)
         return
     # float32 compute, as FastLLM's CPU path (the file's model info says float16: the HF dir's torch_dtype)
-    convert(flm, tmp_path / "ck", dtype="float32", show_progress=False)
+    convert(flm, tmp_path / "ck", ConvertOptions(dtype="float32"), show_progress=False)
     diffs = logits_rel_diffs(Engine.load(tmp_path / "ck"), ftllm_model(flm), TINY_PROMPTS, 128)
     assert within_torch2flm_bounds(dtype, diffs), diffs
 
@@ -298,12 +299,12 @@ def test_smollm2_model_save_files(smollm2, tmp_path, dtype):
     flm = tmp_path / f"saved_{dtype}.flm"
     ft = ftllm_save(smollm2, flm, dtype)
     if dtype == "float16":  # the file holds what ftllm computes with: its in-memory model is the judge
-        convert(flm, tmp_path / "ck", dtype="float32", show_progress=False)  # float32 compute: CPU-fast
+        convert(flm, tmp_path / "ck", ConvertOptions(dtype="float32"), show_progress=False)  # float32 compute: CPU-fast
         check(Engine.load(tmp_path / "ck"), ft, SMOL_PROMPTS, dtype, flm_eos(flm))
         return
     # int4 (min, max) pairs are re-derived when read back (LowBitConfig type 1: min = -s z): ftllm running
     # the file, not its in-memory model, is what the file means
     part = truncated_copy(flm, tmp_path / f"saved_{dtype}_L{SAVED_DEPTH}.flm", SAVED_DEPTH)
-    convert(part, tmp_path / "ck", dtype="float32", show_progress=False)
+    convert(part, tmp_path / "ck", ConvertOptions(dtype="float32"), show_progress=False)
     diffs = logits_rel_diffs(Engine.load(tmp_path / "ck"), ftllm_model(part), SMOL_PROMPTS, 49152)
     assert within_torch2flm_bounds(dtype, diffs), diffs

@@ -26,6 +26,7 @@ the torch reference otherwise. Tensors must be contiguous unless a docstring say
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,14 @@ TILED_KINDS = {torch.bfloat16: KIND_BF16T, torch.float32: KIND_F32T}  # float we
 def supports(*tensors: torch.Tensor) -> bool:
     """True when the compiled ops can run on these (CPU, float32/bfloat16) tensors."""
     return all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors) and library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    """The loaded kernel library; RuntimeError when it is not built (callers check `supports` first)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the compiled CPU kernels are not available (core.kernels.cpu.build)")
+    return lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -160,8 +169,8 @@ def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torc
     x = x.contiguous()
     m = x.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)
-    library().bst_linear(x.data_ptr(), DTYPES[x.dtype], m, k, w.data_ptr(), kind, n, _ptr(scale), _ptr(scale_zero),
-                         group, _ptr(bias), out.data_ptr(), DTYPES[out.dtype], _threads())
+    _lib().bst_linear(x.data_ptr(), DTYPES[x.dtype], m, k, w.data_ptr(), kind, n, _ptr(scale), _ptr(scale_zero),
+                      group, _ptr(bias), out.data_ptr(), DTYPES[out.dtype], _threads())
     return out
 
 
@@ -170,8 +179,8 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Te
     if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D):
         raise ValueError("dequantize: only int8 / int4 weights")
     out = torch.empty(pw.n, pw.k, dtype=dtype)
-    library().bst_dequantize(pw.weight.data_ptr(), pw.kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
-                             pw.group, out.data_ptr(), DTYPES[dtype], _threads())
+    _lib().bst_dequantize(pw.weight.data_ptr(), pw.kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
+                          pw.group, out.data_ptr(), DTYPES[dtype], _threads())
     return out
 
 
@@ -182,9 +191,13 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         return w.float().t()
     if pw.kind in (KIND_BF16T, KIND_F32T):
         return packing.unpack_float_tiled(w).float()
+    if pw.scale is None:
+        raise ValueError(f"dequantize_ref: a kind {pw.kind} (int8 / int4) weight without its scales")
     if pw.kind in (KIND_I8, KIND_I8T):
         q = packing.unpack_int8_tiled(w) if pw.kind == KIND_I8T else w
         return q.float() * pw.scale[:, None]
+    if pw.scale_zero is None:
+        raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
     s, sz = pw.scale, pw.scale_zero  # [N, groups]
     if pw.kind == KIND_I4D:
         s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=False) for t in (s, sz))
@@ -252,7 +265,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     kv_dt = kv_dtype_code(k_pool, kv_scales)
     kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
     windows = None if bounds is None else torch.tensor(bounds, dtype=torch.int64)  # [2, B]
-    library().bst_decode_attention(
+    _lib().bst_decode_attention(
         q.data_ptr(), DTYPES[q.dtype], q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), kv_dt,
         tables.data_ptr(), tables.shape[1], kv_lens.data_ptr(), b, h, kvh, d, bs, scale, _ptr(slopes),
         out.data_ptr(), DTYPES[out.dtype], _ptr(kv_scales), _ptr(windows), _threads())
@@ -283,8 +296,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if length < n or h % kvh or v.shape != k.shape:
         raise ValueError(f"prefill_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     out = torch.empty(n, h * d, dtype=q.dtype)
-    library().bst_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                    out.data_ptr(), n, length, h, kvh, d, scale, _threads())
+    _lib().bst_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                 out.data_ptr(), n, length, h, kvh, d, scale, _threads())
     return out
 
 
@@ -321,8 +334,8 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     slots = slots.to(torch.int64).contiguous()
     kv_dt = kv_dtype_code(k_pool, kv_scales)
     kv_scales = None if kv_scales is None else kv_scales.float().contiguous()
-    library().bst_kv_write(k2.data_ptr(), v2.data_ptr(), DTYPES[k2.dtype], k2.stride(0), k_pool.data_ptr(),
-                           v_pool.data_ptr(), kv_dt, slots.data_ptr(), t, width, _ptr(kv_scales))
+    _lib().bst_kv_write(k2.data_ptr(), v2.data_ptr(), DTYPES[k2.dtype], k2.stride(0), k_pool.data_ptr(),
+                        v_pool.data_ptr(), kv_dt, slots.data_ptr(), t, width, _ptr(kv_scales))
 
 
 def decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -364,9 +377,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = None if residual is None else torch.empty_like(x)
     res = None if residual is None else residual.contiguous()
     t, hidden = x.numel() // x.shape[-1], x.shape[-1]
-    library().bst_rms_norm(x.data_ptr(), _ptr(res), _ptr(h), y.data_ptr(), DTYPES[x.dtype], weight.data_ptr(),
-                           DTYPES[weight.dtype], t, hidden, eps, _threads())
-    return y if residual is None else (y, h)
+    _lib().bst_rms_norm(x.data_ptr(), _ptr(res), _ptr(h), y.data_ptr(), DTYPES[x.dtype], weight.data_ptr(),
+                        DTYPES[weight.dtype], t, hidden, eps, _threads())
+    return y if h is None else (y, h)  # h: None exactly without a residual
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -396,8 +409,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, 
                          f"got {list(cos.shape)} and {list(sin.shape)}")
     if not rotary_layout_ok(x, cos, sin):
         raise ValueError("rotary: heads and dims of x, and the last dim of cos / sin, must be contiguous")
-    library().bst_rotary(x.data_ptr(), DTYPES[x.dtype], t, n, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),
-                         cos.stride(0), DTYPES[cos.dtype], rot_dim, int(style == "gptj"))
+    _lib().bst_rotary(x.data_ptr(), DTYPES[x.dtype], t, n, d, x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                      cos.stride(0), DTYPES[cos.dtype], rot_dim, int(style == "gptj"))
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int, style: str) -> None:
@@ -415,7 +428,7 @@ def act_and_mul(fg: torch.Tensor, act: str) -> torch.Tensor:
     fg = fg.contiguous()
     t, i2 = fg.shape
     y = torch.empty(t, i2 // 2, dtype=fg.dtype)
-    library().bst_act_and_mul(fg.data_ptr(), y.data_ptr(), DTYPES[fg.dtype], t, i2 // 2, ACT_CODES[act], _threads())
+    _lib().bst_act_and_mul(fg.data_ptr(), y.data_ptr(), DTYPES[fg.dtype], t, i2 // 2, ACT_CODES[act], _threads())
     return y
 
 
@@ -453,27 +466,13 @@ class LoraRows:
         a_rows, b_flat, scales, starts, pieces = [], [], [], [0], []
         r0 = b_off = 0
         for adapter_pieces in per_adapter:
-            spans = []  # [lo, hi, [a], [b], [scale]] per piece with a nonzero B row (NaN counts)
-            for a, b, s in adapter_pieces:
-                hit = (b != 0).any(dim=1).nonzero().flatten()
-                if hit.numel():
-                    spans.append([int(hit[0]), int(hit[-1]) + 1, [a], [b], [s]])
-            merged: list[list] = []
-            for span in sorted(spans, key=lambda sp: sp[0]):
-                if merged and span[0] < merged[-1][1]:  # overlapping columns: one piece
-                    last = merged[-1]
-                    last[1] = max(last[1], span[1])
-                    for j in (2, 3, 4):
-                        last[j] += span[j]
-                else:
-                    merged.append(span)
-            for lo, hi, a_l, b_l, s_l in merged:
-                a = torch.cat(a_l)
-                bt = torch.cat(b_l, dim=1)[lo:hi].t().contiguous()  # [rank, rows]
-                pieces.append((r0, a.shape[0], lo, hi - lo, b_off))
+            for span in _merged_spans(adapter_pieces):
+                a = torch.cat(span.a)
+                bt = torch.cat(span.b, dim=1)[span.lo:span.hi].t().contiguous()  # [rank, rows]
+                pieces.append((r0, a.shape[0], span.lo, span.hi - span.lo, b_off))
                 a_rows.append(a)
                 b_flat.append(bt.flatten())
-                scales.append(torch.cat(s_l))
+                scales.append(torch.cat(span.scale))
                 r0, b_off = r0 + a.shape[0], b_off + bt.numel()
             starts.append(len(pieces))
         layout = torch.tensor(starts + [v for piece in pieces for v in piece], dtype=torch.int64)
@@ -486,6 +485,38 @@ class LoraRows:
         return [tuple(lay[first + 5 * p : first + 5 * p + 5]) for p in range(lay[adapter], lay[adapter + 1])]
 
 
+@dataclass
+class _Span:
+    """Output columns [lo, hi) that LoRA pieces of one adapter reach, with their a [r, K], b [N, r], scale [r]."""
+
+    lo: int
+    hi: int
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    scale: list[torch.Tensor]
+
+
+def _merged_spans(adapter_pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[_Span]:
+    """An adapter's pieces (a, b, scale) -> the spans of columns they reach, by column, the pieces whose
+    columns overlap merged into one span (a piece whose B has no nonzero row, NaN counting, is dropped)."""
+    spans = []
+    for a, b, s in adapter_pieces:
+        hit = (b != 0).any(dim=1).nonzero().flatten()
+        if hit.numel():
+            spans.append(_Span(int(hit[0]), int(hit[-1]) + 1, [a], [b], [s]))
+    merged: list[_Span] = []
+    for span in sorted(spans, key=lambda sp: sp.lo):
+        if merged and span.lo < merged[-1].hi:  # overlapping columns: one piece
+            last = merged[-1]
+            last.hi = max(last.hi, span.hi)
+            last.a += span.a
+            last.b += span.b
+            last.scale += span.scale
+        else:
+            merged.append(span)
+    return merged
+
+
 def _cat(tensors: list[torch.Tensor], empty: tuple[int, ...]) -> torch.Tensor:
     return torch.cat(tensors) if tensors else torch.zeros(empty)
 
@@ -495,10 +526,10 @@ def lora_rows_(x: torch.Tensor, rows: LoraRows, idx: torch.Tensor, out: torch.Te
     out[t, n0:n0+rows] += ((x[t] A[r0:r0+rank]^T) * scale[r0:r0+rank]) B_p^T per piece, float32
     sums rounded once. idx int64 [T]. The torch reference: lora_rows_ref (and, from the adapters
     themselves, core.lora.batch.StepLora.add_)."""
-    library().bst_lora_rows(x.data_ptr(), DTYPES[x.dtype], x.shape[0], x.shape[1], rows.a.data_ptr(),
-                            rows.b.data_ptr(), DTYPES[rows.a.dtype], rows.scale.data_ptr(),
-                            rows.layout.data_ptr(), rows.adapters, idx.data_ptr(), out.data_ptr(),
-                            DTYPES[out.dtype], out.shape[1], _threads())
+    _lib().bst_lora_rows(x.data_ptr(), DTYPES[x.dtype], x.shape[0], x.shape[1], rows.a.data_ptr(),
+                         rows.b.data_ptr(), DTYPES[rows.a.dtype], rows.scale.data_ptr(),
+                         rows.layout.data_ptr(), rows.adapters, idx.data_ptr(), out.data_ptr(),
+                         DTYPES[out.dtype], out.shape[1], _threads())
 
 
 def lora_rows_ref(x: torch.Tensor, rows: LoraRows, idx: torch.Tensor, out: torch.Tensor) -> None:
@@ -521,5 +552,5 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     counts as the maximum). ~10x faster than torch's on a vocabulary row."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    library().bst_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _threads())
+    _lib().bst_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _threads())
     return out
