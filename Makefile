@@ -11,7 +11,7 @@ PIP = $(PYTHON) -m pip
 INSTALLED = $(VENV)/.bestiary-installed
 SAY_VENV = @echo "bestiary: using the virtualenv $(VENV)"
 
-.PHONY: install demo test test-slow test-gpu test-all lint typecheck gpu-check bench docs mutation browser
+.PHONY: install demo test test-slow fuzz test-gpu test-all lint typecheck gpu-check bench docs mutation browser
 
 $(PYTHON):
 	@$(BASE_PYTHON) -m venv $(VENV) || { echo "error: $(BASE_PYTHON) -m venv $(VENV) failed (Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
@@ -47,6 +47,17 @@ test: $(INSTALLED)
 test-slow: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow tests
+
+# The fuzzer at length (tests/fuzz): FUZZ_CASES seeded cases of every input kind (safetensors, config.json,
+# tokenizer files, GGUF, .flm, chat templates, CLI flags) through the CLI in one long-lived worker; it
+# fails on a traceback, "internal error", an exit code other than 0/2, a multi-line error, a hang or a crash,
+# and groups failures by cause, each with the command that reruns one case alone. make test runs a short
+# seeded run of it (tests/fuzz/test_fuzz.py), make test-slow a longer one. FUZZ_SEED picks another seed.
+FUZZ_CASES ?= 2000
+FUZZ_SEED ?= 0
+fuzz: $(INSTALLED)
+	$(SAY_VENV)
+	$(PYTHON) -m tests.fuzz --seed $(FUZZ_SEED) --cases $(FUZZ_CASES)
 
 # ruff at the version the lint extra pins, with pyproject's rule selection ([tool.ruff.lint]).
 lint: $(INSTALLED)

@@ -2,6 +2,6 @@
 
 import sys
 
-from bestiary.core.cli.main import main
+from bestiary.core.cli import main
 
 sys.exit(main())

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bestiary.core.bench.config import ALL_WORKLOADS, BenchConfig
-from bestiary.core.cli.main import command, positive_int
+from bestiary.core.cli.main import command
+from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
 from bestiary.core.cli.speculative_flags import add_speculative_flags, speculative_from_args
 from bestiary.core.format.errors import BestiaryError
 
@@ -40,14 +41,15 @@ def add_bench_parser(sub: SubParsers) -> None:
     f = BenchConfig.model_fields
     p = sub.add_parser("bench", help="decode / prefill / mixed-workload (and rewrite) speed of engines, beside peers "
                                        "(docs/bench.md)")
-    p.add_argument("--engine_dir", nargs="+", required=True, help="One or more engine dirs (a row each).")
+    p.add_argument("--engine_dir", nargs="+", type=path_arg, required=True,
+                   help="One or more engine dirs (a row each).")
     p.add_argument("--compare", default="", metavar="PEERS",
                    help="Comma-separated peers run in the same process: hf, llama.cpp, fastllm.")
     p.add_argument("--reference", default=None, metavar="NAME",
                    help="Row the ratio columns divide by: engine, hf, llama.cpp or fastllm (its first row; "
                         "default: the first peer measured, else the first engine).")
     p.add_argument("--json", action="store_true", help="Print the report as JSON on stdout instead of tables.")
-    p.add_argument("--num_threads", type=positive_int, default=None, help="CPU threads of every system.")
+    p.add_argument("--num_threads", type=thread_count, default=None, help="CPU threads of every system.")
     g = p.add_argument_group("workloads")
     g.add_argument("--workloads", nargs="+", choices=ALL_WORKLOADS, default=f["workloads"].default,
                    help=f["workloads"].description)
@@ -62,10 +64,12 @@ def add_bench_parser(sub: SubParsers) -> None:
         g.add_argument(f"--{name}", nargs=2, type=positive_int, default=f[name].default, metavar=("LOW", "HIGH"),
                        help=f"{f[name].description} (default: {f[name].default})")
     g = p.add_argument_group("peers")
-    g.add_argument("--hf_model", default=None, help="hf and fastllm: an HF dir, or a .gguf made dense once (cached).")
+    g.add_argument("--hf_model", type=path_arg, default=None,
+                   help="hf and fastllm: an HF dir, or a .gguf made dense once (cached).")
     g.add_argument("--hf_dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--gguf", nargs="+", default=[], metavar="FILE", help="llama.cpp: GGUF files, a row each.")
+    g.add_argument("--gguf", nargs="+", type=path_arg, default=[], metavar="FILE",
+                   help="llama.cpp: GGUF files, a row each.")
     add_speculative_flags(p)  # a second row per engine, decoding speculatively (docs/speculative.md)
     g.add_argument("--fastllm_dtypes", nargs="+", default=["float16", "int8", "int4"],
                    choices=["float32", "float16", "int8", "int4"])
@@ -105,10 +109,10 @@ def engine_candidates(dirs: list[str], threads: int | None,
 
 def engine_vocab(engine_dir: str) -> int:
     """The vocabulary size of an engine (or checkpoint) dir, from its config.json."""
-    from bestiary.core.format.config import read_json
+    from bestiary.core.format.config import config_sections, read_json
 
     data = read_json(Path(engine_dir) / "config.json")
-    vocab = data.get("pretrained_config", data).get("vocab_size")
+    vocab = config_sections(data, f"{engine_dir}/config.json")[0].get("vocab_size")
     if not isinstance(vocab, int):
         raise BestiaryError(f"{engine_dir}/config.json: no integer vocab_size")
     return vocab

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from bestiary.core.cli.main import command, positive_int
+from bestiary.core.cli.main import command
+from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
 from bestiary.core.format.errors import BestiaryError
 
 if TYPE_CHECKING:
@@ -171,14 +172,15 @@ def answer_turn(llm, args: argparse.Namespace, conversation: Conversation, scree
 def add_chat_parser(sub: SubParsers) -> None:
     """`bestiary chat`'s flags: the engine, the system prompt and the sampling of the answers."""
     p = sub.add_parser("chat", help="chat with an engine in the terminal (or one answer per line from a pipe)")
-    p.add_argument("--engine_dir", required=True, help="An engine or checkpoint directory (or any source run takes).")
+    p.add_argument("--engine_dir", type=path_arg, required=True,
+                   help="An engine or checkpoint directory (or any source run takes).")
     p.add_argument("--system", default=None, metavar="TEXT", help="The system prompt (/system TEXT changes it).")
     p.add_argument("--max_output_len", type=positive_int, default=256, help="New tokens per answer at most.")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
     p.add_argument("--top_k", type=int, default=0, help="0 = off.")
     p.add_argument("--top_p", type=float, default=1.0, help="1.0 = off.")
     p.add_argument("--random_seed", type=int, default=None)
-    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+    p.add_argument("--num_threads", type=thread_count, default=None, help="torch CPU threads.")
 
 
 @command("chat", add_chat_parser)

@@ -13,13 +13,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from bestiary.core.cli.main import (
-    add_model_flags,
-    add_quant_flags,
-    add_sampling_flags,
-    command,
-    positive_int,
-)
+from bestiary.core.cli.main import add_model_flags, add_quant_flags, add_sampling_flags, command
+from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
 from bestiary.core.cli.speculative_flags import add_speculative_flags
 from bestiary.core.format.config import read_text_file
 from bestiary.core.format.errors import BestiaryError
@@ -49,10 +44,11 @@ def _threads(n: int | None) -> None:
 def add_convert_parser(sub: SubParsers) -> None:
     """`bestiary convert`'s flags: the source, layout and dtype, LoRA adapters, quantization."""
     p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir")
-    p.add_argument("--model_dir", default=None,
+    p.add_argument("--model_dir", type=path_arg, default=None,
                    help="HF model directory or a .gguf/.flm/.safetensors file (with --lora_dir of TensorRT-LLM "
                         "LoRA tensors: the base model's checkpoint or engine dir).")
-    p.add_argument("--output_dir", default=None, help="The checkpoint directory (not needed with --dry_run).")
+    p.add_argument("--output_dir", type=path_arg, default=None,
+                   help="The checkpoint directory (not needed with --dry_run).")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--tp_size", type=positive_int, default=1)
     p.add_argument("--pp_size", type=positive_int, default=1)
@@ -70,10 +66,10 @@ def add_convert_parser(sub: SubParsers) -> None:
     p.add_argument("--dry_run", action="store_true",
                    help="Write nothing: list each target tensor's sources, postprocess hook and TP slice, and flag "
                         "missing, unused, mis-shaped and (against an HF reference) transposed tensors; exit 1 if any.")
-    p.add_argument("--report", default=None, metavar="FILE.json",
+    p.add_argument("--report", type=path_arg, default=None, metavar="FILE.json",
                    help="With --dry_run: also write the findings as JSON.")
     lora = p.add_argument_group("LoRA adapters (docs/lora.md)")
-    lora.add_argument("--lora_dir", default=None, metavar="DIR",
+    lora.add_argument("--lora_dir", type=path_arg, default=None, metavar="DIR",
                       help="Convert an adapter instead of a model: an HF PEFT dir -> TensorRT-LLM's LoRA tensors "
                            "(model.lora_weights.npy, model.lora_config.npy), or such a dir -> a PEFT dir.")
     lora.add_argument("--storage_type", default="float16", choices=["float32", "float16"],
@@ -154,13 +150,13 @@ def add_build_parser(sub: SubParsers) -> None:
     from bestiary.core.format.build_config import BuildConfig
 
     p = sub.add_parser("build", help="checkpoint dir -> engine dir")
-    p.add_argument("--checkpoint_dir", required=True)
-    p.add_argument("--output_dir", required=True)
+    p.add_argument("--checkpoint_dir", type=path_arg, required=True)
+    p.add_argument("--output_dir", type=path_arg, required=True)
     add_model_flags(p, BuildConfig)
     p.add_argument("--skip_memory_check", action="store_true",
                    help="Build limits whose KV cache exceeds this host's RAM (for a larger target host).")
     lora = p.add_argument_group("LoRA adapters bundled in the engine (docs/lora.md)")
-    lora.add_argument("--lora_dir", nargs="+", default=None, metavar="DIR",
+    lora.add_argument("--lora_dir", nargs="+", type=path_arg, default=None, metavar="DIR",
                       help="HF PEFT adapter dirs; the i-th is task uid i (`bestiary run --lora_task_uids`).")
     lora.add_argument("--max_lora_rank", type=positive_int, default=None,
                       help="Refuse an adapter with a larger rank (default: the largest given).")
@@ -186,10 +182,11 @@ def add_export_parser(sub: SubParsers) -> None:
     """`bestiary export`'s flags: the engine or checkpoint dir, the .flm file and its dtype."""
     p = sub.add_parser("export", help="checkpoint or engine dir -> FastLLM .flm file (docs/fastllm.md)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--engine_dir", help="The engine directory to export.")
-    src.add_argument("--checkpoint_dir", help="The checkpoint directory to export.")
+    src.add_argument("--engine_dir", type=path_arg, help="The engine directory to export.")
+    src.add_argument("--checkpoint_dir", type=path_arg, help="The checkpoint directory to export.")
     p.add_argument("--format", default="flm", choices=["flm"], help="Output format: FastLLM's .flm (version 2).")
-    p.add_argument("--output_file", required=True, help="The .flm file to write (an existing .flm is replaced).")
+    p.add_argument("--output_file", type=path_arg, required=True,
+                   help="The .flm file to write (an existing .flm is replaced).")
     p.add_argument("--flm_dtype", default=None, metavar="DTYPE",
                    help="Linear weights as float32, float16, int8, int4 (per row) or int4g128 (groups of 128); "
                         "default: the model's own layout.")
@@ -199,7 +196,8 @@ def add_export_parser(sub: SubParsers) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from bestiary.core.convert.export_flm import export_flm
 
-    out = export_flm(args.engine_dir or args.checkpoint_dir, args.output_file, args.flm_dtype)
+    out = export_flm(args.engine_dir or args.checkpoint_dir, args.output_file, args.flm_dtype,
+                     show_progress=sys.stderr.isatty())
     ERR.print(f"{args.format} file written to {out}")
     return 0
 
@@ -240,7 +238,7 @@ def _parse_ids(groups: list[str]) -> list[list[int]]:
 def add_run_parser(sub: SubParsers) -> None:
     """`bestiary run`'s flags: the engine, the inputs, sampling, output, LoRA and speculative decoding."""
     p = sub.add_parser("run", help="generate text from an engine")
-    p.add_argument("--engine_dir", required=True)
+    p.add_argument("--engine_dir", type=path_arg, required=True)
     inputs = p.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--input_text", nargs="+", help="One or more prompts.")
     inputs.add_argument("--input_ids", nargs="+", help="Comma-separated token ids, one group per input.")
@@ -248,10 +246,10 @@ def add_run_parser(sub: SubParsers) -> None:
     p.add_argument("--streaming", action="store_true", help="Print tokens as they are generated.")
     p.add_argument("--chat", action="store_true", help="Wrap each input in the model's chat template.")
     p.add_argument("--output_ids", action="store_true", help="Print generated ids instead of text.")
-    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+    p.add_argument("--num_threads", type=thread_count, default=None, help="torch CPU threads.")
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
-    p.add_argument("--lora_dir", nargs="+", default=None, metavar="DIR",
+    p.add_argument("--lora_dir", nargs="+", type=path_arg, default=None, metavar="DIR",
                    help="HF PEFT LoRA adapter directories; task uid i is the i-th directory.")
     p.add_argument("--lora_task_uids", nargs="+", default=None, metavar="UID",
                    help="One per input: the index of its --lora_dir adapter, or -1 for the base model.")
@@ -269,7 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                             "drop --streaming to get the log probs")
     llm = LLM(args.engine_dir, num_threads=args.num_threads, allow_nonfinite=args.allow_nonfinite,
               device=args.device, speculative=speculative_from_args(args))
-    _note_length_cap(args.max_output_len, llm.engine.build.max_seq_len)
+    note = _length_cap_note(args.max_output_len, llm.engine.build.max_seq_len)  # said after the outputs
     prompts: list = _parse_ids(args.input_ids) if args.input_ids else list(args.input_text)
     if llm.tokenizer is None and not args.input_ids:
         raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; use --input_ids")
@@ -281,6 +279,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.write(f"{piece} " if as_ids and isinstance(piece, int) else str(piece))
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            _say(note)
+            note = None
             _print_stats(llm.last_stats, sampling.beam_width)
         return 0
     completions = llm.generate(prompts, sampling, chat=args.chat, lora=adapters)
@@ -288,6 +288,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(" ".join(map(str, c.output_ids)) if as_ids else c.text)
         if args.output_log_probs:
             print(json.dumps(_log_prob_record(c)))
+    _say(note)
     _print_stats(llm.last_stats, sampling.beam_width)
     for i, c in enumerate(completions):
         if c.speculative is not None:
@@ -346,12 +347,20 @@ def _log_prob_record(c) -> dict:
     return record
 
 
-def _note_length_cap(max_output_len: int, max_seq_len: int | None) -> None:
-    """Say so when --max_output_len is more than the engine can give (it used to run for minutes silently);
-    max_seq_len None (not set in the build config) caps nothing."""
+def _length_cap_note(max_output_len: int, max_seq_len: int | None) -> str | None:
+    """The note when --max_output_len is more than the engine can give (it used to run for minutes
+    silently); max_seq_len None (not set in the build config) caps nothing. cmd_run says it after the
+    outputs, beside the statistics: a mistake found before them is then its one line on stderr."""
     if max_seq_len is not None and max_output_len >= max_seq_len:
-        print(f"note: --max_output_len {max_output_len:,} is more than the engine allows: each output ends "
-              f"at max_seq_len {max_seq_len} tokens (prompt + output)", file=sys.stderr)
+        return (f"note: --max_output_len {max_output_len:,} is more than the engine allows: each output ends "
+                f"at max_seq_len {max_seq_len} tokens (prompt + output)")
+    return None
+
+
+def _say(note: str | None) -> None:
+    """Print `note` (if any) on stderr."""
+    if note is not None:
+        print(note, file=sys.stderr)
 
 
 def _print_stats(stats, beam_width: int = 1) -> None:
@@ -370,10 +379,10 @@ def _print_stats(stats, beam_width: int = 1) -> None:
 def add_eval_parser(sub: SubParsers) -> None:
     """`bestiary eval`'s flags: the engine, the text file and how much of it."""
     p = sub.add_parser("eval", help="perplexity of an engine on a text file")
-    p.add_argument("--engine_dir", required=True)
-    p.add_argument("--text_file", required=True)
+    p.add_argument("--engine_dir", type=path_arg, required=True)
+    p.add_argument("--text_file", type=path_arg, required=True)
     p.add_argument("--max_tokens", type=positive_int, default=None, help="Evaluate at most this many tokens.")
-    p.add_argument("--num_threads", type=positive_int, default=None)
+    p.add_argument("--num_threads", type=thread_count, default=None)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
 
@@ -402,25 +411,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def add_inspect_parser(sub: SubParsers) -> None:
     """`bestiary inspect DIRECTORY`."""
     p = sub.add_parser("inspect", help="config, tensor table, dtype and size of a checkpoint/engine dir")
-    p.add_argument("directory")
+    p.add_argument("directory", type=path_arg)
 
 
 @command("inspect", add_inspect_parser)
 def cmd_inspect(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from bestiary.core.format.config import read_json
+    from bestiary.core.format.config import config_sections, read_json
 
     directory = Path(args.directory)
     data = read_json(directory / "config.json")
     out = stdout_console()
-    config = data.get("pretrained_config", data)
+    config, build = config_sections(data, str(directory / "config.json"))
     table = Table(title=f"{directory} ({'engine' if 'pretrained_config' in data else 'checkpoint'})")
     table.add_column("field")
     table.add_column("value")
     for key, value in config.items():
         table.add_row(key, json.dumps(value))
-    for key, value in data.get("build_config", {}).items():
+    for key, value in (build or {}).items():
         table.add_row(f"build.{key}", json.dumps(value))
     out.print(table)
     for rank_path in sorted(directory.glob("rank*.safetensors")):
@@ -523,8 +532,9 @@ def add_demo_parser(sub: SubParsers) -> None:
     p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
     p.add_argument("--max_output_len", type=positive_int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--workdir", default=None, help="Where to put the checkpoint and engine (default: a cache dir).")
-    p.add_argument("--num_threads", type=positive_int, default=None)
+    p.add_argument("--workdir", type=path_arg, default=None,
+                   help="Where to put the checkpoint and engine (default: a cache dir).")
+    p.add_argument("--num_threads", type=thread_count, default=None)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
 
 

@@ -6,12 +6,14 @@
 | EnvironmentFault (read-only / full disk, memory)  | 1    | `error: <message>`                     |
 | UnicodeDecodeError / non-UTF-8 text argument      | 2    | `error: <flag or file>: not UTF-8 ...` |
 | any other OSError                                 | 1    | `error: <file>: <strerror>`            |
-| MemoryError                                       | 1    | `error: out of memory ...`             |
+| MemoryError, torch's out-of-memory RuntimeError   | 1    | `error: out of memory: ...`            |
 | SIGINT / SIGTERM (even if a library wrapped it)   | 130 / 143 | `interrupted`                     |
 | anything else (a bug)                             | 1    | `internal error: <type>: <message>`    |
 
-BESTIARY_DEBUG=1 re-raises instead, so the traceback is printed. SIGTERM is turned into an
-exception while a command runs, so output directories are cleaned up as for Ctrl-C.
+BESTIARY_DEBUG=1 re-raises instead, so the traceback is printed. SIGINT and SIGTERM are turned into
+an exception (`Interrupted`) from the script's first line on, so outputs are cleaned up as for
+Ctrl-C, and remembered (core.format.interrupts): a signal a library swallowed still refuses every
+commit and ends the command with 130 / 143.
 """
 
 from __future__ import annotations
@@ -21,44 +23,26 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 from collections.abc import Iterator
 
+from bestiary.core.format import interrupts
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.interrupts import Interrupted
+from bestiary.core.format.resources import allocation_failed, out_of_memory_message
 
 TEXT_FLAGS = ("input_text", "stop_words", "bad_words", "prompt", "system")  # text, not paths: must be UTF-8
 DEBUG_ENV = "BESTIARY_DEBUG"
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM while a command ran."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-_received: list[int] = []  # signals seen while the current command ran
-
-
-def _on_signal(signum: int, frame) -> None:
-    _received.append(signum)
-    raise Interrupted(signum)
+_received = interrupts.received  # signals seen while the current command ran (the same list object)
 
 
 @contextlib.contextmanager
 def signals_as_interrupts() -> Iterator[None]:
-    """While the block runs (main thread only): SIGINT and SIGTERM raise `Interrupted`."""
-    if threading.current_thread() is not threading.main_thread():
+    """While the block runs (main thread only): SIGINT and SIGTERM raise `Interrupted` and are
+    remembered (core.format.interrupts); handlers the script's entry installed stay as they are."""
+    with interrupts.handled():
         yield
-        return
-    _received.clear()
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def check_text_args(args: argparse.Namespace) -> None:
@@ -92,8 +76,8 @@ def exit_code_for(err: BaseException) -> int:
     elif isinstance(err, OSError):
         where = f"{err.filename}: " if err.filename else ""
         line, code = f"error: {where}{err.strerror or err}", 1
-    elif isinstance(err, MemoryError):
-        line, code = "error: out of memory; use smaller limits (bestiary build --max_batch_size, --max_seq_len)", 1
+    elif allocation_failed(err):  # MemoryError, torch's allocators: the size asked and this process's limit
+        line, code = f"error: {out_of_memory_message(err)}", 1
     else:
         line = f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         line, code = f"{line} (rerun with {DEBUG_ENV}=1 for the traceback)", 1

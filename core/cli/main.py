@@ -4,7 +4,8 @@ make_parser walks COMMAND_MODULES.
 
 User mistakes (BestiaryError) print one line `error: ...` on stderr and exit with code 2,
 environment faults (read-only or full disk, memory) with code 1 (core.cli.failures has the
-table); bad flags are argparse errors (also exit code 2). Heavy modules load inside commands.
+table); a bad flag is the parser's one-line error (core.cli.parsing), also exit code 2. Heavy modules
+load inside commands.
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from bestiary.core.cli.parsing import (
+    INT32_MAX,
+    OneLineParser,
+    int_range,
+    non_negative_int,
+    path_arg,
+    positive_int,
+)
+
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]  # what add_subparsers returns
+    SubParsers: TypeAlias = argparse._SubParsersAction[OneLineParser]  # what add_subparsers returns
 
 Handler = Callable[[argparse.Namespace], int]
 AddParser = Callable[["SubParsers"], None]
@@ -55,29 +65,21 @@ def command(name: str, add_parser: AddParser) -> Callable[[Handler], Handler]:
     return wrap
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
-    return value
+def _bound(field, name: str, default: int) -> int:
+    """The field's `ge` / `le` bound (pydantic keeps them in its metadata), else `default`."""
+    return next((getattr(m, name) for m in field.metadata if getattr(m, name, None) is not None), default)
 
 
 def add_model_flags(parser: argparse.ArgumentParser, model) -> None:
     """One --flag per field of a pydantic model (the schema is the single source of the options); an
-    int field is a positive_int flag, or a non_negative_int one where the field allows 0 (ge=0)."""
+    int field is an int_range flag of the field's bounds (ge, default 1; le, default INT32_MAX), so a
+    value out of range is the parser's one-line error naming the flag."""
     for name, field in model.model_fields.items():
         annotation = field.annotation
         args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
         kind = args[0] if args[0] in (int, float, str) else str
         if kind is int:
-            kind = non_negative_int if any(getattr(m, "ge", None) == 0 for m in field.metadata) else positive_int
+            kind = int_range(_bound(field, "ge", 1), _bound(field, "le", INT32_MAX))
         parser.add_argument(f"--{name}", type=kind, default=None,
                             help=f"{field.description or ''} (default: {field.default})")
 
@@ -143,7 +145,7 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--tune_steps", type=int, default=None, metavar="N",
                    help="int4 GPTQ: steps of end-to-end scale tuning towards the float model's outputs "
                         "on the calibration text (0 = none; default: a short tuning).")
-    q.add_argument("--calib_text", default=None, metavar="FILE",
+    q.add_argument("--calib_text", type=path_arg, default=None, metavar="FILE",
                    help="Text file for calibration (KV cache and activation scales); default: a short built-in text.")
 
 
@@ -157,7 +159,7 @@ def make_parser() -> argparse.ArgumentParser:
     """The `bestiary` parser: --version, and each command's subparser, added by the command itself."""
     from bestiary import __version__
 
-    parser = argparse.ArgumentParser(prog="bestiary", description="Plugin-based LLM model zoo and inference engine.")
+    parser = OneLineParser(prog="bestiary", description="Plugin-based LLM model zoo and inference engine.")
     parser.add_argument("--version", action="version", version=f"bestiary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -165,14 +167,33 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `bestiary` script: every failure is one line and an exit code (cli.failures)."""
-    args = make_parser().parse_args(argv)  # imports every command's module: COMMANDS has them all
-    from bestiary.core.cli.failures import check_text_args, exit_code_for, signals_as_interrupts
+OWN_CTRL_C = ("chat", "serve")  # Ctrl-C stops chat's answer / drains serve: a caught one is not held against them
+TORCH_FREE = ("list", "cache")  # every other command imports torch (whole, first: interrupts.deferred)
 
-    with signals_as_interrupts():
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one `bestiary` command: every failure is one line and an exit code (cli.failures).
+
+    SIGINT / SIGTERM raise `Interrupted` from the parser on, and are remembered (core.format.interrupts):
+    one that a library swallowed still refuses every commit and ends the command with 130 / 143. torch
+    is imported first, whole, with signals deferred to its end (its C++ import code swallows or aborts on
+    a KeyboardInterrupt). chat and serve handle Ctrl-C themselves (OWN_CTRL_C)."""
+    from bestiary.core.cli.failures import check_text_args, exit_code_for
+    from bestiary.core.format import interrupts
+
+    with interrupts.handled():
         try:
+            args = make_parser().parse_args(argv)  # imports every command's module: COMMANDS has them all
+            interrupts.check()
+            if args.command not in TORCH_FREE:
+                with interrupts.deferred():  # a Ctrl-C inside torch's import is swallowed or aborts: raised after it
+                    import torch  # noqa: F401
             check_text_args(args)
-            return COMMANDS[args.command].run(args) or 0
+            if args.command in OWN_CTRL_C:
+                with interrupts.not_remembered():
+                    return COMMANDS[args.command].run(args) or 0
+            code = COMMANDS[args.command].run(args) or 0
+            interrupts.check()
+            return code
         except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the one error path
             return exit_code_for(err)

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bestiary.core.cli.main import command, positive_int
+from bestiary.core.cli.main import command
+from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
 from bestiary.core.cli.speculative_flags import add_speculative_flags
 from bestiary.core.format.errors import BestiaryError
 
@@ -18,18 +19,18 @@ if TYPE_CHECKING:
 def add_serve_parser(sub: SubParsers) -> None:
     """`bestiary serve`'s flags: the engine, the address, the API, LoRA adapters, logging, speculative decoding."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for an engine (docs/serving.md)")
-    p.add_argument("--engine_dir", required=True)
+    p.add_argument("--engine_dir", type=path_arg, required=True)
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this host only).")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api_key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
     p.add_argument("--served_model_name", default=None, help="Model id of the API (default: the engine dir's name).")
     p.add_argument("--max_queue_len", type=positive_int, default=1024,
                    help="Requests that may wait for their first token; more are answered 503.")
-    p.add_argument("--chat_template", default=None, metavar="FILE",
+    p.add_argument("--chat_template", type=path_arg, default=None, metavar="FILE",
                    help="Jinja2 chat template replacing the model's (or a tokenizer_config.json with one).")
     p.add_argument("--lora_modules", nargs="+", default=None, metavar="NAME=DIR",
                    help="HF PEFT LoRA adapters served as model names (loaded at start).")
-    p.add_argument("--num_threads", type=positive_int, default=None, help="torch CPU threads.")
+    p.add_argument("--num_threads", type=thread_count, default=None, help="torch CPU threads.")
     p.add_argument("--log_level", default="warning", choices=["debug", "info", "warning", "error"])
     add_speculative_flags(p)
 

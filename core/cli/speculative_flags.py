@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from bestiary.core.cli.parsing import path_arg
 from bestiary.core.format.errors import BestiaryError
 
 
@@ -18,7 +19,8 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
                    help="Draft tokens by prompt lookup (ngram) or with a draft engine (draft); verified in one step.")
     g.add_argument("--num_draft_tokens", type=int, default=None, metavar="K",
                    help=f"{f['num_draft_tokens'].description} (default: {f['num_draft_tokens'].default})")
-    g.add_argument("--draft_engine_dir", default=None, metavar="DIR", help=f["draft_engine_dir"].description)
+    g.add_argument("--draft_engine_dir", type=path_arg, default=None, metavar="DIR",
+                   help=f["draft_engine_dir"].description)
 
 
 def speculative_from_args(args: argparse.Namespace):

@@ -55,11 +55,20 @@ def calibration_ids(files, vocab_size: int, text_file: str | Path | None, max_po
         ids = tokenizer.encode(read_text_file(path, "--calib_text"))
         if len(ids) < 16:
             raise BestiaryError(f"--calib_text {path}: {len(ids)} tokens, expected at least 16")
-        return ids[:limit]
+        return _in_vocab(ids[:limit], vocab_size, tokenizer.source)
     if tokenizer is not None:
-        return tokenizer.encode(builtin)[:limit]
+        return _in_vocab(tokenizer.encode(builtin)[:limit], vocab_size, tokenizer.source)
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, vocab_size, (limit,), generator=gen).tolist()
+
+
+def _in_vocab(ids: list[int], vocab_size: int, source: str) -> list[int]:
+    """`ids`, each a row of the embedding ([0, vocab_size)); else one line naming the tokenizer and the id."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise BestiaryError(f"{source}: token id {bad} is outside the model's vocabulary [0, {vocab_size}) "
+                            "(config.json: vocab_size); use the model's own tokenizer")
+    return ids
 
 
 def run_sequence(model: DecoderLM, ids: list[int], all_logits: bool, block_size: int = 32):

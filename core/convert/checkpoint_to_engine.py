@@ -26,7 +26,9 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
                  lora_target_modules: list[str] | None = None) -> Path:
     """Write an engine dir: config.json {format_version, pretrained_config, build_config}, rank files, tokenizer.
 
-    `check_memory`: refuse limits whose KV pool and weights exceed this host's RAM (core.convert.memory).
+    Limits run cannot use (max_seq_len < 2, tokens_per_block past 1024, ...) are refused
+    (core.format.build_config.finalize_build_config). `check_memory`: refuse limits whose KV pool and
+    weights exceed the memory this process could use on this host (core.convert.memory).
     `lora_dirs`: PEFT adapters bundled as task uids 0, 1, ... (config.json "lora", lora/: core.lora.bundle),
     each checked against `max_lora_rank` and `lora_target_modules` (TensorRT-LLM's build flags)."""
     checkpoint_dir = Path(checkpoint_dir)
@@ -39,16 +41,14 @@ def build_engine(checkpoint_dir: str | Path, output_dir: str | Path, build: Buil
     from bestiary.core.runtime.engine import validate_model_config
 
     config = validate_model_config(model_config, str(checkpoint_dir / "config.json"))
-    build = finalize_build_config(build, model_config)
-    world = model_config.get("mapping", {}).get("world_size", 1)
+    build = finalize_build_config(build, model_config, str(checkpoint_dir / "config.json"))
+    world = config.mapping.world_size
     ranks = [rank_file(checkpoint_dir, r) for r in range(world)]
     for path in ranks:
         if not path.is_file():
             raise BestiaryError(f"{path}: rank file not found (mapping.world_size is {world})")
     if check_memory:
-        assert build.max_seq_len is not None, "set by finalize_build_config"
-        tokens = build.max_tokens_in_paged_kv_cache or build.max_batch_size * build.max_seq_len
-        check_build_memory(config, tokens // world, max(p.stat().st_size for p in ranks))
+        check_build_memory(config, build, max(p.stat().st_size for p in ranks))
     with atomic_directory(Path(output_dir), "engine", [checkpoint_dir]) as tmp:
         for rank, path in enumerate(ranks):
             _link_or_copy(path, rank_file(tmp, rank))

@@ -6,7 +6,8 @@
    core.convert.flm_tables), the chat template, and bestiary's tokenizer.json / tokenizer_config
    under `bestiary.*` keys (FastLLM ignores them; `bestiary convert` reads them back exactly).
    Vocab: every token with a score (BPE: -merge rank for merged tokens, 1 else; unigram: its score).
-3. Tensors, one at a time from rank0.safetensors (resident memory: the current layer's tensors),
+3. Tensors, one at a time from rank0.safetensors (core.format.safetensors_stream: plain reads, the whole
+   header validated when the file is opened; resident memory: the current layer's tensors),
    under HF names: the architecture's key map translates each canonical key, and the inverse of
    its postprocess hook (`flm_tables.INVERSE_HOOKS`) splits fused rows (qkv -> q, k, v;
    [Q; K; V] -> per-head order; gate + up -> dense_h_to_4h).
@@ -15,30 +16,38 @@
    int4 when every group of a row shares (s, z)), otherwise the dequantized weight is quantized
    with FastLLM's own rule and the error it adds is printed. Other tensors: float32 (float16
    when --flm_dtype float16), as FastLLM's exporter writes them.
-5. The file is written as a temporary sibling and renamed over `output_file` at the end, so an
-   error or Ctrl-C leaves no partial file; an existing output that is not a .flm is never replaced.
+5. The file is written inside a marked temporary directory beside `output_file` and renamed over it
+   at the end (core.format.staging), so an error or Ctrl-C leaves no partial file. Its info table
+   carries `bestiary.export`: a tag and a digest of the file (its size, info table and the rest,
+   sampled beyond 64 MiB), patched in last. Only a file whose mark still matches is replaced by a later export:
+   a FastLLM-made .flm, a file another tool re-saved, or anything else never is.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
 from bestiary.core.convert import flm_encode
 from bestiary.core.convert.flm_tables import INVERSE_HOOKS, hf_config_of
 from bestiary.core.convert.progress import progress
+from bestiary.core.format.checkpoint import SAFETENSORS_DTYPES
 from bestiary.core.format.config import read_json
-from bestiary.core.format.errors import BestiaryError, ConfigError, EnvironmentFault
+from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.format.output_dir import check_output_file
+from bestiary.core.format.safetensors_stream import SafetensorsStream, TensorEntry
+from bestiary.core.format.staging import staged_file
 from bestiary.core.sources.flm_format import VERSION, pack_int, pack_string, pack_token
 
 FLM_DTYPES = ("float32", "float16", "int8", "int4", "int4g128")
+EXPORTABLE_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ")  # weight-only: FastLLM's int8 / int4
 
 
 # ---- reading the model dir -----------------------------------------------------------------------
@@ -47,6 +56,7 @@ FLM_DTYPES = ("float32", "float16", "int8", "int4", "int4g128")
 def read_model_dir(directory: Path):
     """(config, spec, tokenizer json text or None, tokenizer_config) of a checkpoint or engine dir."""
     from bestiary.core.runtime.engine import validate_model_config
+    from bestiary.core.runtime.tokenizer import Tokenizer
     from bestiary.registry import default_registry
 
     directory = Path(directory)
@@ -58,26 +68,41 @@ def read_model_dir(directory: Path):
     if config.mapping.world_size != 1:
         raise BestiaryError(f"{directory}: a {config.mapping.world_size}-rank model; FastLLM files hold whole "
                             f"tensors: convert with --tp_size 1 --pp_size 1 to export")
+    algo = getattr(config.quantization.quant_algo, "value", config.quantization.quant_algo)  # a str either way
+    if algo is not None and algo not in EXPORTABLE_ALGOS:
+        raise BestiaryError(f"{directory}: quant_algo {algo} (activation-quantized); FastLLM files hold "
+                            f"float, W8A16 or W4A16 linears: export the model converted without it")
     spec = default_registry().get(config.architecture)
-    tok = directory / "tokenizer.json"
+    tokenizer = Tokenizer.from_dir(directory)  # tokenizer.json and its config validated as a run validates them
+    if tokenizer is not None:
+        tokenizer.check_vocab(config.vocab_size, str(directory / "config.json"))
     tok_config_path = directory / "tokenizer_config.json"
     tok_config = read_json(tok_config_path) if tok_config_path.is_file() else {}
-    return config, spec, tok.read_text() if tok.is_file() else None, tok_config
+    tokenizer_json = (directory / "tokenizer.json").read_text("utf-8") if tokenizer is not None else None
+    return config, spec, tokenizer_json, tok_config
 
 
 # ---- header and vocab ----------------------------------------------------------------------------
 
 
+def _model_kind(tokenizer_json: str) -> str:
+    """The model kind tokenizers reads a tokenizer.json without `model.type` as ("BPE", "WordLevel", ...)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return type(HFTokenizer.from_str(tokenizer_json).model).__name__
+
+
 def vocab_entries(tokenizer_json: str) -> tuple[list[tuple[bytes, int, float]], dict[str, str]]:
     """(entries, tokenizer info flags) of a tokenizer.json, scored the way FastLLM's exporter scores."""
-    data = json.loads(tokenizer_json)
+    data = json.loads(tokenizer_json)  # validated by tokenizers in read_model_dir: the fields of its model kind
     model = data["model"]
+    kind = model.get("type") or _model_kind(tokenizer_json)
     flags: dict[str, str] = {"tokenizer_use_score": "1"}
-    if model["type"] == "Unigram":
+    if kind == "Unigram":
         entries = [(piece.encode(), i, float(score)) for i, (piece, score) in enumerate(model["vocab"])]
     else:
         merged: dict[str, float] = {}
-        for rank, merge in enumerate(model.get("merges", [])):
+        for rank, merge in enumerate(model.get("merges", []) if kind == "BPE" else []):  # others ignore "merges"
             a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
             merged.setdefault(a + b, -float(rank))
         entries = [(piece.encode(), token_id, merged.get(piece, 1.0)) for piece, token_id in model["vocab"].items()]
@@ -106,25 +131,47 @@ def model_info(config, tokenizer_json: str | None, tok_config: dict) -> dict[str
     return info
 
 
-def header_bytes(info: dict[str, str], entries: list[tuple[bytes, int, float]]) -> bytes:
+def info_table(info: dict[str, str]) -> bytes:
+    """Version, then the key/value table (keys sorted)."""
     out = [pack_int(VERSION, len(info))]
     for key in sorted(info):
         out += [pack_string(key), pack_string(info[key])]
-    out.append(pack_int(len(entries)))
-    out += [pack_token(piece, token_id, score) for piece, token_id, score in entries]
     return b"".join(out)
+
+
+def vocab_table(entries: list[tuple[bytes, int, float]]) -> bytes:
+    """The vocab: its size, then each (piece, id, score)."""
+    return b"".join([pack_int(len(entries)), *(pack_token(piece, i, score) for piece, i, score in entries)])
 
 
 # ---- tensors -------------------------------------------------------------------------------------
 
 
-def _linears(spec, config) -> dict[str, object]:
-    """module path -> Linear of the single-rank model (on the meta device)."""
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # state-dict key -> (dtype, shape)
+
+
+def _model_layout(spec, config) -> tuple[dict[str, object], Layout]:
+    """(module path -> Linear, every tensor's dtype and shape) of the single-rank model (on the meta device)."""
     from bestiary.core.convert.source_to_checkpoint import instantiate
     from bestiary.core.layers.linear import Linear
 
     model = instantiate(spec, config, 0)
-    return {path: m for path, m in model.named_modules() if isinstance(m, Linear)}
+    layout = {key: (t.dtype, tuple(t.shape)) for key, t in model.state_dict().items()}
+    return {path: m for path, m in model.named_modules() if isinstance(m, Linear)}, layout
+
+
+def check_rank_layout(path: Path, entries: dict[str, TensorEntry], layout: Layout) -> None:
+    """The rank file holds exactly the model's tensors, each of the model's dtype and shape (what Engine.load
+    requires), so a well-formed file of the wrong tensors is one line before anything is written."""
+    missing, unexpected = sorted(set(layout) - set(entries)), sorted(set(entries) - set(layout))
+    if missing or unexpected:
+        what = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {unexpected[0]!r}"
+        raise WeightsError(f"{path}: {what} (the model of its config.json has {len(layout)} tensors)")
+    for key, (dtype, shape) in layout.items():
+        entry = entries[key]
+        if (entry.dtype, entry.shape) != (dtype, shape):
+            raise WeightsError(f"{path}: tensor {key!r} is {SAFETENSORS_DTYPES[entry.dtype]} {list(entry.shape)}; "
+                               f"the model needs {SAFETENSORS_DTYPES.get(dtype, str(dtype))} {list(shape)}")
 
 
 class _NoSource:
@@ -149,12 +196,13 @@ def hf_tensors(directory: Path, config, spec) -> Iterator[tuple[str, dict[str, t
     from bestiary.core.convert.loader import WeightsLoader
 
     loader = WeightsLoader(_NoSource(), spec, config)
-    linears = _linears(spec, config)
+    linears, layout = _model_layout(spec, config)
     pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     path = directory / "rank0.safetensors"
     if not path.is_file():
         raise BestiaryError(f"{directory}: no rank0.safetensors")
     with SafetensorsStream(path) as f:
+        check_rank_layout(path, f.entries, layout)
         keys = list(f.keys())
         names = set(keys)
         for key in keys:
@@ -190,53 +238,97 @@ def hf_tensors(directory: Path, config, spec) -> Iterator[tuple[str, dict[str, t
         raise BestiaryError(f"{path}: {min(pending)!r} is missing some of its fused parts")
 
 
-class SafetensorsStream:
-    """Tensors of a .safetensors file read one at a time with plain reads (a memory map would keep every
-    page it touched resident): 8-byte header length, JSON header, then each tensor's byte range."""
-
-    DTYPES: ClassVar[dict[str, torch.dtype]] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
-              "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn}
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = open(path, "rb")  # noqa: SIM115 - closed by __exit__
-        (size,) = struct.unpack("<Q", self.file.read(8))
-        self.header = {k: v for k, v in json.loads(self.file.read(size)).items() if k != "__metadata__"}
-        self.base = 8 + size
-
-    def __enter__(self) -> SafetensorsStream:  # noqa: PYI034 - Python 3.10 has no typing.Self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()
-
-    def keys(self) -> list[str]:
-        return list(self.header)
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        entry = self.header[key]
-        start, end = entry["data_offsets"]
-        self.file.seek(self.base + start)
-        data = bytearray(self.file.read(end - start))
-        dtype = self.DTYPES[entry["dtype"]]
-        if not data:
-            return torch.empty(entry["shape"], dtype=dtype)
-        return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+EXPORT_KEY = "bestiary.export"  # the mark of bestiary's exports: the only .flm files an export replaces
+EXPORT_TAG = "bestiary-flm-export v1 "
+DIGEST_HEX = 32
+EXPORT_PLACEHOLDER = EXPORT_TAG + "0" * DIGEST_HEX  # patched with export_digest once the file is written
+FULL_DIGEST_BYTES = 64 << 20  # files up to this size after the info table are hashed whole, larger ones sampled
+DIGEST_SAMPLES, DIGEST_SAMPLE_BYTES = 64, 64 << 10
 
 
-def check_output(output: Path) -> Path:
-    """`output` must end in .flm and, if it exists, be a .flm file (never replace anything else)."""
-    output = Path(output)
-    if output.suffix != ".flm":
+def export_digest(path: Path, info_start: int, info_end: int, mark_at: int) -> str:
+    """blake2b of the file's size, its info table (the mark itself as the placeholder) and the rest: whole
+    up to FULL_DIGEST_BYTES, else 64 samples of 64 KiB from its start to its end (4 MiB read, whatever the
+    size), so a file another tool rewrote or re-saved no longer matches its mark."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(struct.pack("<3q", size, info_start, info_end), digest_size=DIGEST_HEX // 2)
+    with open(path, "rb") as f:
+        f.seek(info_start)
+        info = bytearray(f.read(info_end - info_start))
+        placeholder = EXPORT_PLACEHOLDER.encode()
+        info[mark_at - info_start:mark_at - info_start + len(placeholder)] = placeholder
+        h.update(info)
+        rest = max(size - info_end, 0)
+        if rest <= FULL_DIGEST_BYTES:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+            return h.hexdigest()
+        for i in range(DIGEST_SAMPLES):
+            f.seek(info_end + (rest - DIGEST_SAMPLE_BYTES) * i // (DIGEST_SAMPLES - 1))
+            h.update(f.read(DIGEST_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def read_mark(path: Path) -> tuple[str, int, int, int] | None:
+    """(the EXPORT_KEY value, info start, info end, offset of the value) of a .flm file, or None when it
+    is not a version-2 .flm or carries no mark. Reads the info table only, each length bounded by the file."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                return None
+            version, count = struct.unpack("<2i", head)
+            if version != VERSION or not 0 <= count <= size // 8:
+                return None
+            mark, is_key = None, False
+            for i in range(2 * count):
+                raw = f.read(4)
+                n = struct.unpack("<i", raw)[0] if len(raw) == 4 else -1
+                if not 0 <= n <= size - f.tell():
+                    return None
+                at, text = f.tell(), f.read(n)
+                if i % 2 == 0:
+                    is_key = text == EXPORT_KEY.encode()
+                elif is_key:
+                    mark = (text.decode("utf-8", "replace"), at)
+            end = f.tell()
+    except OSError:
+        return None
+    return None if mark is None else (mark[0], 8, end, mark[1])
+
+
+def is_bestiary_export(path: Path) -> bool:
+    """Whether `path` is a .flm file bestiary exported and nothing rewrote since (its mark's digest holds)."""
+    mark = read_mark(Path(path))
+    if mark is None or not mark[0].startswith(EXPORT_TAG) or len(mark[0]) != len(EXPORT_PLACEHOLDER):
+        return False
+    value, info_start, info_end, at = mark
+    try:
+        return value[len(EXPORT_TAG):] == export_digest(Path(path), info_start, info_end, at)
+    except OSError:
+        return False
+
+
+def check_output(output: Path, model_dir: Path | None = None) -> Path:
+    """`output` must end in .flm, and an existing file there must be an earlier bestiary export
+    (`is_bestiary_export`): a FastLLM-made .flm or any other file is never replaced."""
+    if Path(output).suffix != ".flm":
         raise BestiaryError(f"--output_file {output}: expected a file name ending in .flm")
-    if output.is_dir():
-        raise BestiaryError(f"--output_file {output}: is a directory")
-    if output.exists():
-        with open(output, "rb") as f:
-            head = f.read(4)
-        if len(head) != 4 or struct.unpack("<i", head)[0] != VERSION:
-            raise BestiaryError(f"--output_file {output}: exists and is not a .flm file; not replacing it")
-    return output
+    sources = [model_dir] if model_dir is not None else []
+    return check_output_file(output, sources, "--output_file", replaceable=is_bestiary_export)
+
+
+def write_mark(path: Path, header_at: int, info_end: int) -> None:
+    """Patch EXPORT_KEY's placeholder in the finished file `path` with its digest."""
+    with open(path, "rb") as f:
+        head = f.read(info_end)
+    pair = pack_string(EXPORT_KEY) + pack_string(EXPORT_PLACEHOLDER)
+    at = head.find(pair, header_at) + len(pair) - len(EXPORT_PLACEHOLDER)
+    digest = export_digest(path, header_at, info_end, at)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write((EXPORT_TAG + digest).encode())
 
 
 ACT_QUANT_KEY = "bestiary.activation_quant"  # absent in FastLLM's files: they run as FastLLM computes
@@ -254,36 +346,41 @@ def default_dtype(config) -> str:
 
 def export_flm(model_dir: str | Path, output_file: str | Path, flm_dtype: str | None = None,
                show_progress: bool = True) -> Path:
-    """Write `model_dir` (checkpoint or engine dir) as the FastLLM file `output_file`; returns its path."""
+    """Write `model_dir` (checkpoint or engine dir) as the FastLLM file `output_file`; returns its path.
+
+    An existing `output_file` is replaced only when it is an earlier bestiary export (`check_output`);
+    the file is written inside a marked temporary directory beside it and renamed over it at the end
+    (core.format.staging), so an error, Ctrl-C or SIGTERM leaves no partial file and a SIGKILL's
+    leftover is removed by the next write there."""
     model_dir = Path(model_dir)
-    output = check_output(Path(output_file))
+    output = check_output(Path(output_file), model_dir)
     config, spec, tokenizer_json, tok_config = read_model_dir(model_dir)
     dtype = flm_dtype or default_dtype(config)
     if not (dtype in FLM_DTYPES or flm_encode.parse_group(dtype)):
         raise ConfigError(f"--flm_dtype {dtype!r}: expected one of {', '.join(FLM_DTYPES)}")
     entries, flags = vocab_entries(tokenizer_json) if tokenizer_json is not None else ([], {})
-    info = {**model_info(config, tokenizer_json, tok_config), **flags,
+    info = {**model_info(config, tokenizer_json, tok_config), **flags, EXPORT_KEY: EXPORT_PLACEHOLDER,
             ACT_QUANT_KEY: config.quantization.activation_quant or "none"}  # read back by core.sources.flm_source
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f, progress(show_progress) as bar:
-            f.write(header_bytes(info, entries))
-            count_at = f.tell()
-            f.write(pack_int(0))  # tensor count, patched at the end
-            count = 0
-            task = bar.add_task("export", total=None)
-            for name, bundle, is_linear in hf_tensors(model_dir, config, spec):
-                f.writelines(flm_encode.tensor_parts(name, bundle, dtype if is_linear else flm_encode.plain_dtype(dtype)))
-                count += 1
-                bar.advance(task)
-            f.seek(count_at)
-            f.write(pack_int(count))
-        os.replace(tmp, output)
-    except BaseException as err:
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise EnvironmentFault(f"--output_file {output}: writing failed ({err.strerror or err}); "
-                                   "nothing was written") from None
-        raise
+    with staged_file(output, lambda: check_output(output, model_dir), "--output_file") as tmp:
+        _write_flm(tmp, info, entries, model_dir, config, spec, dtype, show_progress)
     return output
+
+
+def _write_flm(path: Path, info: dict[str, str], entries: list[tuple[bytes, int, float]], model_dir: Path,
+               config, spec, dtype: str, show_progress: bool) -> None:
+    """The .flm file at `path`: info, vocab, every tensor, then the count and EXPORT_KEY's digest patched in."""
+    table = info_table(info)
+    with open(path, "wb") as f, progress(show_progress) as bar:
+        f.write(table)
+        f.write(vocab_table(entries))
+        count_at = f.tell()
+        f.write(pack_int(0))  # tensor count, patched at the end
+        count = 0
+        task = bar.add_task("export", total=None)
+        for name, bundle, is_linear in hf_tensors(model_dir, config, spec):
+            f.writelines(flm_encode.tensor_parts(name, bundle, dtype if is_linear else flm_encode.plain_dtype(dtype)))
+            count += 1
+            bar.advance(task)
+        f.seek(count_at)
+        f.write(pack_int(count))
+    write_mark(path, 8, len(table))

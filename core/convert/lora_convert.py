@@ -3,7 +3,9 @@
 
 convert: a PEFT dir becomes hf_lora_convert.py's two .npy files (architecture from --architecture
 or from the adapter's module paths); a dir of those files becomes a PEFT dir, with the base model
-(--model_dir, a checkpoint or engine dir) giving the architecture and each module's shape.
+(--model_dir, a checkpoint or engine dir) giving the architecture and each module's shape. The
+output dir follows the one rule of core.format.output_dir: new, empty, or an earlier bestiary LoRA
+conversion (marked by its `.bestiary-output` file), never a PEFT adapter or any other dir of yours.
 
 build: every --lora_dir adapter is read, checked against the model (placed on a meta-device
 rank: every shape and target), against --max_lora_rank and --lora_target_modules, and stored
@@ -18,6 +20,7 @@ import torch
 
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.output_dir import check_output_dir
 from bestiary.core.lora import trtllm_convert, trtllm_tensors
 from bestiary.core.lora.adapter import LoraSource, module_dims, place, read_peft
 from bestiary.core.lora.bundle import LORA_DIR, BundledAdapter, LoraBuildConfig
@@ -45,6 +48,8 @@ def convert_lora(lora_dir: str | Path, output_dir: str | Path, storage_type: str
     """PEFT dir -> TensorRT-LLM .npy files, or TensorRT-LLM .npy files -> PEFT dir (the module docstring)."""
     registry = registry or default_registry()
     lora_dir = Path(lora_dir)
+    # before anything is read: a new or empty dir, or an earlier bestiary LoRA conversion (core.format.output_dir)
+    check_output_dir(output_dir, "lora", [lora_dir, *([model_dir] if model_dir is not None else [])])
     if trtllm_tensors.is_trtllm_dir(lora_dir):
         if model_dir is None:
             raise BestiaryError(f"--lora_dir {lora_dir}: TensorRT-LLM LoRA tensors; give the base model's checkpoint or "

@@ -1,63 +1,66 @@
-"""How much memory an engine's limits ask for, and how much this host has.
+"""How much memory an engine's limits ask for, and how much this process may use.
 
-The KV pool of an engine holds `tokens` = max_tokens_in_paged_kv_cache (default max_batch_size *
-max_seq_len) tokens; one token takes, over all layers, K and V:
+The KV pool of an engine holds max_tokens_in_paged_kv_cache tokens (default max_batch_size *
+max_seq_len) rounded up to whole blocks of tokens_per_block, as the runtime allocates it; one
+token takes, over the layers and kv heads of one rank, K and V:
 
-    bytes_per_token = 2 * num_hidden_layers * num_key_value_heads * head_size * element_size
+    bytes_per_token = 2 * ceil(num_hidden_layers / pp_size) * ceil(num_key_value_heads / tp_size)
+                      * head_size * element_size
 
 (element_size: 1 under an INT8 / FP8 kv_cache_quant_algo, else the model dtype's). `bestiary
-build` refuses limits whose pool plus weights exceed this host's RAM (MemTotal; building for
-a larger host: --skip_memory_check); loading refuses a pool larger than the memory available
-now (core.runtime.kv_cache.check_pool_fits), which is authoritative.
+build` refuses limits whose pool plus one rank's weights exceed the memory this process could use
+on this host (core.format.resources.memory_capacity: RAM, cgroup limit, RLIMIT_AS / RLIMIT_DATA;
+building for a larger host: --skip_memory_check); loading refuses a pool larger than the memory
+available now (core.runtime.kv_cache.check_pool_fits), which is authoritative.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
+import math
 from collections.abc import Iterator
 
+from bestiary.core.format.build_config import BuildConfig, pool_blocks
 from bestiary.core.format.errors import EnvironmentFault
+from bestiary.core.format.resources import memory_capacity, size_text
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-GiB = 2**30
-
-
-def meminfo_bytes(field: str) -> int | None:
-    """A /proc/meminfo field ("MemTotal", "MemAvailable") in bytes, None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def host_memory_bytes() -> int:
-    """This host's RAM."""
-    return meminfo_bytes("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def kv_bytes_per_token(config) -> int:
-    """K + V bytes of one token over all layers of a PretrainedConfig (module docstring)."""
+    """K + V bytes of one token over the layers and kv heads of one rank of a PretrainedConfig (module docstring)."""
     quant = getattr(config, "quantization", None)
     kv_quantized = bool(getattr(quant, "kv_cache_quant_algo", None))
     element = 1 if kv_quantized else DTYPE_BYTES.get(str(config.dtype), 4)
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_size * element
+    mapping = getattr(config, "mapping", None)
+    tp, pp = getattr(mapping, "tp_size", 1), getattr(mapping, "pp_size", 1)
+    layers, heads = math.ceil(config.num_hidden_layers / pp), math.ceil(config.num_key_value_heads / tp)
+    return 2 * layers * heads * config.head_size * element
 
 
-def check_build_memory(config, pool_tokens: int, weight_bytes: int) -> None:
-    """Refuse limits whose KV pool + weights exceed this host's RAM (EnvironmentFault naming the flags)."""
-    pool = pool_tokens * kv_bytes_per_token(config)
-    host = host_memory_bytes()
-    if pool + weight_bytes > host:
+def flags_to_lower(build: BuildConfig, tokens: int) -> str:
+    """The build flags that set a pool of `tokens` (rounded to blocks), the one that made it large first."""
+    asked = build.max_tokens_in_paged_kv_cache or build.max_batch_size * (build.max_seq_len or 1)
+    if tokens >= 2 * asked:  # the rounding up to one whole block made it (at least) twice as large
+        return "--tokens_per_block"
+    if build.max_tokens_in_paged_kv_cache:
+        return "--max_tokens_in_paged_kv_cache"
+    return "--max_batch_size, --max_seq_len or --max_tokens_in_paged_kv_cache"
+
+
+def check_build_memory(config, build: BuildConfig, weight_bytes: int) -> None:
+    """Refuse limits whose KV pool (one rank's, as allocated) + one rank's weights exceed the memory this
+    process could use (EnvironmentFault naming the sizes, the limit and the flags to lower)."""
+    blocks, tokens = pool_blocks(build)
+    pool = tokens * kv_bytes_per_token(config)
+    cap = memory_capacity()
+    if pool + weight_bytes > cap.amount:
         raise EnvironmentFault(
-            f"the KV cache of {pool_tokens:,} tokens needs {pool / GiB:,.1f} GiB (+ {weight_bytes / GiB:.1f} GiB "
-            f"weights), more than this host's {host / GiB:.1f} GiB RAM: lower --max_batch_size, --max_seq_len or "
-            "--max_tokens_in_paged_kv_cache (or --skip_memory_check to build for a larger host)"
+            f"the KV cache of {tokens:,} tokens ({blocks:,} block{'s' if blocks != 1 else ''} of "
+            f"{build.tokens_per_block}) needs {size_text(pool)} (+ {size_text(weight_bytes)} weights), more than the "
+            f"{cap.gib()} this process may use: lower {flags_to_lower(build, tokens)} (or --skip_memory_check to "
+            "build for a larger host)"
         )
 
 

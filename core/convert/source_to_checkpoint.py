@@ -78,8 +78,9 @@ def check_expert_parallel(spec: ArchitectureSpec, config: PretrainedConfig) -> N
         raise BestiaryError(f"--moe_ep_size {ep}: {spec.name}'s num_local_experts {experts} is not divisible by it")
 
 
-def check_tokenizer(source: ModelSource) -> None:
-    """The source's tokenizer must load and its chat template compile (a garbage tokenizer.json or a
+def check_tokenizer(source: ModelSource, vocab_size: int) -> None:
+    """The source's tokenizer must load, its special and added token ids lie in the model's vocabulary
+    (run refuses the engine otherwise) and its chat template compile (a garbage tokenizer.json or a
     template syntax error is refused before any weight is read; a template's own runtime errors
     show only when it is used, with --chat)."""
     if source.tokenizer is None:
@@ -89,6 +90,7 @@ def check_tokenizer(source: ModelSource) -> None:
 
     where = source.path / "tokenizer.json" if source.path.is_dir() else source.path
     tokenizer = Tokenizer(source.tokenizer.tokenizer_json, source.tokenizer.tokenizer_config, str(where))
+    tokenizer.check_vocab(vocab_size, str(source.path / "config.json" if source.path.is_dir() else source.path))
     if tokenizer.chat_template:
         try:
             compile_template(tokenizer.chat_template)
@@ -188,7 +190,7 @@ def plan_convert(model_dir: str | Path, options: ConvertOptions, registry: Regis
     dtype = source_dtype(source) if options.dtype == "auto" else DTYPE_ALIASES[options.dtype]
     options = options.model_copy(update={"dtype": dtype})
     config = plan_config(spec, source, options)
-    check_tokenizer(source)
+    check_tokenizer(source, config.vocab_size)
     hf_quant = import_prequantized.read_hf_quant(source)
     if hf_quant is not None:
         options = options.model_copy(

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -18,8 +16,9 @@ from typing import Any
 
 import torch
 
-from bestiary.core.format.errors import EnvironmentFault, WeightsError
-from bestiary.core.format.output_dir import TEMP_MARKER, check_output_dir, remove_stale_temp_dirs
+from bestiary.core.format.errors import WeightsError
+from bestiary.core.format.output_dir import MARKED_FILES, check_output_dir, write_output_marker
+from bestiary.core.format.staging import staged_dir
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8", torch.uint8: "U8",
@@ -100,49 +99,20 @@ def atomic_directory(output_dir: Path, kind: str = "checkpoint", sources: Iterab
     """Yield a temporary sibling directory that becomes `output_dir` only if the block succeeds.
 
     `output_dir` must pass `check_output_dir` (missing, empty, or an earlier bestiary output of
-    the same `kind`; never the current directory, $HOME, a source or what contains one). An
-    existing output is replaced at the end; on any error the temporary directory is removed, so
-    an interrupted convert never leaves a directory that looks valid. Temporary directories of
-    dead processes in the same parent are removed first. OSError (read-only or full
-    filesystem) becomes an EnvironmentFault naming the output directory.
+    the same `kind`; never the current directory, $HOME, a source or what contains one), before
+    the block and again right before the rename. The writing and the commit are
+    core.format.staging's: an existing output is replaced at the end; on any error, Ctrl-C or
+    SIGTERM the temporary directory is removed, so an interrupted convert never leaves a directory
+    that looks valid; stale temporaries of dead processes in the same parent are removed first.
+    OSError (read-only or full filesystem) becomes an EnvironmentFault naming the output directory.
+    A kind whose files are not bestiary's own format (LoRA) gets its OUTPUT_MARKER.
     """
+    sources = list(sources)
     output_dir = check_output_dir(output_dir, kind, sources, flag)
-    parent = output_dir.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_dirs(parent)
-        tmp = parent / f".{output_dir.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        (tmp / TEMP_MARKER).write_text(str(os.getpid()))
-    except OSError as err:
-        raise EnvironmentFault(f"{flag} {output_dir}: cannot write there ({err.strerror or err})") from None
-    try:
+    with staged_dir(output_dir, lambda: check_output_dir(output_dir, kind, sources, flag), flag) as tmp:
+        if kind in MARKED_FILES:
+            write_output_marker(tmp, kind)
         yield tmp
-        (tmp / TEMP_MARKER).unlink()
-        _replace(tmp, output_dir)
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError):
-            raise EnvironmentFault(f"{flag} {output_dir}: writing failed ({err.strerror or err}); "
-                                   "nothing was written") from None
-        raise
-
-
-def _replace(tmp: Path, output_dir: Path) -> None:
-    """Rename `tmp` to `output_dir`, moving an existing output aside first and deleting it after."""
-    old = None
-    if output_dir.exists():
-        old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
-        output_dir.rename(old)
-    try:
-        tmp.rename(output_dir)
-    except OSError:
-        if old is not None:
-            old.rename(output_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

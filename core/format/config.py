@@ -7,7 +7,6 @@ error (a typo in config.json must not be silently ignored).
 
 from __future__ import annotations
 
-import json
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -15,6 +14,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bestiary.core.format.errors import ConfigError
+from bestiary.core.format.json_files import read_json as read_json  # re-exported: where callers import it
 
 DType = Literal["float32", "float16", "bfloat16"]
 PositionEmbedding = Literal[
@@ -47,6 +47,9 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", use_enum_values=True, validate_assignment=True)
 
 
+MAX_RANKS = 65536  # a bound on every rank count: a config's 10**30 is refused, never looped over
+
+
 class Mapping(StrictModel):
     """How the model is split over ranks: world_size = tp_size * pp_size.
 
@@ -54,15 +57,17 @@ class Mapping(StrictModel):
     moe_ep_size groups of E / moe_ep_size whole experts, each expert's FFN dim split over
     moe_tp_size ranks, tp_size = moe_tp_size * moe_ep_size. Defaults: moe_tp_size = tp_size,
     moe_ep_size = 1 (plain TP); giving one derives the other. Everything else stays TP over tp_size.
+    Every size is a strict integer: 0.5, 2.0, "2", [2] or true in config.json is refused, never rounded.
     """
 
-    world_size: int = Field(1, ge=1, description="Total number of ranks (tp_size * pp_size).")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks.")
-    pp_size: int = Field(1, ge=1, description="Pipeline-parallel ranks.")
-    moe_tp_size: int | None = Field(None, ge=1, description="Ranks each MoE expert's FFN dim is split over "
-                                    "(default tp_size / moe_ep_size).")
-    moe_ep_size: int | None = Field(None, ge=1, description="Ranks the MoE experts are spread over, E / moe_ep_size "
-                                    "whole experts each (expert parallelism; default tp_size / moe_tp_size, else 1).")
+    world_size: int = Field(1, ge=1, le=MAX_RANKS, strict=True, description="Total number of ranks (tp_size * pp_size).")
+    tp_size: int = Field(1, ge=1, le=MAX_RANKS, strict=True, description="Tensor-parallel ranks.")
+    pp_size: int = Field(1, ge=1, le=MAX_RANKS, strict=True, description="Pipeline-parallel ranks.")
+    moe_tp_size: int | None = Field(None, ge=1, le=MAX_RANKS, strict=True, description="Ranks each MoE expert's FFN dim is split "
+                                    "over (default tp_size / moe_ep_size).")
+    moe_ep_size: int | None = Field(None, ge=1, le=MAX_RANKS, strict=True, description="Ranks the MoE experts are spread over, "
+                                    "E / moe_ep_size whole experts each (expert parallelism; default tp_size / "
+                                    "moe_tp_size, else 1).")
 
     @model_validator(mode="after")
     def _check_world(self) -> Mapping:
@@ -185,38 +190,56 @@ class PretrainedConfig(StrictModel):
         return self.model_dump(mode="json")
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    """One line: `source: field 'a.b': message` for the first error (+ count of the others)."""
+def format_validation_error(err: ValidationError, source: str, prefix: str = "") -> str:
+    """One line: `source: field 'PREFIXa.b': message (got value)` for the first error (+ count of the
+    others); the value is cut at 200 characters."""
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    loc = prefix + ".".join(str(p) for p in first["loc"]) or "<root>"
     more = len(err.errors()) - 1
     tail = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
-    value = f" (got {first['input']!r})" if first["type"] not in ("missing",) and "input" in first else ""
+    value = f" (got {first['input']!r:.200})" if first["type"] not in ("missing",) and "input" in first else ""
     return f"{source}: field '{loc}': {first['msg']}{value}{tail}"
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-def validate_config(cls: type[ModelT], data: dict[str, Any], source: str) -> ModelT:
-    """Validate `data` as `cls`; a bad field raises ConfigError naming the field and `source`."""
+def validate_config(cls: type[ModelT], data: dict[str, Any], source: str, prefix: str = "") -> ModelT:
+    """Validate `data` as `cls`; a bad field raises ConfigError naming the field (after `prefix`, the
+    section's path in the file, e.g. 'pretrained_config.') and `source`."""
+    if not isinstance(data, dict):
+        section = prefix.rstrip(".") or "<root>"
+        raise ConfigError(f"{source}: field '{section}': expected a JSON object, got {type(data).__name__} "
+                          f"({data!r:.60})")
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
+        raise ConfigError(format_validation_error(err, source, prefix)) from None
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """Read a JSON object from `path`, with one-line errors for a missing or malformed file."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+ENGINE_SECTIONS = ("pretrained_config", "build_config")  # an engine's config.json; a checkpoint's is the model's
+
+
+def config_sections(data: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(model config, build config) of a config.json read as `data`: an engine's pretrained_config and
+    build_config ({} when absent), or a checkpoint's whole file and None. A section that is not a JSON
+    object is a one-line ConfigError naming `source` and the field."""
+    if "pretrained_config" not in data:
+        return data, None
+    model, build = data["pretrained_config"], data.get("build_config", {})
+    for name, value in zip(ENGINE_SECTIONS, (model, build), strict=True):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: field '{name}': expected a JSON object, got {type(value).__name__} "
+                              f"({value!r:.60})")
+    return model, build
+
+
+def config_mapping(data: dict[str, Any], source: str) -> Mapping:
+    """The validated `mapping` of config.json `data` (engine or checkpoint; the default when absent):
+    sizes are strict integers >= 1, errors name `source` and the field."""
+    model, build = config_sections(data, source)
+    prefix = "pretrained_config.mapping." if build is not None else "mapping."
+    return validate_config(Mapping, model.get("mapping", {}), source, prefix)
 
 
 def read_text_file(path: str | Path, flag: str) -> str:

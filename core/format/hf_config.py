@@ -11,6 +11,11 @@ A field is looked up under each of its HF names in turn (`COMMON_NAMES`: GPT-2's
 Falcon's n_head_kv, ...); an absent or null field takes the family's default (`defaults`,
 keyed by bestiary field name), and a required one with neither is a `ConfigError` naming
 every HF name tried.
+
+Before anything reads them, `check_hf_fields(hf, source)` checks the HF fields the families
+read by their JSON type and range (core.format.hf_fields): a size is an integer (`true` is not
+1), a flag a boolean, `architectures` a list of strings, a rope dict a dict of finite positive
+factors; a wrong one is a one-line `ConfigError` naming `source` (the config.json) and the key.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pydantic import Field, model_validator
 
 from bestiary.core.format.config import Mapping, PositionEmbedding, PretrainedConfig, validate_config
 from bestiary.core.format.errors import ConfigError
+from bestiary.core.format.hf_fields import MAX_LAYERS, check_hf_fields, check_rope_fields, shown
 
 # bestiary field -> the HF config.json names it is read from, first present wins.
 COMMON_NAMES: dict[str, tuple[str, ...]] = {
@@ -73,13 +79,17 @@ def read_common(hf: dict[str, Any], defaults: dict[str, Any] | None = None,
     return out
 
 
-def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: float = 1.0) -> dict[str, Any]:
+def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: float = 1.0,
+              source: str = "config.json") -> dict[str, Any]:
     """rotary_base, rotary_scaling (None for the default rope) and rotary_pct of an HF config.
 
     transformers 5 keeps theta, the scaling kind and partial_rotary_factor in `rope_parameters`;
     earlier versions in `rope_theta`, `rope_scaling` ("type" or "rope_type") and
-    `partial_rotary_factor` / `rotary_pct`. Either layout, or a mix, is read.
+    `partial_rotary_factor` / `rotary_pct`. Either layout, or a mix, is read. A rope field of the
+    wrong type or range is a ConfigError naming `source` (core.format.hf_fields.check_rope_fields;
+    `hf_config_reader` also refuses a dict without the fields its kind needs).
     """
+    check_rope_fields(hf, source, complete=False)
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or params)
     theta = first_present(hf, ("rope_theta", "rotary_emb_base")) or params.get("rope_theta", default_theta)
@@ -162,7 +172,9 @@ def window_layer_types(window: Callable[[dict[str, Any]], int | None],
             return None
         if hf.get("layer_types"):
             return list(hf["layer_types"])
-        n = first_present(hf, ("num_hidden_layers",))
+        n = first_present(hf, COMMON_NAMES["num_hidden_layers"])
+        if not isinstance(n, int) or not 0 < n <= MAX_LAYERS:  # refused by check_hf_fields / read_common
+            return None
         return ["sliding_attention" if windowed(i, hf) else "full_attention" for i in range(n)]
 
     return read
@@ -172,8 +184,8 @@ def refuse_unsupported(hf: dict[str, Any], supported: dict[str, Any], source: st
     """ConfigError naming the first HF field set to something other than its one supported value
     (an absent or null field counts as supported)."""
     for name, value in supported.items():
-        if hf.get(name) is not None and hf[name] != value:
-            raise ConfigError(f"{source}: field {name!r} = {hf[name]!r} is not supported (expected {value!r})")
+        if hf.get(name) is not None and (hf[name] != value or type(hf[name]) is not type(value)):
+            raise ConfigError(f"{source}: field {name!r} = {shown(hf[name])} is not supported (expected {value!r})")
 
 
 def refuse_rope_kind(rope: dict[str, Any], kinds: tuple[str, ...], source: str) -> None:
@@ -195,6 +207,20 @@ def same_named(hf: dict[str, Any], cls: type[PretrainedConfig], skip: tuple[str,
 
 
 ConfigT = TypeVar("ConfigT", bound=PretrainedConfig)
+ROPE_KINDS = ("linear", "llama3")  # the scalings core.layers.rotary computes (besides the default)
+
+
+def derived(name: str, read: Callable[[dict[str, Any]], Any], hf: dict[str, Any], source: str) -> Any:
+    """`read(hf)`: a family's reader of one field; what it cannot compute from the fields it was
+    given (a null it divides, a zero it divides by) is a ConfigError naming `source` and the field."""
+    try:
+        return read(hf)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as err:
+        reason = " ".join(str(err).split())[:200]
+        raise ConfigError(f"{source}: cannot derive field {name!r} from the config's fields "
+                          f"({type(err).__name__}: {reason}); check the fields it is read from") from None
 
 
 def hf_config_reader(
@@ -204,9 +230,10 @@ def hf_config_reader(
 ) -> Callable[..., ConfigT]:
     """A `from_hf_config(hf, dtype, mapping, source=...)` for `cls`.
 
-    It refuses HF fields set otherwise than `unsupported` says (HF name -> the only value
-    bestiary runs, e.g. {"use_sliding_window": False}), reads the common fields and the rope
-    fields (those `cls` has; with `rope_kinds`, a rope scaling of another kind is refused), HF
+    It checks the HF fields' types and ranges (`check_hf_fields`), refuses HF fields set otherwise
+    than `unsupported` says (HF name -> the only value bestiary runs, e.g. {"use_sliding_window":
+    False}), reads the common fields and the rope fields (those `cls` has; a rope scaling of a kind
+    outside `rope_kinds`, by default ROPE_KINDS, the ones core.layers.rotary computes, is refused), HF
     `attention_bias` into qkv_bias and dense_bias and `mlp_bias` into mlp_bias (when the source sets
     them; else the class's defaults stand), copies every HF field
     named like one of the family's own fields (`same_named`; `copy_same_named=False` copies none, a
@@ -220,10 +247,10 @@ def hf_config_reader(
 
     def from_hf_config(hf: dict[str, Any], dtype: str, mapping: Mapping,
                        source: str = "config.json") -> ConfigT:
+        check_hf_fields(hf, source)
         refuse_unsupported(hf, unsupported or {}, source)
-        rope = read_rope(hf, theta, pct)
-        if rope_kinds is not None:
-            refuse_rope_kind(rope, rope_kinds, source)
+        rope = read_rope(hf, theta, pct, source)
+        refuse_rope_kind(rope, ROPE_KINDS if rope_kinds is None else rope_kinds, source)
         data = read_common(hf, defaults, source) | rope
         if hf.get("attention_bias") is not None:  # absent: the class's own defaults (GPT-2's are all true)
             data |= {"qkv_bias": bool(hf["attention_bias"]), "dense_bias": bool(hf["attention_bias"])}
@@ -231,7 +258,7 @@ def hf_config_reader(
             data["mlp_bias"] = bool(hf["mlp_bias"])
         if copy_same_named is not False:
             data |= same_named(hf, cls, skip)
-        data |= {k: v(hf) if callable(v) else v for k, v in fields.items()}
+        data |= {k: derived(k, v, hf, source) if callable(v) else v for k, v in fields.items()}
         data = {k: v for k, v in data.items() if k in cls.model_fields}
         return validate_config(cls, data | {"dtype": dtype, "mapping": mapping.model_dump()}, source)
 

@@ -13,12 +13,12 @@ in B). `HF_PARENTS` (data) names the parent module of an HF module name in trans
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bestiary.core.format.checkpoint import atomic_directory
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora import trtllm_tensors
 from bestiary.core.lora.adapter import LoraSource, _parse_targets, _tensor_names, _weight_file, read_peft
@@ -108,26 +108,13 @@ def trtllm_to_peft(source: LoraSource, spec: ArchitectureSpec) -> tuple[dict, di
 
 
 def write_files(directory: Path, files: dict[str, Callable[[Path], object]], flag: str = "--output_dir") -> Path:
-    """Write `files` (name -> bytes-writer callable) into `directory` (new, empty, or holding only
-    these names), each to a temporary name first and renamed at the end: never a half-written output."""
-    directory = Path(directory)
-    if directory.exists():
-        if not directory.is_dir():
-            raise BestiaryError(f"{flag} {directory}: exists and is not a directory")
-        foreign = sorted(p.name for p in directory.iterdir() if p.name not in files)
-        if foreign:
-            raise BestiaryError(f"{flag} {directory}: holds {foreign[0]!r}; choose a new or empty directory")
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = {name: directory / f".{name}.{os.getpid()}.tmp" for name in files}
-    try:
+    """Write `files` (name -> bytes-writer callable) as the LoRA conversion `directory`: new, empty, or an
+    earlier bestiary LoRA conversion (core.format.output_dir's rule: it carries bestiary's marker),
+    written into a temporary directory and renamed into place at the end: never a half-written output."""
+    with atomic_directory(Path(directory), "lora", flag=flag) as tmp:
         for name, write in files.items():
-            write(tmp[name])
-        for name in files:
-            os.replace(tmp[name], directory / name)
-    finally:
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
-    return directory
+            write(tmp / name)
+    return Path(directory)
 
 
 def write_trtllm(directory: Path, weights: torch.Tensor, config: torch.Tensor) -> Path:

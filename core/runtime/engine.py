@@ -10,7 +10,13 @@ import torch
 
 from bestiary.core.format.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
 from bestiary.core.format.checkpoint import load_rank_weights
-from bestiary.core.format.config import PretrainedConfig, read_json, validate_config
+from bestiary.core.format.config import (
+    PretrainedConfig,
+    config_mapping,
+    config_sections,
+    read_json,
+    validate_config,
+)
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
 from bestiary.core.kernels.cpu.malloc import keep_freed_memory
 from bestiary.core.runtime.model import DecoderLM
@@ -22,13 +28,21 @@ if TYPE_CHECKING:
     from bestiary.core.runtime.worker_group import WorkerGroup
 
 
-def validate_model_config(data: dict, source: str, registry: Registry | None = None) -> PretrainedConfig:
-    """A checkpoint config.json dict as its architecture's config class (errors name field and file)."""
+def validate_model_config(data: dict, source: str, registry: Registry | None = None,
+                          prefix: str = "") -> PretrainedConfig:
+    """A checkpoint config.json dict as its architecture's config class (errors name field and file;
+    `prefix`: where the dict sits in the file, 'pretrained_config.' in an engine's)."""
+    if not isinstance(data, dict):  # an engine's pretrained_config that is not an object
+        where = f"field '{prefix.rstrip('.')}'" if prefix else "the model config (pretrained_config)"
+        raise ConfigError(f"{source}: {where}: expected a JSON object, got {type(data).__name__} ({data!r:.60})")
     arch = data.get("architecture")
     if not arch:
-        raise ConfigError(f"{source}: field 'architecture' is missing")
+        raise ConfigError(f"{source}: field '{prefix}architecture' is missing")
+    if not isinstance(arch, str):
+        raise ConfigError(f"{source}: field '{prefix}architecture': expected the name of a registered architecture, "
+                          f"got {type(arch).__name__} {arch!r:.60}")
     spec = (registry or default_registry()).get(arch)
-    return validate_config(resolve(spec.config_class), data, source)
+    return validate_config(resolve(spec.config_class), data, source, prefix)
 
 
 def check_world(directory: Path, config: PretrainedConfig) -> None:
@@ -75,17 +89,19 @@ class Engine:
             raise BestiaryError(f"{directory}: no such engine directory")
         if device == "cpu":
             keep_freed_memory()  # prefill's large activations reuse freed heap (core.kernels.cpu.malloc)
+        source = str(directory / "config.json")
         data = read_json(directory / "config.json")
-        if "pretrained_config" in data:
+        model_data, build_data = config_sections(data, source)
+        if build_data is not None:
             version = data.get("format_version")
             if version != FORMAT_VERSION:
-                raise ConfigError(f"{directory / 'config.json'}: format_version {version!r}, expected {FORMAT_VERSION}")
-            model_data = data["pretrained_config"]
-            build = validate_config(BuildConfig, data.get("build_config", {}), str(directory / "config.json"))
+                raise ConfigError(f"{source}: format_version {version!r}, expected {FORMAT_VERSION}")
+            build = validate_config(BuildConfig, build_data, source, "build_config.")
         else:  # a checkpoint dir runs with default limits
-            model_data, build = data, BuildConfig()
-        config = validate_model_config(model_data, str(directory / "config.json"), registry)
-        build = finalize_build_config(build, model_data)
+            build = BuildConfig()
+        prefix = "pretrained_config." if build_data is not None else ""
+        config = validate_model_config(model_data, source, registry, prefix)
+        build = finalize_build_config(build, model_data, str(directory / "config.json"), "pretrained_config" in data)
         check_world(directory, config)
         spec = registry.get(config.architecture)
         m = config.mapping
@@ -95,12 +111,11 @@ class Engine:
                 model = resolve(spec.model_class)(config, rank, device="meta")
         except (TypeError, ValueError) as err:  # a field the model needs is missing or inconsistent
             raise ConfigError(f"{directory / 'config.json'}: the model cannot be built from this config ({err})") from None
+        tokenizer = Tokenizer.from_dir(directory)
+        if tokenizer is not None:
+            tokenizer.check_vocab(config.vocab_size, source)
         weights = load_rank_weights(directory, rank, allow_nonfinite)
-        expected = set(model.state_dict().keys())
-        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        if missing or unexpected:
-            what = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {unexpected[0]!r}"
-            raise WeightsError(f"{directory}/rank{rank}.safetensors: {what}")
+        check_rank_tensors(model.state_dict(), weights, f"{directory}/rank{rank}.safetensors")
         try:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as err:
@@ -110,14 +125,28 @@ class Engine:
         model.to(device)
         model.eval()
         model.prepare_for_inference()
-        return cls(directory, config, build, model, Tokenizer.from_dir(directory))
+        return cls(directory, config, build, model, tokenizer)
+
+
+def check_rank_tensors(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], where: str) -> None:
+    """The rank file holds exactly the model's tensors, each a float where the model holds a float and an
+    integer where it holds codes (an int32 lm_head would fail in the first matmul): else one line."""
+    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
+    if missing or unexpected:
+        what = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {unexpected[0]!r}"
+        raise WeightsError(f"{where}: {what}")
+    for name, want in expected.items():
+        got = weights[name]
+        if got.is_floating_point() != want.is_floating_point() or (got.dtype == torch.bool) != (want.dtype == torch.bool):
+            raise WeightsError(f"{where}: tensor {name!r} is {str(got.dtype).removeprefix('torch.')}, "
+                               f"expected {str(want.dtype).removeprefix('torch.')}")
 
 
 def engine_ranks(directory: str | Path) -> tuple[int, int]:
     """(tp_size, pp_size) of an engine or checkpoint dir (1, 1 when config.json says nothing)."""
-    data = read_json(Path(directory) / "config.json")
-    mapping = data.get("pretrained_config", data).get("mapping") or {}
-    return int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
+    path = Path(directory) / "config.json"
+    mapping = config_mapping(read_json(path), str(path))
+    return mapping.tp_size, mapping.pp_size
 
 
 def load_engine(directory: str | Path, device: str = "cpu", registry: Registry | None = None,

@@ -43,10 +43,23 @@ def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
+def check_input_ids(engine: Engine, ids: list[int]) -> None:
+    """Every id is a row of the embedding, [0, vocab_size), before any lookup: else one line naming the id
+    (and the tokenizer file, which made the ids)."""
+    vocab = engine.config.vocab_size
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is None:
+        return
+    where = f"{engine.tokenizer.source}: " if engine.tokenizer is not None else ""
+    raise BestiaryError(f"{where}token id {bad} is outside the model's vocabulary [0, {vocab}) "
+                        f"({engine.directory / 'config.json'}: vocab_size); use the model's own tokenizer")
+
+
 def perplexity(engine: Engine, ids: list[int]) -> Perplexity:
     """Perplexity of `ids` under the engine's model."""
     if len(ids) < 2:
         raise BestiaryError("eval needs a text of at least 2 tokens")
+    check_input_ids(engine, ids)
     window = engine.max_seq_len
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):

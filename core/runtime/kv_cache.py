@@ -14,7 +14,7 @@ the pool (evictable, least recently used first) until a fresh block is needed.
 
 from __future__ import annotations
 
-import os
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from bestiary.core.format.errors import EnvironmentFault
+from bestiary.core.format.resources import Limit, allocation_failed, available_memory, size_text
 
 
 def blocks_for(tokens: int, tokens_per_block: int) -> int:
@@ -40,23 +41,23 @@ class KvCacheConfig(BaseModel):
                                 "else max_batch_size * max_seq_len).")
     free_memory_fraction: float | None = Field(
         None, gt=0.0, le=1.0, description="Cap the pool at this fraction of the device's free memory "
-                                          "(CUDA: free GPU memory; CPU: MemAvailable).")
+                                          "(CUDA: free GPU memory; CPU: what this process may "
+                                          "still allocate: MemAvailable, cgroup and rlimit headroom).")
     enable_block_reuse: bool = Field(True, description="Reuse the full blocks of a shared prefix across requests.")
 
 
-def free_memory_bytes(device: torch.device | str) -> int:
-    """Free memory of `device`: CUDA's mem_get_info, or the OS's MemAvailable on the CPU."""
+def free_memory(device: torch.device | str) -> Limit:
+    """Memory `device` has free for this process, and what limits it: CUDA's mem_get_info, or on the CPU the
+    smallest of MemAvailable, the cgroup's and the rlimits' headroom (core.format.resources)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return Limit(torch.cuda.mem_get_info(device)[0], f"free memory of {device}")
+    return available_memory()
+
+
+def free_memory_bytes(device: torch.device | str) -> int:
+    """free_memory(device) in bytes."""
+    return free_memory(device).amount
 
 
 def pool_tokens(default_tokens: int, config: KvCacheConfig, bytes_per_token: int, device: torch.device | str) -> int:
@@ -67,20 +68,22 @@ def pool_tokens(default_tokens: int, config: KvCacheConfig, bytes_per_token: int
     return tokens
 
 
-def check_pool_fits(tokens: int, bytes_per_token: int, device: torch.device | str) -> None:
-    """Refuse a pool that does not fit the memory `device` has free now, with the numbers and the fix.
+FIX = ("rebuild with a smaller --max_tokens_in_paged_kv_cache (or --max_batch_size / --max_seq_len / "
+       "--tokens_per_block), or pass KvCacheConfig(max_tokens=...) or free_memory_fraction")
 
-    Authoritative (the build-time check only compares with the host's RAM): the pools are
+
+def check_pool_fits(tokens: int, bytes_per_token: int, device: torch.device | str, tokens_per_block: int = 1) -> None:
+    """Refuse a pool of `tokens` (allocated in whole blocks of `tokens_per_block`) that does not fit the
+    memory `device` has free now for this process, with the numbers, the limit and the fix.
+
+    Authoritative (the build-time check only compares with what the host could give): the pools are
     allocated lazily, so a pool larger than the free memory would fail mid-run, or not at all
     until the machine swaps."""
-    need, free = tokens * bytes_per_token, free_memory_bytes(device)
-    if need > free:
-        gib = 2**30
-        raise EnvironmentFault(
-            f"the engine's KV cache of {tokens:,} tokens needs {need / gib:,.1f} GiB, but {free / gib:.1f} GiB is "
-            f"available on {device}: rebuild with a smaller --max_tokens_in_paged_kv_cache (or --max_batch_size / "
-            "--max_seq_len), or pass KvCacheConfig(max_tokens=...) or free_memory_fraction"
-        )
+    rounded = blocks_for(tokens, tokens_per_block) * tokens_per_block
+    need, free = rounded * bytes_per_token, free_memory(device)
+    if need > free.amount:
+        raise EnvironmentFault(f"the engine's KV cache of {rounded:,} tokens needs {size_text(need)}, but "
+                               f"{free.gib()} is available on {device}: {FIX}")
 
 
 class KVCache:
@@ -89,8 +92,19 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, tokens_per_block: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, num_blocks, tokens_per_block, kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        if torch.device(device).type in ("cpu", "cuda"):  # the pool as allocated: whole blocks
+            check_pool_fits(num_blocks * tokens_per_block, 2 * math.prod(shape[:1] + shape[3:]) * dtype.itemsize,
+                            device)
+        try:
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as err:  # the check passed, the allocator still refused
+            if not allocation_failed(err):
+                raise
+            need = 2 * math.prod(shape) * dtype.itemsize
+            raise EnvironmentFault(f"allocating the KV cache of {num_blocks * tokens_per_block:,} tokens ({need:,} bytes, "
+                                   f"{size_text(need)}) on {device} failed ({free_memory(device).gib()} available): "
+                                   f"{FIX}") from None
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
         # (dst, src) block copies not yet replayed on the other ranks (core.runtime.step_broadcast);

@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from bestiary.core.format.cache import cache_dir, record_entry, source_key
+from bestiary.core.format.cache import cache_dir, file_stamps, record_entry, remove_entry, source_key
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.format.output_dir import config_kind
 from bestiary.core.lora.adapter import LoraAdapter
@@ -43,8 +43,9 @@ def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = F
     """An engine/checkpoint dir for `path`, converting and building a source into the cache.
 
     A directory whose config.json is bestiary's is used as it is (Engine.load names what it
-    lacks). Any other source is cached under a key of every file it is read from (path, size,
-    mtime_ns: core.format.cache), so a changed weights, config or tokenizer file converts again."""
+    lacks). Any other source is cached under a key of the content of every file it is read from
+    (core.format.cache), so a changed weights, config or tokenizer file converts again, whatever its
+    times say; an entry whose files were written while it was converted is discarded."""
     path = Path(path)
     if path.is_dir() and config_kind(path / "config.json") is not None:
         return path
@@ -52,13 +53,18 @@ def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = F
     from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.sources import source_files
 
-    key = source_key(path, source_files(path), dtype)
+    files = source_files(path)
+    stamps = file_stamps(files)
+    key = source_key(path, files, dtype)
     engine_dir = cache_dir() / "engines" / key
     if not (engine_dir / "config.json").is_file():
         ckpt = cache_dir() / "checkpoints" / key
         convert(path, ckpt, ConvertOptions(dtype=dtype), show_progress=show_progress)
         build_engine(ckpt, engine_dir, BuildConfig())
-        record_entry(key, path, dtype)
+        if file_stamps(source_files(path)) != stamps:
+            remove_entry(key)
+            raise BestiaryError(f"{path}: its files changed while it was converted; run again")
+    record_entry(key, path, dtype)
     return engine_dir
 
 

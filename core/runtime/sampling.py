@@ -17,13 +17,17 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.sampling_ref import filter_logits
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState
 
 WordList = list[list[int] | str]
+# The smallest temperature that samples: logits / T stay finite in float32 for any |logit| < 3e33. vLLM
+# samples greedily below this (its _SAMPLING_EPS); HF takes any T > 0 and gives NaN for a subnormal one.
+MIN_TEMPERATURE = 1e-5
 
 
 class SamplingConfig(BaseModel):
@@ -49,13 +53,14 @@ class SamplingConfig(BaseModel):
     embedding_bias: list[float] | dict[int, float] | None = Field(
         None, description="Added to the logits: a full [vocab_size] list, or {token id: bias}.")
     # --- sampling
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
+    temperature: float = Field(1.0, ge=0.0, description=f"0 = greedy; else at least {MIN_TEMPERATURE}.")
     top_k: int = Field(0, ge=0, description="0 = off; 1 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 = off.")
     top_p_decay: float = Field(1.0, gt=0.0, le=1.0, description="top_p *= decay after each token; 1.0 = off.")
     top_p_min: float = Field(1e-6, gt=0.0, le=1.0, description="Lower bound of the decayed top_p.")
     top_p_reset_ids: int | None = Field(None, ge=0, description="Generating this id resets top_p to its start value.")
-    random_seed: int | None = Field(None, description="Seed of this request's generator.")
+    random_seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Seed of this request's generator "
+                                                                             "(a 64-bit integer, as torch takes).")
     n: int = Field(1, ge=1, description="Independent samples of the prompt (sharing its KV blocks); sample i is "
                                         "seeded with random_seed + i.")
     # --- beam search
@@ -76,6 +81,15 @@ class SamplingConfig(BaseModel):
                                 "max_attention_window; at most that.")
     sink_token_length: int | None = Field(
         None, ge=0, description="First tokens always attended to under a window; default: the engine's.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        """0 (greedy) or at least MIN_TEMPERATURE: a smaller one (1e-320) divides the logits into inf / NaN."""
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"expected 0 (greedy) or at least {MIN_TEMPERATURE} (a smaller temperature divides the "
+                             "logits past float32's range)")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> SamplingConfig:
@@ -123,13 +137,23 @@ class SamplingConfig(BaseModel):
         return words
 
     def with_text_encoded(self, encode) -> SamplingConfig:
-        """A copy whose text stop/bad words are id sequences: encode(text) -> ids."""
+        """A copy whose text stop/bad words are id sequences: encode(text) -> ids. A word the tokenizer
+        makes no token of (" " for many) could never match: a one-line BestiaryError naming it."""
         update = {}
         for name in ("stop_words", "bad_words"):
             words = getattr(self, name)
             if any(isinstance(w, str) for w in words):
-                update[name] = [encode(w) if isinstance(w, str) else w for w in words]
+                update[name] = [_encoded(name, w, encode) if isinstance(w, str) else w for w in words]
         return self.model_copy(update=update) if update else self
+
+
+def _encoded(name: str, word: str, encode) -> list[int]:
+    """The ids of a text stop / bad word; none is an error naming the word."""
+    ids = list(encode(word))
+    if not ids:
+        raise BestiaryError(f"{name} {word[:40]!r}: the tokenizer makes no token of it, so it can never match; "
+                            "give text that encodes to at least one token, or token ids")
+    return ids
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -5,10 +5,13 @@ Chat templates are rendered with jinja2 in a sandbox, as HF does.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: no UTF-8 text (nor `tokenizers`) holds one
 
 
 def _token_text(value) -> str | None:
@@ -25,6 +28,8 @@ def _check_config(config: dict, source: str) -> None:
         value = _token_text(config.get(name))
         if value is not None and not isinstance(value, str):
             raise BestiaryError(f"{where}: {name} {value!r}: expected a token string")
+        if value is not None and not value.isascii() and _SURROGATE.search(value):
+            raise BestiaryError(f"{where}: {name} {value!r}: a lone surrogate is not text")
     template = config.get("chat_template")
     named_ok = isinstance(template, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys()
                                                   for t in template)
@@ -76,6 +81,19 @@ class Tokenizer:
         except UnicodeDecodeError:
             raise BestiaryError(f"{tok}: not a valid tokenizer.json (not UTF-8 text)") from None
         return cls(text, config, str(tok))
+
+    def check_vocab(self, vocab_size: int, config_source: str) -> None:
+        """The ids the engine inserts on its own (bos / eos / pad) are rows of the model's embedding,
+        [0, vocab_size): else a one-line error naming the tokenizer file and the id (a tokenizer.json of
+        another model). Other added tokens past the embedding are allowed, as in transformers: a model may
+        ship spare ones; a prompt holding one is refused when it is submitted (Executor.add, evaluate)."""
+        named = [(f"{name} {text!r}", token_id) for name, text, token_id in (
+            ("bos_token", self.bos_token, self.bos_id), ("eos_token", self.eos_token, self.eos_id),
+            ("pad_token", self.pad_token, self.pad_id))]
+        for what, token_id in named:
+            if token_id is not None and not 0 <= token_id < vocab_size:
+                raise BestiaryError(f"{self.source}: {what[:80]} has id {token_id}, outside the model's vocabulary "
+                                    f"[0, {vocab_size}) ({config_source}: vocab_size); use the model's own tokenizer")
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

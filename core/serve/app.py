@@ -93,10 +93,10 @@ def load_chat_template(path: str) -> str:
     if file.suffix == ".json":
         try:
             text = json.loads(text)["chat_template"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deeply
             expected = "expected a JSON object with a 'chat_template' string"
             raise BestiaryError(f"--chat_template {path}: {expected}") from None
     from bestiary.core.runtime.chat_template import compile_template
 
-    compile_template(text)  # a syntax error is named now, not at the first request
+    compile_template(text, f"--chat_template {path}")  # a syntax error is named now, not at the first request
     return text

@@ -12,6 +12,7 @@ from typing import Any
 
 from bestiary.core.format.config import read_json
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.format.hf_fields import check_hf_fields
 from bestiary.core.sources.base import ModelSource, TokenizerFiles, WeightSource, slice_dim
 
 __all__ = ["ModelSource", "TokenizerFiles", "WeightSource", "open_source", "slice_dim", "source_files"]
@@ -106,6 +107,7 @@ def open_source(path: str | Path) -> ModelSource:
     if not config_path.is_file():
         raise BestiaryError(f"{directory}: no config.json (expected an HF model directory or a .gguf file)")
     hf_config = read_json(config_path)
+    check_hf_fields(hf_config, str(config_path))  # types and ranges, before any family reads a field
     files = files or _weight_files(directory)
     fmt, weights = _open_weights(files)
     return ModelSource(path=path, format=fmt if path.is_file() else "hf_dir", weights=weights,

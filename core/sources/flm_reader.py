@@ -208,7 +208,10 @@ def read_flm(path: str | Path) -> FlmFile:
     for i in range(cur.count("number of model info entries", cur.size // 8)):
         key = cur.string(f"model info key {i}")
         info[key] = cur.string(f"model info value of {key!r}")
-    if int(info.get("peft_size", "0") or 0):
+    peft = info.get("peft_size", "0").strip() or "0"
+    if not set(peft) <= set("0123456789"):  # FastLLM writes the count of LoRA adapters the file holds
+        raise cur.fail(f"model info 'peft_size' = {peft[:40]!r}: expected a count of LoRA adapters (0)")
+    if peft.strip("0"):
         raise cur.fail("LoRA adapters (peft_size) inside a .flm file are not supported")
     vocab = _read_vocab(cur, info.get("tokenizer_use_score") == "1")
     specials = []

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from bestiary.core.format.errors import WeightsError
+from bestiary.core.format.hf_fields import check_hf_fields
 from bestiary.core.sources.base import ModelSource, slice_dim
 from bestiary.core.sources.flm_format import NUMPY_FLOAT, low_bit_grid, unpack_nibbles
 from bestiary.core.sources.flm_merged import unmerge
@@ -292,9 +293,9 @@ def parse_value(text: str) -> Any:
     """A model-info value back from its text: Python's str() (torch2flm) or JSON (FastLLM's C++ writes
     the config.json values it read, `false`, `[\\n\\t"LlamaForCausalLM"\\n]`, for model.save()):
     int, float, bool, None, list, dict, else the string."""
-    try:
+    try:  # TypeError: an unhashable dict key or set member ('{[1]: 2}')
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         pass
     try:
         return json.loads(text)
@@ -311,7 +312,9 @@ def hf_config_from_info(info: dict[str, str]) -> dict[str, Any]:
         value = text if key in ("pre_prompt", "user_role", "bot_role", "history_sep", "chat_template") else parse_value(text)
         head, dot, rest = key.partition(".")
         if dot and head in ("rope_scaling",):
-            config.setdefault(head, {})[rest] = value
+            if not isinstance(config.setdefault(head, {}), dict):  # 'rope_scaling' and 'rope_scaling.type' both
+                config[head] = {}  # the dotted keys are FastLLM's own layout: they win
+            config[head][rest] = value
         else:
             config[key] = value
     return config
@@ -328,6 +331,7 @@ def open_flm(path: Path) -> ModelSource:
     config = hf_config_from_info(flm.info)
     if "model_type" not in config:
         raise WeightsError(f"{path}: the model info has no 'model_type'")
+    check_hf_fields(config, f"{path} (model info)")  # the values' types and ranges, before anything reads them
     flm = unmerge(flm, config)  # model.save()'s mergeqkv / gateup_proj -> the HF tensors
     weights = FlmWeights(flm)
     layout = weights.quant_layout()

@@ -98,6 +98,24 @@ def _require(reader: Any, key: str, path: Path | str) -> Any:
     return value
 
 
+def _number(reader: Any, key: str, path: Path | str, default: Any = None, integer: bool = True,
+            low: float = 1) -> Any:
+    """Metadata `key` as an int (or a finite float) >= `low`; `default` when absent (None: required).
+    A value of another type (a string, an array, a boolean) or range is a ConfigError naming the key."""
+    value = _meta(reader, key, default)
+    if value is None:
+        raise ConfigError(f"{path}: GGUF metadata key {key!r} is missing")
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not integer:
+        ok = ok or isinstance(value, float)
+        ok = ok and math.isfinite(value) if ok and isinstance(value, float) else ok
+    if not ok or value < low:
+        kind = "an integer" if integer else "a finite number"
+        shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:60]}..."
+        raise ConfigError(f"{path}: GGUF metadata key {key!r}: expected {kind} >= {low:g} (got {shown})")
+    return value
+
+
 def _architecture(reader: Any, path: Path | str) -> str:
     """general.architecture, checked against the supported ones."""
     arch = _require(reader, "general.architecture", path)
@@ -165,10 +183,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _permute_heads(reader: Any, path: Path | str, arch: str) -> dict[str, int]:
     """HF key suffix (e.g. "self_attn.k_proj.weight") -> head count, for the q/k tensors to un-permute."""
-    n_head = int(_require(reader, f"{arch}.attention.head_count", path))
+    n_head = _number(reader, f"{arch}.attention.head_count", path)
     counts = {
         "attention.head_count": n_head,
-        "attention.head_count_kv": int(_meta(reader, f"{arch}.attention.head_count_kv", n_head)),
+        "attention.head_count_kv": _number(reader, f"{arch}.attention.head_count_kv", path, n_head),
     }
     return {suffix: counts[meta_key] for suffix, meta_key in QK_PERMUTED.get(arch, {}).items()}
 
@@ -251,6 +269,18 @@ class GGUFWeights:
         index = slice_dim(shape, tp_size, tp_dim, tp_rank)
         n_head = self._heads_of(key)
         data = tensor.data  # numpy view [out, in] (quantized: [out, bytes_per_row])
+        # numpy's overflow / invalid-value warnings on corrupt data: the non-finite check after the
+        # load names the tensor and the count in one line (docs/safety.md), so they are not printed
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            values = self._decode(tensor, key, data, shape, index, n_head, tp_dim)
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        _release_pages(self.reader.data)
+        return out
+
+    def _decode(self, tensor: ReaderTensor, key: str, data: np.ndarray, shape: tuple[int, ...],
+                index: tuple[slice, ...], n_head: int | None, tp_dim: int) -> np.ndarray:
+        """float32 values of `key`'s slice `index` (un-permuted when `n_head` is set); one-line errors."""
         try:
             if n_head is not None:
                 values = unpermute_qk(_dequantize(data, tensor.tensor_type), n_head)[index]
@@ -265,9 +295,7 @@ class GGUFWeights:
             ) from None
         except ValueError as exc:  # un-permute: rows not divisible into heads
             raise WeightsError(f"{self.path}: tensor {tensor.name!r} ({key}): {exc}") from None
-        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-        _release_pages(self.reader.data)
-        return out
+        return values
 
     def gguf_name(self, key: str) -> str:
         """llama.cpp name of HF key `key` (for messages)."""
@@ -318,7 +346,11 @@ def _rope_scaling_from_freqs(reader: Any, path: Path | str, head_dim: int, theta
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is None:
         return None
-    found = _dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):  # corrupt values: refused below, in one line
+        warnings.simplefilter("ignore", RuntimeWarning)
+        found = _dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+    if not np.isfinite(found).all():
+        raise ConfigError(f"{path}: tensor 'rope_freqs.weight' holds values that are not finite; the file is corrupt")
     if np.allclose(found, 1.0):
         return None
     factor, low, high, orig = float(found.max()), 1.0, 4.0, 8192
@@ -337,33 +369,31 @@ def _rope_scaling(reader: Any, path: Path | str, arch: str) -> dict[str, Any] | 
     kind = _meta(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    factor = _meta(reader, f"{arch}.rope.scaling.factor")
-    if factor is None:
-        raise ConfigError(f"{path}: GGUF metadata key '{arch}.rope.scaling.factor' is missing")
+    factor = float(_number(reader, f"{arch}.rope.scaling.factor", path, integer=False, low=1e-30))
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        orig = _require(reader, f"{arch}.rope.scaling.original_context_length", path)
-        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(orig)}
+        orig = _number(reader, f"{arch}.rope.scaling.original_context_length", path)
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
     raise ConfigError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (linear, yarn)")
 
 
 def _llama_config(reader: Any, path: Path | str) -> dict[str, Any]:
     """HF LlamaConfig dict from llama.* metadata and the tensor list."""
 
-    def key(name: str) -> Any:
-        return _require(reader, f"llama.{name}", path)
+    def number(name: str, default: Any = None, integer: bool = True, low: float = 1) -> Any:
+        return _number(reader, f"llama.{name}", path, default, integer, low)
 
-    hidden = int(key("embedding_length"))
-    n_head = int(key("attention.head_count"))
-    n_kv = int(_meta(reader, "llama.attention.head_count_kv", n_head))
-    head_dim = int(_meta(reader, "llama.attention.key_length", hidden // n_head))
+    hidden = number("embedding_length")
+    n_head = number("attention.head_count")
+    n_kv = number("attention.head_count_kv", n_head)
+    head_dim = number("attention.key_length", max(hidden // n_head, 1))
     rope_dim = _meta(reader, "llama.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and number("rope.dimension_count") != head_dim:
         raise ConfigError(
             f"{path}: llama.rope.dimension_count {rope_dim} != head_dim {head_dim} (partial RoPE)"
         )
-    theta = float(_meta(reader, "llama.rope.freq_base", 10000.0))
+    theta = float(number("rope.freq_base", 10000.0, integer=False, low=1e-30))
     names = {t.name for t in reader.tensors}
     vocab = _meta(reader, "llama.vocab_size")
     if vocab is None:
@@ -371,20 +401,21 @@ def _llama_config(reader: Any, path: Path | str) -> dict[str, Any]:
         vocab = len(tokens.data) if tokens is not None else None
     if vocab is None:
         raise ConfigError(f"{path}: neither llama.vocab_size nor tokenizer.ggml.tokens is present")
+    vocab = number("vocab_size", vocab)
 
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": number("feed_forward_length"),
+        "num_hidden_layers": number("block_count"),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon", integer=False, low=0)),
         "rope_theta": theta,
-        "max_position_embeddings": int(key("context_length")),
+        "max_position_embeddings": number("context_length"),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,

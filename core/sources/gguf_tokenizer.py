@@ -21,6 +21,7 @@ transformers is deliberately not imported here: it is only a test dependency.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -140,13 +141,44 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+# Short name -> (what its value must be, the check): the tables a tokenizer is built from.
+_META_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "model": ("a string", lambda v: isinstance(v, str)),
+    "pre": ("a string", lambda v: isinstance(v, str)),
+    "chat_template": ("a string", lambda v: isinstance(v, str)),
+    "tokens": ("an array of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+    "merges": ("an array of strings", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v)),
+    "scores": ("an array of numbers", lambda v: isinstance(v, list) and all(_is_number(x) for x in v)),
+    "token_type": ("an array of integers", lambda v: isinstance(v, list) and all(_is_int(x) for x in v)),
+    **{name: ("a token id", _is_int) for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id")},
+    "add_bos_token": ("a boolean", lambda v: isinstance(v, bool)),
+    "add_eos_token": ("a boolean", lambda v: isinstance(v, bool)),
+}
+
+
 def _read_metadata(reader: Any) -> dict[str, Any]:
-    """The `tokenizer.*` fields of a GGUFReader, under the short names of `_TOKENIZER_KEYS`."""
-    meta: dict[str, Any] = {}
+    """The `tokenizer.*` fields of a GGUFReader, under the short names of `_TOKENIZER_KEYS` (+ "path",
+    the file); one of another type than `_META_TYPES` says is a one-line BestiaryError naming it."""
+    path = _source_name(reader)
+    meta: dict[str, Any] = {"path": path}
     for key, name in _TOKENIZER_KEYS.items():
         field = reader.fields.get(key)
-        if field is not None:
-            meta[name] = field.contents()
+        if field is None:
+            continue
+        value = field.contents()
+        expected, ok = _META_TYPES[name]
+        if not ok(value):
+            shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:60]}..."
+            raise BestiaryError(f"{path}: GGUF metadata {key!r}: expected {expected} (got {shown})")
+        meta[name] = value
     return meta
 
 
@@ -210,9 +242,16 @@ _BUILDERS: dict[str, Callable[[dict[str, Any]], Built]] = {
 
 
 def _merges(meta: dict[str, Any], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """The file's merges ("a b" strings), or ones derived from the scores when it has none."""
+    """The file's merges ("a b" strings), or ones derived from the scores when it has none. Each of the
+    file's must name two tokens of the vocabulary whose concatenation is one too (as BPE needs)."""
     if "merges" in meta:
-        return [_merge_pair(merge) for merge in meta["merges"]]
+        pairs = [_merge_pair(merge) for merge in meta["merges"]]
+        for index, (left, right) in enumerate(pairs):
+            missing = next((t for t in (left, right, left + right) if t not in vocab), None)
+            if missing is not None:
+                raise BestiaryError(f"{meta['path']}: tokenizer.ggml.merges[{index}] {left + ' ' + right!r}: "
+                                    f"token {missing!r} is not in tokenizer.ggml.tokens")
+        return pairs
     if "scores" not in meta:
         return []
     return _merges_from_scores(vocab, dict(zip(meta["tokens"], meta["scores"])))
@@ -296,6 +335,17 @@ def _post_processor(bos: str | None, eos: str | None, vocab: dict[str, int]) -> 
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
+def _build_model(meta: dict[str, Any], kind: str, path: str) -> Built:
+    """`_BUILDERS[kind](meta)`; what `tokenizers` still refuses in the tables is one line naming the file."""
+    try:
+        return _BUILDERS[kind](meta)
+    except BestiaryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception for a table it cannot take
+        reason = " ".join(str(err).split())[:200]
+        raise BestiaryError(f"{path}: the GGUF tokenizer tables cannot build a {kind} tokenizer ({reason})") from None
+
+
 def tokenizer_from_gguf(reader: Any) -> TokenizerFiles:
     """tokenizer.json text + tokenizer_config dict equivalent to transformers' tokenizer for this GGUF.
 
@@ -316,7 +366,7 @@ def tokenizer_from_gguf(reader: Any) -> TokenizerFiles:
     if kind == "llama" and arch in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
         raise BestiaryError(f"{path}: SentencePiece tokenizer of architecture {arch!r} is not supported")
 
-    model, pre_tokenizer, decoder = _BUILDERS[kind](meta)
+    model, pre_tokenizer, decoder = _build_model(meta, kind, path)
     tokenizer = Tokenizer(model)
     tokenizer.decoder = decoder
     split = PRE_TOKENIZER_SPLITS.get(meta.get("pre", ""))

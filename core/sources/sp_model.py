@@ -231,9 +231,20 @@ def sentencepiece_tokenizer_files(directory: Path, hf_config: dict[str, Any]) ->
     model = read_sp_model(path)
     version = chatglm_version(hf_config)
     if version is not None:
-        offset = int(config.get("num_image_tokens", 20000 if version == 1 else 0)) if version == 1 else 0
+        offset = _image_tokens(config, directory) if version == 1 else 0
         return chatglm_tokenizer(vocab_from_sp(model, offset), hf_config)
     vocab = vocab_from_sp(model)
     tok_config = {k: v for k, v in config.items() if k in ("bos_token", "eos_token", "pad_token", "unk_token",
                                                             "add_bos_token", "add_eos_token", "chat_template")}
     return TokenizerFiles(tokenizer_json(vocab), tok_config)
+
+
+def _image_tokens(config: dict[str, Any], directory: Path) -> int:
+    """ChatGLM-6B's num_image_tokens (tokenizer_config.json; default 20000): the ids before the text pieces."""
+    value = config.get("num_image_tokens")
+    if value is None:
+        return 20000
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 2**24:
+        raise BestiaryError(f"{directory / 'tokenizer_config.json'}: field 'num_image_tokens': expected an integer "
+                            f"in 0..{2**24} (got {value!r:.60})")
+    return value

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from bestiary.core.format.errors import BestiaryError
 from bestiary.core.sources.base import TokenizerFiles
 from bestiary.core.sources.flm_reader import FlmFile
 
@@ -144,6 +145,19 @@ def _token_name(pieces: list[str | None], value: object) -> str | None:
     return None
 
 
+def _stored_config(flm: FlmFile) -> dict[str, Any]:
+    """The tokenizer_config bestiary stored in the model info (a JSON object; else a one-line error)."""
+    text = flm.info.get("bestiary.tokenizer_config", "{}")
+    try:
+        stored = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise BestiaryError(f"{flm.path}: model info 'bestiary.tokenizer_config' is not JSON ({err})") from None
+    if not isinstance(stored, dict):
+        raise BestiaryError(f"{flm.path}: model info 'bestiary.tokenizer_config': expected a JSON object, "
+                            f"got {type(stored).__name__}")
+    return stored
+
+
 def tokenizer_from_flm(flm: FlmFile, config: dict[str, Any]) -> TokenizerFiles | None:
     """The tokenizer of a .flm file: the tokenizer.json bestiary stored in the info, or one rebuilt
     from the vocab section; FastLLM's chat keys become the chat template (core.sources.chat_formats)."""
@@ -151,8 +165,7 @@ def tokenizer_from_flm(flm: FlmFile, config: dict[str, Any]) -> TokenizerFiles |
 
     info = flm.info
     if "bestiary.tokenizer_json" in info:
-        stored: dict[str, Any] = json.loads(info.get("bestiary.tokenizer_config", "{}"))
-        return TokenizerFiles(info["bestiary.tokenizer_json"], stored)
+        return TokenizerFiles(info["bestiary.tokenizer_json"], _stored_config(flm))
     if not flm.vocab:
         return None
     vocab = vocab_from_flm(flm.vocab, info, flm.special_tokens)

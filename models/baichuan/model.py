@@ -41,7 +41,8 @@ from_hf_config = hf_config_reader(
     BaichuanConfig, defaults={"norm_epsilon": 1e-6, "max_position_embeddings": 4096},
     max_position_embeddings=lambda hf: hf.get("max_position_embeddings") or hf.get("model_max_length") or 4096,
     position_embedding_type=lambda hf: "alibi" if _alibi(hf) else "rope_gpt_neox",
-    norm_head=lambda hf: hf.get("norm_head", hf.get("vocab_size") == BAICHUAN2_VOCAB))
+    norm_head=lambda hf: hf["norm_head"] if hf.get("norm_head") is not None
+    else hf.get("vocab_size") == BAICHUAN2_VOCAB)  # absent or null: Baichuan2's vocabulary says
 
 
 class BaichuanForCausalLM(DecoderLM):

@@ -122,10 +122,11 @@ def bestiary_register_architectures(register) -> None:
 
 
 def _is_thudm_chatglm(hf_config: dict) -> bool:
-    archs = set(hf_config.get("architectures") or ())
-    return hf_config.get("model_type") == "chatglm" or bool(
-        archs & {"ChatGLMModel", "ChatGLMForConditionalGeneration"}
-    )
+    """model_type "chatglm" or a THUDM architecture name (a malformed `architectures`, refused where
+    config.json is read, claims nothing here)."""
+    archs = hf_config.get("architectures")
+    names = {a for a in archs if isinstance(a, str)} if isinstance(archs, list) else set()
+    return hf_config.get("model_type") == "chatglm" or bool(names & {"ChatGLMModel", "ChatGLMForConditionalGeneration"})
 
 
 @hookimpl

@@ -43,11 +43,15 @@ class ChatGLMConfig(DecoderConfig):
     qkv_bias: bool = True
     dense_bias: bool = True
     mlp_bias: bool = True
+    # Token ids: integers (strict: JSON `true` is not token 1), within any vocabulary.
     bos_token_id: int = Field(
-        150004, description="Token that ends the bidirectional context; the generated span starts with it."
+        150004, ge=0, le=2**24, strict=True,
+        description="Token that ends the bidirectional context; the generated span starts with it."
     )
-    mask_token_id: int = Field(150000, description="[MASK]: the span position when no [gMASK] is in the context.")
-    gmask_token_id: int = Field(150001, description="[gMASK]: the generated span takes its position.")
+    mask_token_id: int = Field(150000, ge=0, le=2**24, strict=True,
+                               description="[MASK]: the span position when no [gMASK] is in the context.")
+    gmask_token_id: int = Field(150001, ge=0, le=2**24, strict=True,
+                                description="[gMASK]: the generated span takes its position.")
 
 
 class ChatGLM2Config(DecoderConfig):
@@ -83,13 +87,13 @@ from_hf_config_v1 = hf_config_reader(
     ChatGLMConfig, unsupported={**THUDM_UNSUPPORTED, "position_encoding_2d": True}, rope_kinds=(),
     defaults=dict(vocab_size=150528, hidden_size=4096, num_hidden_layers=28, num_attention_heads=32,
                   intermediate_size=16384, max_position_embeddings=2048, norm_epsilon=1e-5, hidden_act="gelu_new"),
-    intermediate_size=lambda hf: hf.get("inner_hidden_size", 16384), hidden_act="gelu_new")
+    intermediate_size=lambda hf: first_present(hf, ("inner_hidden_size",)) or 16384, hidden_act="gelu_new")
 
 
 def thudm_kv_heads(hf: dict) -> int:
     """multi_query_group_num (default 1) with multi_query_attention, else one per query head."""
-    heads = hf.get("num_attention_heads", 32)
-    return hf.get("multi_query_group_num", 1) if hf.get("multi_query_attention") else heads
+    heads = first_present(hf, ("num_attention_heads",)) or 32
+    return (first_present(hf, ("multi_query_group_num",)) or 1) if hf.get("multi_query_attention") else heads
 
 
 def thudm_linear_bias(hf: dict) -> bool:
@@ -103,8 +107,8 @@ thudm_v2 = hf_config_reader(
                  "apply_residual_connection_post_layernorm": False},
     defaults=dict(vocab_size=65024, hidden_size=4096, num_hidden_layers=28, num_attention_heads=32, head_size=128,
                   intermediate_size=13696, max_position_embeddings=2048, norm_epsilon=1e-5, rotary_pct=0.5),
-    vocab_size=lambda hf: hf.get("padded_vocab_size", 65024), num_key_value_heads=thudm_kv_heads,
-    rotary_base=lambda hf: 10000.0 * float(hf.get("rope_ratio", 1)),
+    vocab_size=lambda hf: first_present(hf, ("padded_vocab_size",)) or 65024, num_key_value_heads=thudm_kv_heads,
+    rotary_base=lambda hf: 10000.0 * float(first_present(hf, ("rope_ratio",)) or 1),
     rotary_pct=0.5, qkv_bias=lambda hf: thudm_linear_bias(hf) or bool(hf.get("add_qkv_bias", False)),
     dense_bias=thudm_linear_bias, mlp_bias=thudm_linear_bias,
     multi_query_attention=lambda hf: bool(hf.get("multi_query_attention", False)),
@@ -113,8 +117,10 @@ thudm_v2 = hf_config_reader(
 
 def glm_head_size(hf: dict) -> int:
     """HF head_dim: absent -> GlmConfig's 128, null -> hidden_size / heads."""
-    head_dim = hf.get("head_dim", 128)
-    return head_dim or first_present(hf, ("hidden_size",)) // first_present(hf, ("num_attention_heads",))
+    if "head_dim" not in hf:
+        return 128
+    hidden, heads = first_present(hf, ("hidden_size",)) or 4096, first_present(hf, ("num_attention_heads",)) or 32
+    return hf["head_dim"] or hidden // heads
 
 
 hf_glm = hf_config_reader(
@@ -122,7 +128,7 @@ hf_glm = hf_config_reader(
     defaults=dict(vocab_size=151552, hidden_size=4096, num_hidden_layers=40, num_attention_heads=32,
                   num_key_value_heads=2, intermediate_size=13696, max_position_embeddings=131072,
                   norm_epsilon=1.5625e-07, rotary_pct=0.5),
-    head_size=glm_head_size, qkv_bias=lambda hf: bool(hf.get("attention_bias", True)), dense_bias=False,
+    head_size=glm_head_size, qkv_bias=lambda hf: first_present(hf, ("attention_bias",)) is not False, dense_bias=False,
     mlp_bias=False, multi_query_attention=True)
 
 

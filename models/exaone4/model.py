@@ -41,9 +41,13 @@ class Exaone4Config(WindowFields):
 
 def exaone4_windowed(i: int, hf: dict) -> bool:
     """Exaone4Config's pattern: layer i is global (full) when (i + 1) % pattern == 0, else local."""
-    pattern = hf.get("sliding_window_pattern", 4)
+    pattern = hf.get("sliding_window_pattern")
+    if pattern is None:  # absent or null: Exaone4Config's 4
+        pattern = 4
     if isinstance(pattern, str):  # "LLLG": L local, G global, repeated
         pattern = len(pattern)
+    if pattern == 0:  # what Exaone4Config writes without a sliding_window (then this is never asked)
+        raise ValueError("sliding_window_pattern 0 with a sliding_window: a pattern of 0 layers")
     return (i + 1) % pattern != 0
 
 

@@ -77,7 +77,7 @@ def kv_heads(hf: dict) -> int:
     heads = hf.get("num_attention_heads") or hf.get("n_head") or HF_DEFAULTS["num_attention_heads"]
     if new_decoder(hf):
         return hf.get("num_kv_heads") or hf.get("n_head_kv") or heads
-    return 1 if hf.get("multi_query", True) else heads
+    return 1 if hf.get("multi_query") is not False else heads  # HF's default (absent or null): true
 
 
 def biases(hf: dict) -> bool:
@@ -90,7 +90,7 @@ from_hf_config = hf_config_reader(
     rope_kinds=("linear",), num_key_value_heads=kv_heads, qkv_bias=biases, dense_bias=biases, mlp_bias=biases,
     position_embedding_type=lambda hf: "alibi_with_scale" if hf.get("alibi", False) else "rope_gpt_neox",
     new_decoder_architecture=new_decoder,
-    parallel_attention=lambda hf: new_decoder(hf) or bool(hf.get("parallel_attn", True)),
+    parallel_attention=lambda hf: new_decoder(hf) or hf.get("parallel_attn") is not False,
     num_ln_in_parallel_attn=lambda hf: (hf.get("num_ln_in_parallel_attn") or 2) if new_decoder(hf) else 1)
 
 

@@ -68,14 +68,14 @@ class OPTConfig(DecoderConfig):
 
 
 def biases(hf: dict) -> bool:
-    """HF enable_bias (default true): a bias on every linear."""
-    return bool(hf.get("enable_bias", True))
+    """HF enable_bias (default true, null included): a bias on every linear."""
+    return hf.get("enable_bias") is not False
 
 
 from_hf_config = hf_config_reader(
     OPTConfig, defaults=HF_DEFAULTS, unsupported={"layer_norm_elementwise_affine": True},
     qkv_bias=biases, dense_bias=biases, mlp_bias=biases, norm_epsilon=1e-5,
-    remove_final_layer_norm=lambda hf: hf.get("_remove_final_layer_norm", False))
+    remove_final_layer_norm=lambda hf: hf.get("_remove_final_layer_norm") is True)
 
 
 class OPTForCausalLM(DecoderLM):

@@ -34,18 +34,21 @@ class QwenConfig(DecoderConfig):
     use_logn_attn: bool = Field(True, description="Scale queries past seq_length by log(p + 1) / log(seq_length).")
 
 
+QWEN_FFN = 22016  # QWenConfig's intermediate_size (both halves of the gated MLP)
+
+
 def max_positions(hf: dict) -> int:
     """max_position_embeddings, capped at seq_length under use_dynamic_ntk (see the module doc)."""
     max_pos = first_present(hf, ("max_position_embeddings", "n_positions")) or 8192
     seq = hf.get("seq_length") or max_pos
-    return min(max_pos, seq) if hf.get("use_dynamic_ntk", True) else max_pos
+    return min(max_pos, seq) if hf.get("use_dynamic_ntk") is not False else max_pos
 
 
 from_hf_config = hf_config_reader(
     QwenConfig, defaults={"norm_epsilon": 1e-6},
     max_position_embeddings=max_positions, qkv_bias=True,
-    dense_bias=lambda hf: not hf.get("no_bias", True), mlp_bias=lambda hf: not hf.get("no_bias", True),
-    intermediate_size=lambda hf: first_present(hf, ("intermediate_size", "ffn_hidden_size")) // 2)
+    dense_bias=lambda hf: hf.get("no_bias") is False, mlp_bias=lambda hf: hf.get("no_bias") is False,
+    intermediate_size=lambda hf: (first_present(hf, ("intermediate_size", "ffn_hidden_size")) or QWEN_FFN) // 2)
 
 
 class LognPagedAttention(PagedAttention):

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field
 from torch import nn
 
-from bestiary.core.format.hf_config import MoEFields, hf_config_reader, window_layer_types
+from bestiary.core.format.hf_config import MoEFields, first_present, hf_config_reader, window_layer_types
 from bestiary.core.layers.builder import rms_norm, standard_layer
 from bestiary.core.layers.moe import SharedExpertMoE
 from bestiary.core.runtime.model import DecoderLM
@@ -47,9 +47,9 @@ from_hf_config = hf_config_reader(
     Qwen2MoeConfig, defaults={"norm_epsilon": 1e-6, "max_position_embeddings": 32768},
     unsupported={"decoder_sparse_step": 1, "mlp_only_layers": []},
     sliding_window=sliding_window, layer_types=window_layer_types(sliding_window, qwen2_moe_windowed),
-    qkv_bias=lambda hf: hf.get("qkv_bias", True), dense_bias=False,
-    intermediate_size=lambda hf: hf.get("moe_intermediate_size", 1408),
-    num_local_experts=lambda hf: hf.get("num_experts", 60))
+    qkv_bias=lambda hf: first_present(hf, ("qkv_bias",)) is not False, dense_bias=False,
+    intermediate_size=lambda hf: first_present(hf, ("moe_intermediate_size",)) or 1408,  # absent or null: HF's
+    num_local_experts=lambda hf: first_present(hf, ("num_experts",)) or 60)
 
 
 class Qwen2MoeForCausalLM(DecoderLM):

@@ -157,7 +157,7 @@ def test_shape_mismatch_names_both_shapes(tiny, tmp_path):
     result = run_cli("convert", "--model_dir", str(src), "--output_dir", str(tmp_path / "out"))
     assert_user_error(result, "model.layers.0.mlp.down_proj.weight", "(64, 81)", "(64, 80)")
     assert not (tmp_path / "out").exists()
-    assert not list(tmp_path.glob(".out.tmp-*"))
+    assert not list(tmp_path.glob(".out.*"))
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -90,22 +90,24 @@ def test_chat_template_syntax_error_names_the_file_and_line(tiny, tmp_path, caps
 
 # --- limits --------------------------------------------------------------------------------------
 def test_build_refuses_a_kv_cache_larger_than_this_host(tiny, tmp_path, capsys):
-    """`build --max_batch_size 100000` succeeded, then `run` died allocating terabytes."""
+    """`build --max_batch_size 100000` succeeded, then `run` died allocating terabytes. A pool the
+    engine can count (INT32_MAX tokens) that this host cannot hold is the host's limit (exit 1); past
+    that count it is a mistake in the flags (exit 2, tests/cli/test_flag_values.py)."""
     out = tmp_path / "engine"
     one_line(capsys, ["build", "--checkpoint_dir", str(tiny / "ckpt"), "--output_dir", str(out),
-                      "--max_tokens_in_paged_kv_cache", str(10**12)], 1,
-             "1,000,000,000,000 tokens", "GiB", "--max_tokens_in_paged_kv_cache", "--skip_memory_check")
+                      "--max_tokens_in_paged_kv_cache", str(2**31 - 32)], 1,
+             "2,147,483,616 tokens", "GiB", "--max_tokens_in_paged_kv_cache", "--skip_memory_check")
     one_line(capsys, ["build", "--checkpoint_dir", str(tiny / "ckpt"), "--output_dir", str(out),
-                      "--max_batch_size", "100000000"], 1, "--max_batch_size")
+                      "--max_batch_size", "10000000"], 1, "--max_batch_size")
     assert not out.exists()
 
 
 def test_load_refuses_a_kv_pool_that_does_not_fit(tiny, tmp_path, capsys):
     out = tmp_path / "engine"
     assert main(["build", "--checkpoint_dir", str(tiny / "ckpt"), "--output_dir", str(out),
-                 "--max_tokens_in_paged_kv_cache", str(10**12), "--skip_memory_check"]) == 0
+                 "--max_tokens_in_paged_kv_cache", str(2**31 - 32), "--skip_memory_check"]) == 0
     capsys.readouterr()
-    one_line(capsys, run(out, "--input_ids", "1,2"), 1, "KV cache of 1,000,000,000,000 tokens", "available",
+    one_line(capsys, run(out, "--input_ids", "1,2"), 1, "KV cache of 2,147,483,616 tokens", "available",
              "--max_tokens_in_paged_kv_cache")
 
 

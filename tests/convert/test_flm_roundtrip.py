@@ -106,7 +106,7 @@ def test_export_never_replaces_a_file_that_is_not_flm_and_is_atomic(llama_src, t
     other.write_text("my notes")
     code = main(["export", "--checkpoint_dir", str(ck), "--output_file", str(other)])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "not a .flm file" in err and other.read_text() == "my notes"
+    assert code == 2 and "was not written by bestiary" in err and other.read_text() == "my notes"
     assert main(["export", "--checkpoint_dir", str(ck), "--output_file", str(tmp_path / "x.bin")]) == 2
     good = export_flm(ck, tmp_path / "m.flm", show_progress=False)
     before = good.read_bytes()

@@ -1,4 +1,5 @@
-"""Nothing stale: LLM(source) re-converts when any source file changes; `bestiary cache list|clear`."""
+"""Nothing stale: LLM(source) re-converts when any source file's content changes, whatever its times say;
+`bestiary cache list|clear`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ pytest.importorskip("transformers")
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 from bestiary.core.cli.main import main  # noqa: E402
+from bestiary.core.format import cache as cache_module  # noqa: E402
 from bestiary.core.format.cache import cache_dir, cache_entries, source_key  # noqa: E402
+from bestiary.core.format.errors import BestiaryError  # noqa: E402
 from bestiary.core.runtime.llm import LLM, ensure_engine  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
 from bestiary.core.sources import source_files  # noqa: E402
@@ -45,8 +48,67 @@ def test_weights_overwritten_in_place_are_converted_again(tmp_path, cache):
     _overwrite_in_place(src / "model.safetensors", other / "model.safetensors")
     assert LLM(src).generate([[1, 2, 3]], greedy)[0].output_ids == expected
     engines = [e for e in cache_entries() if e.kind == "engines"]
-    assert len(engines) == 2, engines  # src's old state was replaced, `other` has its own
-    assert {e.source.split(" ")[0] for e in engines} == {str(src.absolute()), str(other.absolute())}
+    # src now holds other's files: they share other's entry (the key is the content), and src's old
+    # state was removed
+    assert len(engines) == 1, engines
+    assert engines[0].source.split(" ")[0] == str(other.absolute())
+
+
+def _rewrite_keeping_times(path, data: bytes) -> None:
+    """Issue 46's rewrite: same size, same inode, atime and mtime put back with os.utime."""
+    st = os.stat(path)
+    assert len(data) == st.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_same_size_rewrite_with_mtime_restored_converts_again(tmp_path, cache, monkeypatch, name):
+    """Issue 46 item 1: the key was (path, size, mtime_ns); the rewrite served the old conversion
+    (cum_log_prob -78.18 from the cache, -80.63 fresh). RACY_NS 0: the digests are remembered."""
+    monkeypatch.setattr(cache_module, "RACY_NS", 0)
+    src = make_tiny_llama(tmp_path / "a", seed=0)
+    fresh = make_tiny_llama(tmp_path / "b", seed=0 if name == "config.json" else 1)
+    config = (src / "config.json").read_text()
+    edited = config.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 9e-01')
+    assert edited != config
+    (fresh / "config.json").write_text(edited if name == "config.json" else config)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.0, output_log_probs=True)
+    old = LLM(src).generate([[1, 2, 3]], sampling)[0].cum_log_prob
+    expected = LLM(fresh).generate([[1, 2, 3]], sampling)[0].cum_log_prob
+    assert old != expected
+    data = edited.encode() if name == "config.json" else (fresh / name).read_bytes()
+    _rewrite_keeping_times(src / name, data)
+    assert LLM(src).generate([[1, 2, 3]], sampling)[0].cum_log_prob == expected
+
+
+def test_a_warm_start_reads_no_source_bytes(tmp_path, cache, monkeypatch):
+    monkeypatch.setattr(cache_module, "RACY_NS", 0)
+    src = make_tiny_llama(tmp_path)
+    engine = ensure_engine(src)
+    read: list[str] = []
+    monkeypatch.setattr(cache_module, "file_sha256", lambda path, meter, stop: read.append(path) or "")
+    assert ensure_engine(src) == engine and read == []
+
+
+def test_a_source_written_while_converting_leaves_no_entry(tmp_path, cache, monkeypatch):
+    from bestiary.core.convert import source_to_checkpoint
+
+    src = make_tiny_llama(tmp_path)
+    real = source_to_checkpoint.convert
+
+    def convert_while_written(*args, **kwargs):
+        out = real(*args, **kwargs)
+        (src / "config.json").write_text((src / "config.json").read_text())  # same bytes, a new ctime
+        return out
+
+    monkeypatch.setattr(source_to_checkpoint, "convert", convert_while_written)
+    with pytest.raises(BestiaryError, match="its files changed while it was converted; run again"):
+        ensure_engine(src)
+    assert [e for e in cache_entries() if e.kind in ("engines", "checkpoints")] == []
+    monkeypatch.setattr(source_to_checkpoint, "convert", real)
+    assert (ensure_engine(src) / "config.json").is_file()
 
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer.json"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -151,20 +152,32 @@ def test_read_only_or_full_filesystem_is_one_line_exit_1(work, capsys, monkeypat
     assert listing(work) == before
 
 
+def _temp(parent: Path, name: str, pid: int, token: str = "0123abcd", marker: bool = True) -> Path:
+    """A temp dir as bestiary names and marks it (`.NAME.bestiary-tmp-PID-TOKEN`), for process `pid`."""
+    path = parent / f".{name}.bestiary-tmp-{pid}-{token}"
+    path.mkdir()
+    if marker:
+        info = {"bestiary": "temp", "pid": pid, "token": token, "host": output_dir.host()}
+        (path / output_dir.TEMP_MARKER).write_text(json.dumps(info))
+    return path
+
+
 def test_stale_temp_dirs_of_dead_processes_are_removed_on_the_next_write(work, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = work / f".ckpt.tmp-{dead.pid}"
-    stale.mkdir()
-    (stale / output_dir.TEMP_MARKER).write_text(str(dead.pid))
+    stale = _temp(work, "ckpt", dead.pid)
     (stale / "rank0.safetensors").write_bytes(b"\x00" * 1000)
-    alive = work / f".other.tmp-{os.getpid()}"  # a running process's: kept
-    alive.mkdir()
-    (alive / output_dir.TEMP_MARKER).write_text(str(os.getpid()))
-    unmarked = work / f".notes.tmp-{dead.pid}"  # not bestiary's: kept
-    unmarked.mkdir()
+    alive = _temp(work, "other", os.getpid())  # a running process's: kept
+    unmarked = _temp(work, "notes", dead.pid, marker=False)  # not bestiary's: kept
+    elsewhere = _temp(work, "nfs", dead.pid, token="9999ffff")  # another host's (a shared filesystem): kept
+    info = json.loads((elsewhere / output_dir.TEMP_MARKER).read_text())
+    (elsewhere / output_dir.TEMP_MARKER).write_text(json.dumps({**info, "host": "another-host"}))
+    legacy = work / f".old.tmp-{dead.pid}"  # bestiary 0.1.0's name, its marker holding the pid: removed
+    legacy.mkdir()
+    (legacy / output_dir.TEMP_MARKER).write_text(str(dead.pid))
     assert main(convert(work / "hf", work / "fresh")) == 0
-    assert not stale.exists() and alive.exists() and unmarked.exists()
+    assert not stale.exists() and not legacy.exists()
+    assert alive.exists() and unmarked.exists() and elsewhere.exists()
 
 
 def _wait_for(pattern: str, parent: Path, proc: subprocess.Popen, timeout: float = 120.0) -> Path:
@@ -183,7 +196,7 @@ def test_sigterm_and_sigint_mid_convert_leave_nothing_and_say_interrupted(smollm
     """SIGTERM used to leave .NAME.tmp-PID/ (hundreds of MB); SIGINT sometimes said 'cannot read tensor'."""
     proc = subprocess.Popen([sys.executable, "-m", "bestiary", *convert(smollm2_gguf, tmp_path / "out")],
                             stderr=subprocess.PIPE, text=True)
-    _wait_for(".out.tmp-*", tmp_path, proc)
+    _wait_for(".out.bestiary-tmp-*", tmp_path, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, err
@@ -194,7 +207,7 @@ def test_sigterm_and_sigint_mid_convert_leave_nothing_and_say_interrupted(smollm
 def test_sigkill_leftover_is_removed_by_the_next_convert(smollm2_gguf, tiny, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "bestiary", *convert(smollm2_gguf, tmp_path / "out")],
                             stderr=subprocess.DEVNULL)
-    left = _wait_for(".out.tmp-*", tmp_path, proc)
+    left = _wait_for(".out.bestiary-tmp-*", tmp_path, proc)
     proc.kill()
     proc.wait()
     assert left.exists()

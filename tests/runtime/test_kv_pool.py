@@ -4,7 +4,6 @@ leans on (shown to name every broken state it claims to catch)."""
 
 from __future__ import annotations
 
-import io
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import bestiary.core.runtime.kv_cache as kv_cache
 from bestiary.core.format.errors import EnvironmentFault
+from bestiary.core.format.resources import Limit
 from bestiary.core.runtime.kv_cache import (
     BlockAllocator,
     BlockKey,
@@ -19,6 +19,7 @@ from bestiary.core.runtime.kv_cache import (
     KvCacheConfig,
     check_pool_fits,
     fork_table,
+    free_memory,
     free_memory_bytes,
     pool_tokens,
 )
@@ -26,25 +27,12 @@ from bestiary.core.runtime.kv_cache import (
 GIB = 2**30
 
 
-def test_free_memory_reads_mem_available(monkeypatch):
-    """CPU: MemAvailable of /proc/meminfo in bytes; without it, the OS's free pages; CUDA: mem_get_info's free."""
-    opened = []
-
-    def fake_open(path, *args, **kwargs):
-        opened.append(path)
-        return io.StringIO("MemTotal:       9999 kB\nMemFree:        1111 kB\nMemAvailable:   4321 kB\n")
-
-    monkeypatch.setattr(kv_cache, "open", fake_open, raising=False)
-    assert free_memory_bytes("cpu") == 4321 * 1024 and opened == ["/proc/meminfo"]
-
-    def no_proc(path, *args, **kwargs):
-        raise OSError("no /proc here")
-
-    monkeypatch.setattr(kv_cache, "open", no_proc, raising=False)
-    sysconf = {"SC_AVPHYS_PAGES": 300, "SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr(kv_cache.os, "sysconf", lambda name: sysconf[name])
-    assert free_memory_bytes("cpu") == 300 * 4096
-
+def test_free_memory_is_what_this_process_may_allocate(monkeypatch):
+    """CPU: core.format.resources.available_memory (MemAvailable, cgroup and rlimit headroom, with what
+    limits it); CUDA: mem_get_info's free."""
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: Limit(4321 * 1024, "cgroup memory.max of /x"))
+    assert free_memory_bytes("cpu") == 4321 * 1024
+    assert free_memory("cpu").source == "cgroup memory.max of /x"
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (123, 456))
     assert free_memory_bytes("cuda:0") == 123 and asked == [torch.device("cuda:0")]
@@ -61,13 +49,51 @@ def test_pool_tokens_caps_at_the_memory_fraction(monkeypatch):
 
 
 def test_check_pool_fits_names_the_numbers(monkeypatch):
-    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: 3 * GIB)
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: Limit(3 * GIB, "RLIMIT_AS (ulimit -v)"))
     check_pool_fits(3 * 1024, 1024 * 1024, "cpu")  # exactly the free memory fits
     with pytest.raises(EnvironmentFault) as err:
         check_pool_fits(4 * 1024, 1024 * 1024, "cpu")
     msg = str(err.value)
-    assert "KV cache of 4,096 tokens needs 4.0 GiB, but 3.0 GiB is available on cpu" in msg
+    assert "KV cache of 4,096 tokens needs 4.0 GiB, but 3.0 GiB (RLIMIT_AS (ulimit -v)) is available on cpu" in msg
     assert "--max_tokens_in_paged_kv_cache" in msg and "KvCacheConfig(max_tokens=...) or free_memory_fraction" in msg
+    with pytest.raises(EnvironmentFault, match="KV cache of 1,000,000,000 tokens"):  # the pool as allocated:
+        check_pool_fits(4, 8, "cpu", tokens_per_block=10**9)  # one whole block of 10**9 tokens
+
+
+def test_kv_cache_checks_the_pool_as_allocated(monkeypatch):
+    """Issue 46: 4,096 tokens passed the check, then one block of 10**9 tokens asked for 256 GB."""
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: Limit(GIB, "cgroup memory.max of /x"))
+    with pytest.raises(EnvironmentFault, match=r"KV cache of 1,000,000,000 tokens needs 7.5 GiB, but 1.0 GiB "
+                                               r"\(cgroup memory.max of /x\)"):
+        KVCache(1, 1, 10**9, 1, 1, torch.float32)
+
+
+@pytest.mark.parametrize("failure", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                 "tried to allocate 256000000000 bytes. Error code 12 (Cannot allocate memory)"),
+    MemoryError(),
+])
+def test_an_allocation_the_allocator_refuses_is_one_line(monkeypatch, failure):
+    """The check passed (lazily allocated pages, overcommit) but the allocator still refused: one line
+    naming the size and what is available, an EnvironmentFault (exit 1), not an internal error."""
+    def refuse(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(kv_cache.torch, "empty", refuse)
+    with pytest.raises(EnvironmentFault) as err:
+        KVCache(2, 4, 8, 2, 16, torch.float32)
+    msg = str(err.value)
+    assert "allocating the KV cache of 32 tokens (16,384 bytes" in msg and "available" in msg
+    assert "\n" not in msg and "--max_tokens_in_paged_kv_cache" in msg
+
+
+def test_other_runtime_errors_of_the_allocation_are_not_hidden(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(kv_cache.torch, "empty", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        KVCache(2, 4, 8, 2, 16, torch.float32)
 
 
 def fake_model(layers=3, heads=4, kv_heads=2, head=8, algo=None):

@@ -225,25 +225,48 @@ def library_for(isa: str) -> ctypes.CDLL | None:
     return built_library(isa) if enabled() else None
 
 
+class CpuKernelsWarning(UserWarning):
+    """The compiled CPU kernels are unavailable and every op runs its torch reference."""
+
+
+def fall_back(reason: str) -> None:
+    """Warn, in one line, that the CPU kernels run their torch references and why: a CpuKernelsWarning
+    with no source line under it (warnings.warn would print the caller's line as a second one)."""
+    warnings.warn_explicit(f"{reason}; the CPU kernels run their torch references (slower)", CpuKernelsWarning,
+                           filename="bestiary", lineno=0, module=__name__)
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why the kernels cannot be built into `directory` (created if needed), None when they can."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None if os.access(directory, os.W_OK | os.X_OK) else "not writable"
+
+
 @functools.cache
 def built_library(isa: str) -> ctypes.CDLL | None:
     """library_for's build and load, once per process and ISA."""
     cc = compiler()
     if cc is None:
-        warnings.warn("bestiary: no C compiler found ($CC, cc, gcc): the CPU kernels run their torch "
-                      "references (slower)", stacklevel=2)
+        fall_back("no C compiler found ($CC, cc, gcc)")
         return None
     try:
         path = cache_dir() / "cpu-kernels" / _key(cc, isa) / f"libbestiary_cpu_{isa}.so"
         if not path.exists():
+            reason = unwritable(path.parent)
+            if reason is not None:
+                fall_back(f"the cache {cache_dir()} cannot hold the built kernels ({reason}; set BESTIARY_CACHE "
+                          "to a writable directory)")
+                return None
             compile_library(cc, path, isa)
         lib = load(path)
         if lib.bst_isa() != ISAS[isa].code:
             raise RuntimeError(f"{path} was built for ISA code {lib.bst_isa()}, not {isa}")
         return lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        warnings.warn(f"bestiary: the CPU kernels could not be built ({err}); running the torch references",
-                      stacklevel=2)
+        fall_back(f"the CPU kernels could not be built ({' '.join(str(err).split())})")
         return None
 
 

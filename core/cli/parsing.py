@@ -1,0 +1,67 @@
+"""How `bestiary` reads its command line: a parser whose errors are one line, and the types of flag values.
+
+A mistake in a flag is one line on stderr and exit code 2, like every other user mistake
+(core/cli/failures.py), with no usage block before it (`--help` shows that, unchanged):
+
+    bestiary build: error: argument --max_seq_len: invalid positive_int value: 'x' (see bestiary build --help)
+
+Integer flags are counts and sizes the engine keeps in 32-bit integers (TensorRT-LLM's SizeType32):
+above INT32_MAX is refused here, by name, before it overflows a torch call. Thread counts stop at
+MAX_THREADS. Path flags refuse a name longer than its filesystem allows (core.format.path_limits).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import NoReturn
+
+from bestiary.core.format.build_config import INT32_MAX
+from bestiary.core.format.path_limits import path_problem, shown
+
+INT32_UNIT = " (the engine's counts are 32-bit integers)"
+MAX_THREADS = 1024  # torch CPU threads (llama.cpp stops at 512): more is a typo, not a machine
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line `PROG: error: MESSAGE (see PROG --help)` on stderr,
+    exit code 2. Subparsers made by add_subparsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+        self.exit(2, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
+
+
+def int_range(low: int, high: int = INT32_MAX, name: str | None = None, unit: str = INT32_UNIT) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` (`unit` follows the upper bound in the message);
+    `name` is what argparse's "invalid NAME value" says (default: positive_int for low 1, non_negative_int
+    for low 0)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            expected = {1: "a positive integer", 0: "an integer >= 0"}.get(low, f"an integer >= {low}")
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{shown(text, 40)!r}: expected at most {high:,}{unit}")
+        return value
+
+    parse.__name__ = name or {1: "positive_int", 0: "non_negative_int"}.get(low, "int")
+    return parse
+
+
+positive_int = int_range(1)
+non_negative_int = int_range(0)
+thread_count = int_range(1, MAX_THREADS, "thread_count", unit=" threads")
+
+
+def path_arg(text: str) -> str:
+    """An argparse type for a path flag: the text as given, unless no system call could use it (a name
+    longer than its filesystem allows, a path past PATH_MAX)."""
+    problem = path_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{shown(text)!r}: {problem}")
+    return text
+
+
+path_arg.__name__ = "path"
