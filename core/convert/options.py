@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bestiary.core.format.config import Mapping, QuantConfig, moe_split
+from bestiary.core.format.config import MAX_RANKS, Mapping, QuantConfig, moe_split
 from bestiary.core.format.errors import BestiaryError, ConfigError
 
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
@@ -96,6 +96,10 @@ class ConvertOptions(BaseModel):
         for flag, value in (("--tp_size", self.tp_size), ("--pp_size", self.pp_size)):
             if value < 1:
                 raise BestiaryError(f"{flag} {value}: expected a positive integer")
+            if value > MAX_RANKS:
+                raise BestiaryError(f"{flag} {value}: expected a positive integer of at most {MAX_RANKS}")
+        if self.tp_size * self.pp_size > MAX_RANKS:
+            raise BestiaryError(f"--tp_size {self.tp_size} * --pp_size {self.pp_size}: more than {MAX_RANKS} ranks")
         self.mapping()  # --moe_tp_size / --moe_ep_size: positive, multiplying to --tp_size
         if self.use_parallel_embedding and self.embedding_sharding_dim not in (0, 1):
             raise BestiaryError(f"--embedding_sharding_dim {self.embedding_sharding_dim}: "

@@ -57,3 +57,14 @@ def test_tp1_keeps_everything_but_the_split():
         options.model_dump(exclude={"tp_size", "pp_size", "moe_ep_size", "weight_quantizer", "tune_steps"})
     assert (whole.weight_quantizer, whole.tune_steps) == ("gptq", 3)
     assert whole.quantization is quant
+
+
+def test_a_rank_count_past_max_ranks_is_one_line():
+    """`convert --pp_size 1000000000` was an internal error (a pydantic ValidationError; fuzz seed 7 case 849)."""
+    from bestiary.core.convert.options import ConvertOptions
+    from bestiary.core.format.errors import BestiaryError
+
+    with pytest.raises(BestiaryError, match="--pp_size 1000000000: expected a positive integer of at most 65536"):
+        ConvertOptions(pp_size=10**9)
+    with pytest.raises(BestiaryError, match="more than 65536 ranks"):
+        ConvertOptions(tp_size=512, pp_size=512)
