@@ -161,13 +161,17 @@ def _smallest(limits: list[Limit | None]) -> Limit:
     return min((lim for lim in limits if lim is not None), key=lambda lim: lim.amount)
 
 
+def _host_memory(root: Path, field: str, label: str, pages: str, pages_label: str) -> Limit:
+    """/proc/meminfo's `field` (bytes), else sysconf's `pages` times the page size."""
+    info = _fields(root / "proc/meminfo", 1024)
+    if field in info:
+        return Limit(info[field], label)
+    return Limit(os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE"), pages_label)
+
+
 def available_memory(root: Path = ROOT, getrlimit: GetRlimit | None = None) -> Limit:
     """The memory this process may still allocate now, and what limits it (module docstring)."""
-    info = _fields(root / "proc/meminfo", 1024)
-    if "MemAvailable" in info:
-        host = Limit(info["MemAvailable"], "MemAvailable")
-    else:
-        host = Limit(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages")
+    host = _host_memory(root, "MemAvailable", "MemAvailable", "SC_AVPHYS_PAGES", "free pages")
     headrooms, _ = _rlimits(root, getrlimit)
     return _smallest([host, _cgroup_memory(root)[0], *headrooms])
 
@@ -175,11 +179,7 @@ def available_memory(root: Path = ROOT, getrlimit: GetRlimit | None = None) -> L
 def memory_capacity(root: Path = ROOT, getrlimit: GetRlimit | None = None) -> Limit:
     """The most memory this process could use, and what limits it: the host's RAM unless a cgroup or
     an rlimit allows less (module docstring)."""
-    info = _fields(root / "proc/meminfo", 1024)
-    if "MemTotal" in info:
-        host = Limit(info["MemTotal"], "this host's RAM")
-    else:
-        host = Limit(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host's RAM")
+    host = _host_memory(root, "MemTotal", "this host's RAM", "SC_PHYS_PAGES", "this host's RAM")
     _, limits = _rlimits(root, getrlimit)
     return _smallest([host, _cgroup_memory(root)[1], *limits])
 
