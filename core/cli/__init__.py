@@ -5,7 +5,9 @@ Handlers import what they run inside themselves, so `--help` starts fast. Nothin
 `main` here is the script's entry (`bestiary = "bestiary.core.cli:main"`, `python -m bestiary`): its
 first act, before any heavy import, installs the SIGINT / SIGTERM handlers of core.format.interrupts,
 so a Ctrl-C at any moment ends as one line `interrupted` and exit code 130 (143 for SIGTERM), never a
-traceback. core.cli.main.main runs one command (and is what tests call in-process).
+traceback; once the command is over (its exit code decided) the entry ignores both signals, so one
+during the interpreter's teardown neither prints a traceback nor kills a finished run.
+core.cli.main.main runs one command (and is what tests call in-process).
 
 Layer 7 of the core (docs/architecture.md). May import: format, plugins, sources, kernels, registry,
 layers, quant, lora, runtime, convert, bench, serve.
@@ -23,14 +25,14 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """The `bestiary` script: signals handled from the first line, then core.cli.main.main."""
-    interrupts.install()
     try:
+        interrupts.install()  # inside the try: a signal right after the first handler is in place is ours
         from bestiary.core.cli.main import main as run_command  # (the submodule then shadows this name)
 
         return run_command(argv)
     except KeyboardInterrupt as err:  # before the command's own error path began, or after it ended
-        interrupts.defer_from_now()
+        interrupts.ignore_from_now()
         sys.stderr.write("interrupted\n")
         return 128 + getattr(err, "signum", signal.SIGINT)
     finally:
-        interrupts.defer_from_now()  # the command is over: a late signal is only remembered
+        interrupts.ignore_from_now()  # the exit code is decided: a late signal changes nothing

@@ -113,9 +113,15 @@ def check() -> None:
         raise Interrupted(signum)
 
 
-def defer_from_now() -> None:
-    """The command is over: a signal from now on is only remembered (no traceback at exit)."""
-    _state["deferring"] += 1
+def ignore_from_now() -> None:
+    """The script's command is over and its exit code decided: SIGINT and SIGTERM are ignored from
+    now on (main thread only). Python's finalization puts its own handlers back to SIG_DFL, so a
+    signal during the interpreter's teardown (torch's modules take a while to free) would otherwise
+    kill a process that completed its work, with status -SIGINT; an ignored signal is left as it is."""
+    _state["deferring"] += 1  # a signal already queued for the handler is only remembered
+    if _main_thread():
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

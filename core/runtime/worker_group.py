@@ -211,6 +211,9 @@ class WorkerGroup:
                     stuck = self._stuck_ranks()  # a rank whose collective timed out waiting on a hung peer
                     if stuck and stuck[0] is not s:
                         self._fail_stuck(stuck[0])
+                    dead = self._dead_peer(s)  # a rank whose socket closed because its peer died
+                    if dead is not None:
+                        self.fail(dead.rank, dead.process.pid, describe_exit(settled_exitcode(dead.process)))
                     self.fail(s.rank, s.process.pid, cause)
                 else:
                     s.process.join(timeout=1)
@@ -245,6 +248,16 @@ class WorkerGroup:
         if stuck:
             self._fail_stuck(stuck[0])
         self.fail(0, os.getpid(), f"lost its peers: {first}")
+
+    def _dead_peer(self, reporter: SpawnedRank, within_s: float = 1.0) -> SpawnedRank | None:
+        """A spawned rank other than `reporter` that died, waited for up to `within_s`: a killed rank's
+        sockets close before it is reaped, so its peers' errors can arrive first; the death is the cause."""
+        deadline = time.monotonic() + within_s
+        while True:
+            dead = [p for p in self.spawned if p is not reporter and not p.process.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead[0] if dead else None
+            threading.Event().wait(0.02)
 
     def _stuck_ranks(self) -> list[SpawnedRank]:
         """Spawned ranks that are stopped (T) or in uninterruptible sleep (D): hung, not failed."""

@@ -133,6 +133,61 @@ def test_run_and_export_interrupted_say_interrupted(tiny, tmp_path, command):
     assert leftovers(tmp_path) == []
 
 
+SIGNAL_INSIDE_INSTALL = textwrap.dedent("""
+    import os, signal, sys
+    from bestiary.core.format import interrupts
+    from bestiary.core.cli import main
+
+    real_install = interrupts.install
+
+    def install_then_signalled():  # SIGINT lands right after the handlers are in place, inside install()
+        previous = real_install()
+        os.kill(os.getpid(), signal.SIGINT)
+        return previous
+
+    interrupts.install = install_then_signalled
+    sys.exit(main(["list"]))
+""")
+
+
+def test_a_signal_while_the_handlers_are_installed_is_interrupted_not_a_traceback():
+    """The slow sweep's 0 s case (2026-11-29): the handler ran inside install(), outside the entry's try."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_INSTALL], capture_output=True, text=True,
+                            timeout=120)
+    assert_interrupted(result)
+
+
+SLOW_TEARDOWN = textwrap.dedent("""
+    import sys, time
+    from bestiary.core.cli import main
+
+    class SlowToFree:  # stands in for torch's modules, which take a while to free at exit
+        def __del__(self):
+            time.sleep(2.0)
+
+    keep = SlowToFree()
+    code = main(["list"])
+    print("command over", flush=True)
+    sys.exit(code)
+""")
+
+
+def test_a_signal_during_the_interpreters_teardown_does_not_kill_a_finished_command():
+    """Python's finalization resets its handlers to SIG_DFL; a SIGINT then (after `written to ...`) killed
+    the process with status -2 though its outputs were whole (the slow sweep's 2.5 s case, on CI)."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_TEARDOWN], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == "command over":
+            break
+    time.sleep(0.5)  # into the teardown
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "Traceback" not in err, err
+
+
 def _cases(tiny: Path, out: Path) -> dict[str, list[str]]:
     """Every command the issue names, writing into `out` (a fresh dir)."""
     ckpt, engine = str(tiny / "ckpt"), str(tiny / "engine")

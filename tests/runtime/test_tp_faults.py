@@ -152,6 +152,26 @@ def test_exit_code_read_while_another_thread_reaps_names_the_signal():
     assert settled_exitcode(ReapedByTheOtherThread(10 ** 9), timeout_s=0.05) is None  # never stored: bounded
 
 
+class FakeProcess:
+    def __init__(self, alive: bool, dies_after_s: float | None = None):
+        self.died_at = None if alive and dies_after_s is None else time.monotonic() + (dies_after_s or 0.0)
+
+    def is_alive(self) -> bool:
+        return self.died_at is None or time.monotonic() < self.died_at
+
+
+def test_an_error_reported_by_a_peer_of_a_killed_rank_names_the_killed_rank():
+    """Under load a killed rank's stage peer reported its closed socket before the death was seen, and the
+    line named the peer (CI, 2026-11-29): the dead rank, seen within a second, is the cause."""
+    from bestiary.core.runtime.worker_group import SpawnedRank, WorkerGroup
+
+    ranks = [SpawnedRank(r, FakeProcess(alive=True), None) for r in (1, 2, 3)]  # type: ignore[arg-type]
+    group = WorkerGroup(world_size=4, device="cpu", control=None, spawned=ranks)  # type: ignore[arg-type]
+    assert group._dead_peer(ranks[2], within_s=0.05) is None  # a genuine error of rank 3: reported as its own
+    ranks[1].process = FakeProcess(alive=True, dies_after_s=0.2)  # type: ignore[assignment]
+    assert group._dead_peer(ranks[2]) is ranks[1]
+
+
 def test_pipeline_stage_killed_mid_generation_stops_everything(tp2pp2):
     """Rank 2 (stage 1's first tp rank) killed while stage 0 sends it hidden states: every rank of both
     stages and the driver are gone, with one line naming rank 2."""
