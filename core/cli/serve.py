@@ -11,6 +11,7 @@ from bestiary.core.cli.main import command
 from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
 from bestiary.core.cli.speculative_flags import add_speculative_flags
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.serve.settings import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from bestiary.core.cli.main import SubParsers
@@ -26,6 +27,8 @@ def add_serve_parser(sub: SubParsers) -> None:
     p.add_argument("--served_model_name", default=None, help="Model id of the API (default: the engine dir's name).")
     p.add_argument("--max_queue_len", type=positive_int, default=1024,
                    help="Requests that may wait for their first token; more are answered 503.")
+    p.add_argument("--max_request_bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="Largest request body taken (default 8 MiB); a larger one is answered 413 before it is read.")
     p.add_argument("--chat_template", type=path_arg, default=None, metavar="FILE",
                    help="Jinja2 chat template replacing the model's (or a tokenizer_config.json with one).")
     p.add_argument("--lora_modules", nargs="+", default=None, metavar="NAME=DIR",
@@ -62,7 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for adapter, path in adapters.items():  # a bad adapter is named now, not at its first request
         llm.lora_store.get(LoraRequest(adapter, path))
     app = create_app(llm, ServeSettings(served_model_name=name, api_key=args.api_key,
-                                        max_queue_len=args.max_queue_len, lora_modules=adapters))
+                                        max_queue_len=args.max_queue_len, lora_modules=adapters,
+                                        max_request_bytes=args.max_request_bytes))
     print(f"bestiary serve: {', '.join(map(repr, [name, *adapters]))} on http://{args.host}:{args.port}/v1 "
           f"(chat page: http://{args.host}:{args.port}/)", file=sys.stderr, flush=True)
     try:

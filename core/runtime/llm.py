@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -430,7 +430,7 @@ class LLM:
     async def generate_async(
         self, prompt: str | list[int], sampling: SamplingConfig | None = None, chat: bool = False, *,
         lora: LoraRequest | None = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Yield a `Delta` per step that gives this request tokens; the last one has a finish_reason.
 
         Any number of calls may run at once on one event loop: they share one in-flight batch.
@@ -444,12 +444,13 @@ class LLM:
         queue: asyncio.Queue = asyncio.Queue()
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bestiary-executor")
-        req = await loop.run_in_executor(self._worker, self._add_stream, ids, sampling, queue, loop, adapter)
-        self._ensure_stepper(loop)
-        texts = [TextDeltas(self.tokenizer, s.stop_ids, sampling.stop_strings) if self.tokenizer else None
-                 for s in req.group]
-        running = set(range(len(req.group)))
-        try:
+        req = await self._added(loop.run_in_executor(self._worker, self._add_stream, ids, sampling, queue, loop,
+                                                     adapter))
+        try:  # from here on, however this generator ends, the request is dropped (its KV blocks freed)
+            self._ensure_stepper(loop)
+            texts = [TextDeltas(self.tokenizer, s.stop_ids, sampling.stop_strings) if self.tokenizer else None
+                     for s in req.group]
+            running = set(range(len(req.group)))
             while running:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -471,6 +472,19 @@ class LLM:
         finally:
             if any(not s.finished or s.id in self._streams for s in req.group):
                 self._running_worker().submit(self._drop_stream, req)
+
+    async def _added(self, adding: asyncio.Future[Request]) -> Request:
+        """The request the worker thread is adding. Cancelled meanwhile (a client gone), the thread still adds
+        it: it is dropped as soon as it is in, so its KV blocks never stay held by a request nobody reads."""
+        try:
+            return await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            def drop(done: asyncio.Future[Request]) -> None:
+                if not done.cancelled() and done.exception() is None and self._worker is not None:
+                    self._worker.submit(self._drop_stream, done.result())
+
+            adding.add_done_callback(drop)
+            raise
 
     def _running_worker(self) -> ThreadPoolExecutor:
         """The async API's worker thread (generate_async starts it; close() ends it)."""

@@ -5,6 +5,7 @@ Chat templates are rendered with jinja2 in a sandbox, as HF does.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -119,6 +120,19 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in UTF-8 bytes (added tokens included): one token covers at most this
+        many bytes of input (a byte-level token's text has a character per byte, a SentencePiece one its
+        text with '▁' for the space), so a text of B bytes is at least B / max_token_bytes tokens."""
+        return max((len(t.encode("utf-8", "replace")) for t in self._tok.get_vocab(with_added_tokens=True)),
+                   default=1) or 1
+
+    def min_tokens(self, num_bytes: int) -> int:
+        """A lower bound on the tokens of a text of `num_bytes` UTF-8 bytes, known without encoding it; halved
+        for normalizers that drop characters (accents, padding), so it never refuses a text that fits."""
+        return num_bytes // (2 * self.max_token_bytes)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:

@@ -8,8 +8,9 @@
     POST /v1/chat/completions    messages -> chat template -> text
 
 Errors: {"error": {"message", "type", "param", "code"}} with 400 (a bad parameter, named;
-a prompt longer than max_input_len), 401 (missing or wrong key), 404 (unknown model or
-route), 503 (more than max_queue_len requests wait for their first token).
+a prompt longer than max_input_len, or prompt + max_tokens past the context), 401 (missing or
+wrong key), 404 (unknown model or route), 413 (a body over --max_request_bytes), 503 (more than
+max_queue_len requests wait for their first token), 500 (a bug: logged, counted, in this shape).
 A client that disconnects cancels its request: waiting, generating or streaming.
 
 This module assembles the app; each resource's routes live in their own module: `health`
@@ -20,6 +21,7 @@ generating routes); `errors` has the error shape and its handlers, `settings` Se
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from fastapi import FastAPI
@@ -37,9 +39,13 @@ from bestiary.core.serve.web import web_router
 
 __all__ = ["APIError", "AuthAndCount", "ServeSettings", "create_app", "load_chat_template"]
 
+log = logging.getLogger("bestiary.serve")
+
 
 class AuthAndCount:
-    """ASGI middleware on /v1/*: 401 without the API key (when one is set); counts answers by status.
+    """ASGI middleware: 401 on /v1/* without the API key (when one is set); every answer counted by
+    endpoint and status (bestiary_requests_total), 500s included: an exception no route handled is
+    answered here, in OpenAI's shape (500, type server_error), logged once, and counted.
 
     Plain ASGI (not starlette's BaseHTTPMiddleware, which pipes every streamed chunk through an
     extra task and stream)."""
@@ -48,23 +54,49 @@ class AuthAndCount:
         self.app, self.key, self.metrics = app, api_key, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.key is not None and dict(scope["headers"]).get(b"authorization") != f"Bearer {self.key}".encode():
-            self.metrics.requests.labels(path, "401").inc()
+        path = scope.get("path", "")
+        endpoint = endpoint_label(path)
+        if (self.key is not None and path.startswith("/v1/")
+                and dict(scope["headers"]).get(b"authorization") != f"Bearer {self.key}".encode()):
+            self.metrics.requests.labels(endpoint, "401").inc()
             response = APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
                                 code="invalid_api_key").response()
             await response(scope, receive, send)
             return
+        started = False
 
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(path, str(message["status"])).inc()
+                started = True
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as err:  # noqa: BLE001 - a bug: answered (or the stream ended) and logged, never a hang
+            log.error("internal error on %s %s: %s: %s", scope.get("method"), path, type(err).__name__, err,
+                      exc_info=err)
+            if started:  # a stream already sent its status: the connection just ends
+                return
+            message = f"internal error: {type(err).__name__}: {str(err)[:200]}"
+            await APIError(500, message, code="internal_error", kind="server_error").response()(
+                scope, receive, counting_send)
+
+
+ROUTES = frozenset({"/", "/health", "/metrics", "/favicon.ico", "/v1/models", "/v1/completions",
+                    "/v1/chat/completions"})
+
+
+def endpoint_label(path: str) -> str:
+    """The metrics' endpoint label of a path: a route's own path, /static, or `other` (so a client
+    sending random paths cannot grow the number of series without bound)."""
+    if path in ROUTES:
+        return path
+    return "/static" if path.startswith("/static/") else "other"
 
 
 def create_app(llm: LLM, settings: ServeSettings) -> FastAPI:

@@ -9,12 +9,13 @@ disconnects cancels its request: waiting, generating or streaming (499 in the me
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora.request import LoraRequest
@@ -24,9 +25,13 @@ from bestiary.core.serve.errors import APIError
 from bestiary.core.serve.generation import Formatter, choice_deltas, collect, sse_events
 from bestiary.core.serve.metrics import RequestTimer, ServerMetrics
 from bestiary.core.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from bestiary.core.serve.request_body import request_json
 from bestiary.core.serve.settings import ServeSettings
 
 T = TypeVar("T")
+# SamplingConfig's field -> the request's (what build_sampling's errors name)
+REQUEST_NAMES = {"random_seed": "seed", "max_new_tokens": "max_tokens", "min_length": "min_tokens",
+                 "stop_strings": "stop", "embedding_bias": "logit_bias", "top_log_probs": "top_logprobs"}
 
 
 class ClientGone(Exception):
@@ -47,10 +52,12 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
-        gone.cancel()
-    if not task.done() or task.cancelled():
+        for pending in (task, gone):
+            pending.cancel()
+        # the work unwinds before anything else touches what it iterated (closing a generator the
+        # cancelled task is still inside raised "aclose(): asynchronous generator is already running")
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
         raise ClientGone
     return task.result()
 
@@ -86,12 +93,36 @@ class Completions:
                        param="model", code="model_not_found")
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        """400 for an empty prompt or one longer than the engine's max_input_len."""
+        """400 for an empty prompt, one longer than the engine's max_input_len, or an id outside the vocabulary."""
         if len(ids) > self.max_input_len:
             raise APIError(400, f"{param}: {len(ids)} tokens exceed the engine's max_input_len {self.max_input_len}",
                            param=param, code="context_length_exceeded")
         if not ids:
             raise APIError(400, f"{param}: empty prompt", param=param)
+        vocab = self.llm.engine.config.vocab_size
+        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise APIError(400, f"{param}: token id {outside} is outside the vocabulary [0, {vocab})", param=param)
+
+    def check_text_length(self, num_bytes: int, param: str) -> None:
+        """400, before tokenizing, for a text too long to fit max_input_len whatever its tokens: a 20 MB body
+        is refused at once instead of tokenized (a lower bound on its tokens: Tokenizer.min_tokens)."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is not None and tokenizer.min_tokens(num_bytes) > self.max_input_len:
+            raise APIError(400, f"{param}: {num_bytes} bytes of text are more than the engine's max_input_len "
+                                f"{self.max_input_len} tokens can hold", param=param, code="context_length_exceeded")
+
+    def check_context(self, prompt_len: int, max_tokens: int | None, min_tokens: int, param: str) -> None:
+        """400 when prompt + max_tokens exceeds the engine's context (as vLLM), or min_tokens > max_tokens."""
+        if max_tokens is None:
+            return
+        if prompt_len + max_tokens > self.max_seq_len:
+            raise APIError(400, f"{param}: this model's maximum context length is {self.max_seq_len} tokens; "
+                                f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, {max_tokens} "
+                                "in the completion): reduce the prompt or the completion",
+                           param=param, code="context_length_exceeded")
+        if min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens: {min_tokens} is more than {param} {max_tokens}", param="min_tokens")
 
     def check_queue(self) -> None:
         """503 when max_queue_len requests already wait for their first token."""
@@ -100,12 +131,22 @@ class Completions:
                            code="queue_full", kind="server_error")
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids (a text needs the engine's tokenizer)."""
+        """A prompt's token ids (a text needs the engine's tokenizer; called in a worker thread)."""
         if isinstance(prompt, list):
             return prompt
         if self.llm.tokenizer is None:
             raise APIError(400, "prompt: this engine has no tokenizer; send token ids", param="prompt")
+        self.check_text_length(len(prompt.encode("utf-8")), "prompt")
         return self.llm.tokenizer.encode(prompt)
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The conversation's token ids through the chat template (called in a worker thread)."""
+        messages = [m.as_template_message() for m in body.messages]
+        self.check_text_length(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
+        try:
+            return self.llm.chat_ids(messages, body.add_generation_prompt)
+        except BestiaryError as err:
+            raise APIError(400, f"messages: {err}", param="messages") from None
 
     def vocab_check(self, bias: dict[int, float] | None) -> None:
         """400 for a logit_bias token outside the vocabulary."""
@@ -125,37 +166,44 @@ class Completions:
             raise APIError(400, "logprobs: this engine has no tokenizer to spell the tokens", param="logprobs")
         try:
             return body.sampling(max_new_tokens, top_log_probs)
-        except ValidationError as err:
+        except ValidationError as err:  # what the request schema does not check (a combination of fields)
             first = err.errors()[0]
-            raise APIError(400, f"sampling: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+            field = REQUEST_NAMES.get(str(first["loc"][0]), str(first["loc"][0])) if first["loc"] else None
+            what = str(first["msg"]).removeprefix("Value error, ")
+            raise APIError(400, f"{field}: {what}" if field else what, param=field) from None
 
     async def answer(self, request: Request, body: SamplingRequest, prompts: list[list[int]], fmt: Formatter,
                      sampling: SamplingConfig, lora: LoraRequest | None) -> Response:
-        """Generate and answer: one JSON body, or (body.stream) an event stream once the first delta is in."""
+        """Generate and answer: one JSON body, or (body.stream) an event stream once the first delta is in.
+
+        Whatever ends the request (an answer, a limit error, a hang-up, an exception anywhere) releases it:
+        its waiting slot (the timer) and its KV blocks (closing `deltas` cancels the generation)."""
         timer = RequestTimer(self.metrics, sum(len(p) for p in prompts))
         deltas = choice_deltas(self.llm, prompts, sampling, lora)
+        release = Release(timer, deltas)
         try:
             if body.stream:
                 first = await until_disconnected(request, _first(deltas))
-                return StreamingResponse(sse_events(first, deltas, fmt, timer, body.include_usage),
-                                         media_type="text/event-stream")
+                events = sse_events(first, deltas, fmt, timer, body.include_usage)
+                return ReleasingStreamingResponse(events, release, media_type="text/event-stream")
             choices = await until_disconnected(request, collect(deltas, fmt.num_choices, timer))
-            timer.done()
             return JSONResponse(fmt.response(choices))
         except BestiaryError as err:
-            timer.done()
             raise APIError(400, str(err)) from None
         except ClientGone:
-            timer.done()
-            await deltas.aclose()
             return Response(status_code=499)
+        finally:
+            if not body.stream or not release.handed_off:
+                await release()
 
-    async def completion(self, request: Request, body: CompletionRequest) -> Response:
+    async def completion(self, request: Request) -> Response:
         """POST /v1/completions: text (or ids) -> text."""
+        body = await request_json(request, CompletionRequest, self.settings.max_request_bytes)
         lora = self.check_model(body.model)
-        prompts = [self.encode(p) for p in body.prompts()]
+        prompts = [await asyncio.to_thread(self.encode, p) for p in body.prompts()]
         for p in prompts:
             self.check_prompt(p, "prompt")
+            self.check_context(len(p), body.token_limit, body.min_tokens, "max_tokens")
         self.vocab_check(body.logit_bias)
         self.check_queue()
         sampling = self.build_sampling(body, body.token_limit, body.logprobs)
@@ -163,15 +211,14 @@ class Completions:
                         body.logprobs is not None)
         return await self.answer(request, body, prompts, fmt, sampling, lora)
 
-    async def chat_completion(self, request: Request, body: ChatCompletionRequest) -> Response:
+    async def chat_completion(self, request: Request) -> Response:
         """POST /v1/chat/completions: messages -> chat template -> text."""
+        body = await request_json(request, ChatCompletionRequest, self.settings.max_request_bytes)
         lora = self.check_model(body.model)
-        messages = [m.as_template_message() for m in body.messages]
-        try:
-            ids = self.llm.chat_ids(messages, body.add_generation_prompt)
-        except BestiaryError as err:
-            raise APIError(400, f"messages: {err}", param="messages") from None
+        ids = await asyncio.to_thread(self.chat_ids, body)
         self.check_prompt(ids, "messages")
+        limit_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        self.check_context(len(ids), body.token_limit, body.min_tokens, limit_name)
         self.vocab_check(body.logit_bias)
         self.check_queue()
         limit = body.token_limit or max(self.max_seq_len - len(ids), 1)
@@ -180,18 +227,50 @@ class Completions:
         return await self.answer(request, body, [ids], fmt, sampling, lora)
 
 
+class Release:
+    """Ends one request's hold on the server, once: its waiting slot and (closing its deltas) its KV blocks."""
+
+    def __init__(self, timer: RequestTimer, deltas: AsyncGenerator) -> None:
+        self.timer, self.deltas = timer, deltas
+        self.handed_off = False  # a streaming response took the duty of calling this
+        self.done = False
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.timer.done()
+        await self.deltas.aclose()
+
+
+class ReleasingStreamingResponse(StreamingResponse):
+    """An event stream that releases its request however the response ends: sent, failed, or the client
+    gone before the first byte (starlette then never starts the body iterator, whose own cleanup never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], release: Release, media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        release.handed_off = True
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
+
+
 def completions_router(llm: LLM, settings: ServeSettings, metrics: ServerMetrics) -> APIRouter:
     """POST /v1/completions and POST /v1/chat/completions on `llm`."""
     handler = Completions(llm, settings, metrics)
     router = APIRouter()
 
     @router.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await handler.completion(request, body)
+    async def completions(request: Request) -> Response:
+        return await handler.completion(request)
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await handler.chat_completion(request, body)
+    async def chat_completions(request: Request) -> Response:
+        return await handler.chat_completion(request)
 
     return router
 

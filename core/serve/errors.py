@@ -26,20 +26,45 @@ class APIError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
-def validation_error(err: RequestValidationError) -> APIError:
-    """400 naming the first bad field (or saying the body is not JSON)."""
-    first = err.errors()[0]
+TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # a union member in a pydantic loc
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str | None:
+    """`messages.0.content` of a pydantic loc: field names, list indices and dict keys, without the
+    union members and validators pydantic puts in it (`str`, `list[int]`, `function-after[...]`, `TextPart`)."""
+    kept = [str(p) for p in loc if isinstance(p, int) or p.isdigit() or (
+        p.isidentifier() and p.islower() and p not in TYPE_TAGS and p != "body")]
+    return ".".join(kept) or None
+
+
+def _specific(error: dict) -> tuple[bool, int]:
+    """How telling one of pydantic's errors is: a Unicode error first (a text field's, whichever member of a
+    union reported it), then the union member that got deepest into the value (max() keeps the earliest)."""
+    unicode = error.get("type") == "string_unicode" or "surrogate" in str(error.get("msg", ""))
+    return unicode, len(error.get("loc", ()))
+
+
+def validation_error_of(errors: list) -> APIError:
+    """400 naming the first bad field of pydantic's `errors()` (or saying the body is not JSON)."""
+    first = max(errors, key=_specific)
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    loc = [p for p in loc if not p.startswith(("function-", "list[", "str", "int", "TextPart"))]
-    param = ".".join(loc) or None
-    what = first.get("msg", "invalid value").removeprefix("Value error, ")
+    param = _field_path(tuple(first.get("loc", ())))
+    what = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         what = "unrecognized request argument"
     elif first.get("type") == "missing":
         what = "required"
-    return APIError(400, f"{param}: {what}" if param else what, param=param)
+    elif first.get("type") == "finite_number":
+        what = "expected a finite number"
+    elif first.get("type") == "string_unicode":
+        what = "invalid Unicode: a lone surrogate"
+    return APIError(400, f"{param}: {what}" if param else f"request body: {what}", param=param)
+
+
+def validation_error(err: RequestValidationError) -> APIError:
+    """400 naming the first bad field of a request FastAPI validated."""
+    return validation_error_of(list(err.errors()))
 
 
 def add_error_handlers(app: FastAPI) -> None:

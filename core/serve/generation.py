@@ -16,13 +16,16 @@ steps: verification forwards that checked at least one draft; acceptance_rate 0 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
+from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.llm import LLM, Delta
 from bestiary.core.runtime.sampling import SamplingConfig
@@ -30,6 +33,7 @@ from bestiary.core.runtime.speculative import AcceptanceStats
 from bestiary.core.serve.metrics import RequestTimer
 
 NO_LOG_PROB = -9999.0
+log = logging.getLogger("bestiary.serve")
 
 
 async def choice_deltas(llm: LLM, prompts: list[list[int]], sampling: SamplingConfig,
@@ -40,8 +44,9 @@ async def choice_deltas(llm: LLM, prompts: list[list[int]], sampling: SamplingCo
     every prompt's request (their KV blocks are freed).
     """
     if len(prompts) == 1:
-        async for delta in llm.generate_async(prompts[0], sampling, lora=lora):
-            yield delta.index, delta
+        async with contextlib.aclosing(llm.generate_async(prompts[0], sampling, lora=lora)) as stream:
+            async for delta in stream:
+                yield delta.index, delta
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -68,6 +73,7 @@ async def choice_deltas(llm: LLM, prompts: list[list[int]], sampling: SamplingCo
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each prompt's request dropped before we return
 
 
 @dataclass
@@ -200,31 +206,48 @@ async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[tup
     """The event stream: (chat: a role chunk per choice), a chunk per delta, (usage), [DONE].
 
     `first` is the delta already taken from `deltas` (the server waits for it before answering,
-    so limit errors still get their status code). Closing this stream closes `deltas`.
+    so limit errors still get their status code). Closing this stream closes `deltas`. An error
+    after the status was sent ends the stream with an event in OpenAI's error shape (as vLLM's),
+    then [DONE]: `data: {"error": {"message", "type", "param", "code"}}`.
     """
-    generated, speculative = 0, []
     try:
-        if fmt.chat:
-            for i in range(fmt.num_choices):
-                yield fmt.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}], include_usage=include_usage)
-        pending = [first] if first is not None else []
-        while True:
-            if pending:
-                index, delta = pending.pop()
-            else:
-                try:
-                    index, delta = await deltas.__anext__()
-                except StopAsyncIteration:
-                    break
-            timer.tokens_arrived(index, len(delta.token_ids))
-            generated += len(delta.token_ids)
-            if delta.speculative is not None:  # a sample's last delta
-                speculative.append(delta.speculative)
-            yield fmt.chunk([fmt.delta_choice(index, delta)], include_usage=include_usage)
-        if include_usage:
-            yield fmt.chunk([], usage=fmt.usage(generated, speculative), include_usage=True)
+        async for event in _delta_events(first, deltas, fmt, timer, include_usage):
+            yield event
+    except Exception as err:  # noqa: BLE001 - the status is sent: the client learns of it in the stream
+        kind, code = ("invalid_request_error", None) if isinstance(err, BestiaryError) else ("server_error",
+                                                                                             "internal_error")
+        if kind == "server_error":
+            log.error("internal error in a stream: %s: %s", type(err).__name__, err, exc_info=err)
+        error = {"message": f"{str(err)[:300]}", "type": kind, "param": None, "code": code}
+        yield f"data: {json.dumps({'error': error}, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         timer.done()
         await deltas.aclose()
+
+
+async def _delta_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[tuple[int, Delta], None],
+                        fmt: Formatter, timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
+    """sse_events' chunks: role chunks, one per delta, usage, [DONE]."""
+    generated, speculative = 0, []
+    if fmt.chat:
+        for i in range(fmt.num_choices):
+            yield fmt.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], include_usage=include_usage)
+    pending = [first] if first is not None else []
+    while True:
+        if pending:
+            index, delta = pending.pop()
+        else:
+            try:
+                index, delta = await deltas.__anext__()
+            except StopAsyncIteration:
+                break
+        timer.tokens_arrived(index, len(delta.token_ids))
+        generated += len(delta.token_ids)
+        if delta.speculative is not None:  # a sample's last delta
+            speculative.append(delta.speculative)
+        yield fmt.chunk([fmt.delta_choice(index, delta)], include_usage=include_usage)
+    if include_usage:
+        yield fmt.chunk([], usage=fmt.usage(generated, speculative), include_usage=True)
+    yield "data: [DONE]\n\n"

@@ -5,19 +5,49 @@ Field names, types, ranges and defaults follow OpenAI's API reference for
 and `ignore_eos` are vLLM's extensions, `max_attention_window` and `sink_token_length` bestiary's
 (extra request fields, as vLLM's). Unknown fields are refused (400 naming the field),
 so a typo never passes silently. Responses are plain dicts built in `generation`.
+
+Every field is checked here, in one place, before anything runs: every number has a range (an
+integer fits the 32- or 64-bit slot it goes to, a float is finite), every string is valid Unicode
+(a lone surrogate such as "\ud800" cannot be tokenized) and bounded. What depends on the engine
+(the context length, the vocabulary) is checked by core.serve.completions.
 """
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-from bestiary.core.runtime.sampling import SamplingConfig
+from bestiary.core.runtime.sampling import MIN_TEMPERATURE, SamplingConfig
+
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)  # torch's generator takes a 64-bit seed
+MAX_STOP_CHARS = 4096
+MAX_NAME_CHARS = 512
+
+
+def _unicode(value: str) -> str:
+    """Refuse a lone surrogate (JSON's "\ud800"): it is not text, and no tokenizer takes it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"invalid Unicode at character {err.start}: a lone surrogate "
+                         f"{value[err.start]!r}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+BiasKey = Annotated[int, Strict(False), Field(ge=0, le=INT32_MAX)]  # a JSON object's key is a string: "50256"
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
+# Types as OpenAI takes them (an integer field refuses "8", 8.0 and true; a boolean "yes"); Infinity and NaN
+# in a float field are refused naming it; an unknown field is refused naming it.
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False
 
@@ -25,45 +55,52 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """What both endpoints share: the model, sampling, stopping, outputs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
-    model: str
+    model: Name
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: Text | list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    logit_bias: dict[BiasKey, float] | None = None
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    max_attention_window: int | None = Field(None, ge=1)  # bestiary's (docs/attention-window.md)
-    sink_token_length: int | None = Field(None, ge=0)
-    user: str | None = None  # accepted, changes nothing (as metadata, store, service_tier)
-    metadata: dict | None = None
+    max_attention_window: Count | None = None  # bestiary's (docs/attention-window.md)
+    sink_token_length: int | None = Field(None, ge=0, le=INT32_MAX)
+    user: Name | None = None  # accepted, changes nothing (as metadata, store, service_tier)
+    metadata: dict[Name, Text] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: Name | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"expected 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("expected up to 16 non-empty strings")
+        if len(stops) > 16 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"expected up to 16 non-empty strings of at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value):
         for token, bias in (value or {}).items():
-            if token < 0 or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"token {token}: expected an id >= 0 and a bias in [-100, 100]")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"token {token}: expected a bias in [-100, 100], got {bias}")
         return value
 
     def sampling(self, max_new_tokens: int, top_log_probs: int | None) -> SamplingConfig:
@@ -86,11 +123,11 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Count | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=128)
     suffix: None = None
 
     @field_validator("prompt")
@@ -123,34 +160,35 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Name | None = None
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value):
+    def _text_only(cls, value: object) -> object:
+        """Content parts other than text (images, audio, files) are named before the parts are read."""
         if isinstance(value, list):
-            kinds = {part.get("type") for part in value}
-            if kinds - {"text"}:
-                raise ValueError(f"only text content parts are supported, not {sorted(map(str, kinds - {'text'}))}")
-            return [TextPart.model_validate(part) for part in value]
+            kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in value]
+            other = next((k for k in kinds if k != "text"), None)
+            if other is not None:
+                raise ValueError(f"only text content parts are supported, not {str(other)[:64]!r}")
         return value
 
     def as_template_message(self) -> dict:
         """The dict a chat template sees: role and text content (text parts joined by newlines)."""
         content: str | None
-        if isinstance(self.content, list):  # TextParts: _text_only validated every part
-            content = "\n".join(cast(TextPart, part).text for part in self.content)
+        if isinstance(self.content, list):
+            content = "\n".join(part.text for part in self.content)
         else:
             content = self.content
         message = {"role": self.role, "content": content or ""}
@@ -163,7 +201,7 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True

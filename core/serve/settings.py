@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # a 128k-token prompt as text or ids is a few MB
+
 
 class ServeSettings(BaseModel):
     """What `bestiary serve` was started with (besides the engine)."""
@@ -13,5 +15,7 @@ class ServeSettings(BaseModel):
     served_model_name: str = Field(description="The model id clients name (GET /v1/models).")
     api_key: str | None = Field(None, description="Required as 'Authorization: Bearer KEY' on /v1/* when set.")
     max_queue_len: int = Field(1024, ge=1, description="Requests that may wait for a first token; more get 503.")
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1,
+                                   description="Largest request body taken; a larger one gets 413 before it is read.")
     lora_modules: dict[str, str] = Field(default_factory=dict,
                                          description="LoRA adapters served as model names: name -> HF PEFT dir.")
