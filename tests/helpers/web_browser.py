@@ -96,10 +96,18 @@ def send(page, text: str) -> None:
 
 
 def answer_of(page, index: int, state: str = "done") -> str:
-    """The text of assistant message `index` once it reached `state` (done, stopped, error)."""
+    """The text of assistant message `index` once it reached `state` (done, stopped, error): the answer as
+    the model wrote it (the Markdown source of what the page renders; data-source), or an error's text."""
     bubble = page.locator(".message.assistant").nth(index)
     bubble.and_(page.locator(f"[data-state={state}]")).wait_for()
-    return bubble.locator(".text").evaluate("el => el.textContent")
+    return bubble.locator(".text").evaluate("el => el.dataset.source ?? el.textContent")
+
+
+def console_errors(page) -> list[str]:
+    """A list that collects the page's console errors (a failed resource load is one) from now on."""
+    errors: list[str] = []
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    return errors
 
 
 def figure_dir(tmp_path: Path) -> Path:

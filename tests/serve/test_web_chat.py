@@ -2,7 +2,9 @@
 adapters served as model names (`--lora_modules`), on a tiny random chat engine.
 
 The page is driven as a user would: type, press Enter, read the streamed answer, press Stop,
-reload. Answers are compared with the API's greedy answers to the same conversation.
+reload. Answers are compared with the API's greedy answers to the same conversation. A stubbed
+answer (Playwright's route) checks the Markdown rendering in the page: code blocks, lists, links,
+and that HTML in model output stays text.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ pytest.importorskip("peft")
 
 from lora_helpers import peft_adapter  # noqa: E402
 from tiny_chat import make_tiny_chat_engine  # noqa: E402
-from web_browser import answer_of, chromium, open_chat, screenshot, send, set_sampling, wait_for_models  # noqa: E402
+from web_browser import (  # noqa: E402
+    answer_of,
+    chromium,
+    console_errors,
+    open_chat,
+    screenshot,
+    send,
+    set_sampling,
+    wait_for_models,
+)
 
 from bestiary.core.cli.serve import lora_modules  # noqa: E402
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
@@ -33,7 +44,8 @@ from bestiary.core.serve.process import ServerProcess  # noqa: E402
 
 MODEL, ADAPTER, KEY = "tiny", "tiny-lora", "sk-web"
 NEW_TOKENS = 12
-LONG = 8192  # max_seq_len of the engine: an answer long enough to be stopped mid-stream even on a loaded machine
+LONG = 8192  # max_seq_len of the engine
+LONG_ANSWER = LONG - 512  # max_tokens long enough to be stopped mid-stream even on a loaded machine; + prompt <= LONG
 TIMEOUT_MS = 30_000
 
 
@@ -174,10 +186,11 @@ def test_stop_cancels_the_request_and_frees_its_kv_blocks(page, server):
         route.continue_(post_data=json.dumps(dict(body, ignore_eos=True)))
 
     page.route("**/v1/chat/completions", long_answer)
-    set_sampling(page, 0, LONG)
-    generated, prompted = (server.metric(f"bestiary_{m}_tokens_total") for m in ("generation", "prompt"))
+    set_sampling(page, 0, LONG_ANSWER)
+    generated = server.metric("bestiary_generation_tokens_total")
     with page.expect_response("**/v1/chat/completions"):  # the server answers once the first token is out
         send(page, "Numbers: 0 1 2")
+    page.locator(".message.assistant[data-state=streaming] .text > *").first.wait_for(state="attached")  # rendered
     assert page.is_visible("#stop") and page.is_disabled("#send")
     page.click("#stop")
     partial = answer_of(page, 0, "stopped")
@@ -186,8 +199,7 @@ def test_stop_cancels_the_request_and_frees_its_kv_blocks(page, server):
     # Cut before max_tokens, and nothing more is generated for it. (How many tokens come out between
     # the click and the cancellation depends on the machine's load: a count bound would be flaky.)
     stopped_at = server.metric("bestiary_generation_tokens_total")
-    room = LONG - (server.metric("bestiary_prompt_tokens_total") - prompted)  # what the answer could reach
-    assert stopped_at - generated < room, "not stopped mid-stream"
+    assert stopped_at - generated < LONG_ANSWER, "not stopped mid-stream"
     time.sleep(0.5)
     assert server.metric("bestiary_generation_tokens_total") == stopped_at, "still generating after stop"
     assert page.is_hidden("#stop") and page.is_enabled("#send")
@@ -256,8 +268,107 @@ def test_page_assets_are_local_and_routes_are_closed(server):
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert not re.search(r"(src|href)=\"(https?:)?//", page.text), "the page loads something from elsewhere"
-    for name, kind in (("chat.js", "text/javascript"), ("chat.css", "text/css")):
+    for name, kind in (("markdown.js", "text/javascript"), ("chat.js", "text/javascript"), ("chat.css", "text/css")):
         asset = httpx.get(f"{server.url}/static/{name}", timeout=30)
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
     assert httpx.get(f"{server.url}/static/../app.py", timeout=30).status_code == 404
     assert httpx.get(f"{server.url}/static/index.html", timeout=30).status_code == 404
+
+
+# --- Markdown answers, the icon ----------------------------------------------------------------
+
+# A model's answer with Markdown and injection attempts; "pwned" is set if any of it runs as code.
+MARKDOWN = """## Setup
+
+Install **bestiary** with `pip`:
+
+```python
+print("<script>window.__pwned = 1</script>")
+```
+
+- one
+- two
+  - nested
+
+1. first
+2. [the docs](https://example.com/docs) and [bad](javascript:window.__pwned=1)
+
+<img src=x onerror="window.__pwned=1"><script>window.__pwned=1</script>"""
+
+
+def sse(text: str, piece: int = 7) -> str:
+    """The server-sent events of a streamed chat completion of `text`, in pieces of `piece` characters."""
+    deltas = [{"content": text[k:k + piece]} for k in range(0, len(text), piece)]
+    chunks: list[dict] = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(deltas),
+                                            "total_tokens": 3 + len(deltas)}})
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def test_markdown_answers_are_rendered_and_inert(browser, server):
+    """Without the page's CSP (bypass_csp), so that an injected handler or script would run."""
+    page = open_chat(browser, server.url, KEY, TIMEOUT_MS, bypass_csp=True, viewport={"width": 1000, "height": 760})
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    bodies = chat_bodies(page)
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=200, content_type="text/event-stream",
+                                                                     body=sse(MARKDOWN)))
+    typed = "**not bold** <img src=x onerror=window.__pwned=1>"
+    send(page, typed)
+    assert answer_of(page, 0) == MARKDOWN
+    user = page.locator(".message.user .text")
+    assert user.text_content() == typed and user.evaluate("el => el.children.length") == 0  # plain text
+    out = page.locator(".message.assistant .text")
+    assert out.locator("h2").text_content() == "Setup"
+    assert out.locator("p strong").text_content() == "bestiary" and out.locator("p code").text_content() == "pip"
+    assert out.locator("pre code[data-lang=python]").text_content() == 'print("<script>window.__pwned = 1</script>")'
+    assert out.locator("ul > li").count() == 3 and out.locator("ul ul > li").text_content() == "nested"
+    assert out.locator("ol > li").count() == 2
+    link = out.locator("a")
+    assert link.count() == 1 and link.get_attribute("href") == "https://example.com/docs"
+    assert link.get_attribute("rel") == "noopener noreferrer nofollow" and link.get_attribute("target") == "_blank"
+    assert "[bad](javascript:window.__pwned=1)" in out.text_content()
+    assert '<img src=x onerror="window.__pwned=1"><script>' in out.text_content()
+    assert page.evaluate("document.querySelectorAll('#messages img, #messages script').length") == 0
+    assert page.evaluate("typeof window.__pwned") == "undefined", "model output ran as code"
+    out.locator("button.copy").click()
+    page.locator("button.copy", has_text="Copied").wait_for()
+    assert page.evaluate("navigator.clipboard.readText()") == 'print("<script>window.__pwned = 1</script>")'
+    send(page, "Thanks")  # the history carries the answer as the model wrote it, not as rendered
+    answer_of(page, 1)
+    assert bodies[1]["messages"][1] == {"role": "assistant", "content": MARKDOWN}
+    page.context.close()
+
+
+ICON_PIXELS = """async (src) => {  // the icon at src drawn on a 32 x 32 canvas: its RGBA bytes
+  const img = new Image();
+  img.src = src;
+  await img.decode();
+  const canvas = document.createElement("canvas");
+  canvas.width = canvas.height = 32;
+  const ctx = canvas.getContext("2d");
+  ctx.drawImage(img, 0, 0, 32, 32);
+  return Array.from(ctx.getImageData(0, 0, 32, 32).data);
+}"""
+
+
+def test_page_loads_without_console_errors_and_has_an_icon(browser, server):
+    """The first load, key already stored, logs no console error (a 404 for /favicon.ico was one)."""
+    stored = {"cookies": [], "origins": [{"origin": server.url,
+                                          "localStorage": [{"name": "bestiary-chat:api_key", "value": KEY}]}]}
+    page = browser.new_context(storage_state=stored).new_page()
+    errors = console_errors(page)
+    page.goto(server.url + "/")
+    wait_for_models(page)
+    page.wait_for_load_state("networkidle")
+    time.sleep(0.5)  # the browser asks for an icon after the load
+    assert errors == []
+    icon = httpx.get(f"{server.url}/favicon.ico", timeout=30)
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon"
+    assert icon.content[:4] == b"\x00\x00\x01\x00" and icon.content[22:30] == b"\x89PNG\r\n\x1a\n"  # ICO of a PNG
+    svg = page.get_attribute("link[rel=icon]", "href")
+    assert svg.startswith("data:image/svg+xml,")
+    ico, drawn = page.evaluate(ICON_PIXELS, "/favicon.ico"), page.evaluate(ICON_PIXELS, svg)
+    assert sum(ico[3::4]) > 0.8 * 255 * 32 * 32  # the rounded square covers most of it
+    assert sum(abs(a - b) for a, b in zip(ico, drawn)) / len(ico) < 4  # the same icon as the page's SVG
+    page.context.close()
