@@ -16,9 +16,8 @@ layers, quant, lora, runtime, convert, bench, serve.
 from __future__ import annotations
 
 import signal
-import sys
 
-from bestiary.core.format import interrupts
+from bestiary.core.format import interrupts, stream_line
 
 __all__ = ["main"]
 
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(argv)
     except KeyboardInterrupt as err:  # before the command's own error path began, or after it ended
         interrupts.ignore_from_now()
-        sys.stderr.write("interrupted\n")
+        stream_line.error_line("interrupted")  # on a line of its own, after text streamed mid-line
         return 128 + getattr(err, "signum", signal.SIGINT)
     finally:
         interrupts.ignore_from_now()  # the exit code is decided: a late signal changes nothing

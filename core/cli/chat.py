@@ -12,14 +12,27 @@ dropped (said on stderr). Lines starting with / are commands:
 
 A terminal gets a prompt, the answer rendered as Markdown while it streams, and
 "N tokens, X tokens/s" after it (N generated tokens / seconds from the request to its last
-token, prefill included); Ctrl-C stops an answer. From a pipe, each input line is one
-message and its answer is written to stdout followed by a newline; the statistics go to stderr.
+token, prefill included). Keys, as in a shell or Python's REPL:
+
+    Ctrl-C during an answer   stop it: what was shown stays, once, and stays in the conversation
+                              as the assistant's turn; the prompt comes back
+    Ctrl-C at the prompt      discard the line typed and say how to leave; a second Ctrl-C within
+                              DOUBLE_CTRL_C_S (2 s) leaves
+    Ctrl-D at an empty prompt leave (end of input)
+
+Keys typed while an answer streams are not echoed and are dropped when it ends. From a pipe, each
+input line is one message and its answer is written to stdout followed by a newline; the
+statistics go to stderr. An error line (a rank that died) never continues a half-written answer
+(core.format.stream_line).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import termios
+import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,13 +41,16 @@ from rich.console import Console
 
 from bestiary.core.cli.main import command
 from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
+from bestiary.core.format import stream_line
 from bestiary.core.format.errors import BestiaryError
 
 if TYPE_CHECKING:
     from bestiary.core.cli.main import SubParsers
 
 HELP = ("/reset: forget the conversation   /system TEXT: set the system prompt (empty: none)   "
-        "/exit: leave   /help: this list")
+        "/exit: leave   /help: this list   Ctrl-C: stop an answer (it stays in the conversation)")
+LEAVE_HINT = "(Ctrl-D or /exit to leave, or Ctrl-C again)"
+DOUBLE_CTRL_C_S = 2.0  # a second Ctrl-C at the prompt within this many seconds of the first leaves
 
 
 @dataclass
@@ -95,44 +111,91 @@ class ChatScreen:
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)  # one line per message, piped or not
 
     def lines(self) -> Iterator[str]:
-        """The user's lines until end of input (or Ctrl-C / Ctrl-D at the prompt)."""
+        """The user's lines until they leave (end of input; in a terminal also a second Ctrl-C at once)."""
+        while (line := self.read_line()) is not None:
+            yield line
+
+    def read_line(self) -> str | None:
+        """The next line, or None to leave. At a terminal's prompt Ctrl-C discards the line typed, ends
+        its line and says how to leave; a second Ctrl-C within DOUBLE_CTRL_C_S, or Ctrl-D, leaves."""
+        if self.out is None:
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:
+                return None
+            return line.rstrip("\n") if line else None
+        first_ctrl_c: float | None = None
         while True:
             try:
-                line = self.out.input("[bold green]you>[/] ") if self.out is not None else sys.stdin.readline()
-            except (EOFError, KeyboardInterrupt):
-                return
-            if not self.interactive and not line:
-                return
-            yield line.rstrip("\n")
+                return self.out.input("[bold green]you>[/] ")
+            except EOFError:
+                self.out.print()  # the shell's prompt on a line of its own
+                return None
+            except KeyboardInterrupt:
+                self.out.print()  # end the line the terminal echoed "^C" on
+                now = time.monotonic()
+                if first_ctrl_c is not None and now - first_ctrl_c < DOUBLE_CTRL_C_S:
+                    return None
+                first_ctrl_c = now
+                self.note(LEAVE_HINT)
 
     def note(self, text: str) -> None:
         self.err.print(text, style="dim", markup=False)
 
     def show_answer(self, pieces: Generator[str, None, None]) -> str:
-        """Stream `pieces` (LLM.generate_stream's text deltas) to the screen; the answer so far (Ctrl-C
+        """Stream `pieces` (LLM.generate_stream's text deltas) to the screen; the answer as shown (Ctrl-C
         in a terminal stops it, and closing `pieces` cancels the request)."""
         answer = ""
-        if not self.interactive:
+        if self.out is None:
             for piece in pieces:
                 answer += piece
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+                stream_line.write(piece)  # an error line meanwhile starts on a line of its own
+            stream_line.write("\n")
             return answer
         from rich.live import Live
         from rich.markdown import Markdown  # markdown_it and pygments: loaded for a terminal's answers only
 
+        live = Live(Markdown(""), console=self.out, refresh_per_second=12, vertical_overflow="visible")
+        stopped = False
         try:
-            with Live(Markdown(""), console=self.out, refresh_per_second=12, vertical_overflow="visible") as live:
+            with keys_not_echoed(), live:
+                stream_line.set_mid_line(True)  # Live leaves the cursor after its last line until it stops
                 for piece in pieces:
                     answer += piece
                     live.update(Markdown(answer))
         except KeyboardInterrupt:
-            self.note("(stopped)")
+            stopped = True
         finally:
+            stream_line.set_mid_line(False)
             pieces.close()  # a stopped answer cancels its request
-        return answer
+        if stopped:
+            self.note("(stopped)")
+        shown = live.renderable  # Live's last drawing: Ctrl-C may land after `answer += piece`, before its update
+        return shown.markup if isinstance(shown, Markdown) else answer
+
+
+@contextlib.contextmanager
+def keys_not_echoed() -> Iterator[None]:
+    """While an answer streams, the terminal neither echoes keys nor flushes its output on Ctrl-C; keys
+    typed meanwhile are dropped at the end (never sent unseen as the next message).
+
+    Live redraws an answer by moving the cursor up over the lines it drew. The "^C" a terminal echoes
+    after a full-width line wrapped the cursor one line down, so the final redraw started a line low and
+    the answer's first line stayed on the screen twice; an output flush on Ctrl-C (no NOFLSH) could
+    likewise drop part of a drawing the cursor moves count on."""
+    try:
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (OSError, ValueError, termios.error):  # not a terminal: nothing to change
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] = (quiet[3] & ~termios.ECHO) | termios.NOFLSH  # lflag
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # TCSAFLUSH: the keys typed meanwhile are dropped
 
 
 def run_command(line: str, conversation: Conversation, screen: ChatScreen) -> bool:
@@ -154,13 +217,17 @@ def run_command(line: str, conversation: Conversation, screen: ChatScreen) -> bo
 
 
 def answer_turn(llm, args: argparse.Namespace, conversation: Conversation, screen: ChatScreen, text: str) -> None:
-    """Add the user's message, stream the answer, keep it in the history, show tokens/s."""
+    """Add the user's message, stream the answer, keep it in the history, show tokens/s. An answer stopped
+    with Ctrl-C stays in the history as it was shown (the next message continues from it)."""
     conversation.turns.append({"role": "user", "content": text})
     try:
         ids = prompt_ids(llm, conversation, screen.err)
-    except BestiaryError as err:
+    except (BestiaryError, KeyboardInterrupt) as err:  # the message is not sent: the conversation stays as it was
         conversation.turns.pop()
-        screen.err.print(f"error: {err}", markup=False)
+        if isinstance(err, KeyboardInterrupt):
+            screen.note("(stopped)")
+        else:
+            screen.err.print(f"error: {err}", markup=False)
         return
     sampling = sampling_config(args, len(ids), llm.engine.build.max_seq_len)
     answer = screen.show_answer(llm.generate_stream(ids, sampling))

@@ -16,6 +16,7 @@ from rich.table import Table
 from bestiary.core.cli.main import add_model_flags, add_quant_flags, add_sampling_flags, command
 from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
 from bestiary.core.cli.speculative_flags import add_speculative_flags
+from bestiary.core.format import stream_line
 from bestiary.core.format.config import read_text_file
 from bestiary.core.format.errors import BestiaryError
 
@@ -275,10 +276,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     adapters = _lora_requests(args.lora_dir, args.lora_task_uids, len(prompts), sorted(llm.lora_store.bundled, key=int))
     if args.streaming:
         for prompt, lora in zip(prompts, adapters):
-            for piece in llm.generate_stream(prompt, sampling, chat=args.chat, lora=lora):
-                sys.stdout.write(f"{piece} " if as_ids and isinstance(piece, int) else str(piece))
-                sys.stdout.flush()
-            sys.stdout.write("\n")
+            for piece in llm.generate_stream(prompt, sampling, chat=args.chat, lora=lora):  # error lines: a fresh line
+                stream_line.write(f"{piece} " if as_ids and isinstance(piece, int) else str(piece))
+            stream_line.write("\n")
             _say(note)
             note = None
             _print_stats(llm.last_stats, sampling.beam_width)

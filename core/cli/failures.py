@@ -10,6 +10,7 @@
 | SIGINT / SIGTERM (even if a library wrapped it)   | 130 / 143 | `interrupted`                     |
 | anything else (a bug)                             | 1    | `internal error: <type>: <message>`    |
 
+Each line starts on a line of its own, even when a streamed answer stopped mid-line (core.format.stream_line).
 BESTIARY_DEBUG=1 re-raises instead, so the traceback is printed. SIGINT and SIGTERM are turned into
 an exception (`Interrupted`) from the script's first line on, so outputs are cleaned up as for
 Ctrl-C, and remembered (core.format.interrupts): a signal a library swallowed still refuses every
@@ -22,10 +23,9 @@ import argparse
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Iterator
 
-from bestiary.core.format import interrupts
+from bestiary.core.format import interrupts, stream_line
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.format.interrupts import Interrupted
 from bestiary.core.format.resources import allocation_failed, out_of_memory_message
@@ -65,7 +65,7 @@ def exit_code_for(err: BaseException) -> int:
     if _received and isinstance(err, Exception | KeyboardInterrupt):
         err = Interrupted(_received[0])  # a library may have wrapped the KeyboardInterrupt
     if isinstance(err, KeyboardInterrupt):
-        print("interrupted", file=sys.stderr)
+        stream_line.error_line("interrupted")
         return 128 + getattr(err, "signum", signal.SIGINT)
     if os.environ.get(DEBUG_ENV) == "1":
         raise err
@@ -81,5 +81,5 @@ def exit_code_for(err: BaseException) -> int:
     else:
         line = f"internal error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         line, code = f"{line} (rerun with {DEBUG_ENV}=1 for the traceback)", 1
-    print(" ".join(line.split("\n")), file=sys.stderr)
+    stream_line.error_line(" ".join(line.split("\n")))
     return code

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bestiary.core.format import stream_line
 from bestiary.core.format.errors import BestiaryError
 
 STEP_TIMEOUT_S = float(os.environ.get("BESTIARY_DIST_TIMEOUT", "20"))
@@ -228,8 +229,7 @@ class WorkerGroup:
                 return
             self.closing = True
         who = f"rank {rank}" + (f" (pid {pid})" if pid else "")
-        sys.stderr.write(f"bestiary: {who} {cause}; stopping all {self.world_size} ranks\n")
-        sys.stderr.flush()
+        stream_line.error_line(f"bestiary: {who} {cause}; stopping all {self.world_size} ranks")  # on a fresh line
         self._terminate(graceful=False)
         os._exit(1)
 
