@@ -55,6 +55,14 @@ non_negative_int = int_range(0)
 thread_count = int_range(1, MAX_THREADS, "thread_count", unit=" threads")
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, a ratio)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{shown(text, 40)!r}: expected a finite number > 0")
+    return value
+
+
 def path_arg(text: str) -> str:
     """An argparse type for a path flag: the text as given, unless no system call could use it (a name
     longer than its filesystem allows, a path past PATH_MAX)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bestiary.core.cli.main import command
-from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
+from bestiary.core.cli.parsing import path_arg, positive_float, positive_int, thread_count
 from bestiary.core.cli.speculative_flags import add_speculative_flags
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.serve.settings import DEFAULT_MAX_REQUEST_BYTES
@@ -29,6 +29,12 @@ def add_serve_parser(sub: SubParsers) -> None:
                    help="Requests that may wait for their first token; more are answered 503.")
     p.add_argument("--max_request_bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="Largest request body taken (default 8 MiB); a larger one is answered 413 before it is read.")
+    p.add_argument("--request_timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="Cancel a request still running this long after it was accepted (408, or an error event in "
+                        "a stream); every slot and KV block it held comes back. Default: no limit.")
+    p.add_argument("--pooling", choices=["last", "mean"], default=None,
+                   help="How /v1/embeddings pools a prompt's hidden states (default: the model's; last token for "
+                        "causal LMs).")
     p.add_argument("--chat_template", type=path_arg, default=None, metavar="FILE",
                    help="Jinja2 chat template replacing the model's (or a tokenizer_config.json with one).")
     p.add_argument("--lora_modules", nargs="+", default=None, metavar="NAME=DIR",
@@ -66,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm.lora_store.get(LoraRequest(adapter, path))
     app = create_app(llm, ServeSettings(served_model_name=name, api_key=args.api_key,
                                         max_queue_len=args.max_queue_len, lora_modules=adapters,
-                                        max_request_bytes=args.max_request_bytes))
+                                        max_request_bytes=args.max_request_bytes,
+                                        request_timeout=args.request_timeout, pooling=args.pooling))
     print(f"bestiary serve: {', '.join(map(repr, [name, *adapters]))} on http://{args.host}:{args.port}/v1 "
           f"(chat page: http://{args.host}:{args.port}/)", file=sys.stderr, flush=True)
     try:

@@ -64,6 +64,8 @@ class AttentionMetadata:
     # otherwise): its keys are then a view of the pool, no gather needed.
     contiguous_from: list[int | None] = field(default_factory=list)
     micro_batches: int | None = None  # pipeline parallelism: how many micro-batches the driver cut the step into
+    keep_hidden: bool = False  # the executor pools embeddings: the model keeps the final-norm rows in `hidden`
+    hidden: torch.Tensor | None = None  # [T, H] ln_f output of every new token (with all_logits and keep_hidden)
     _decode_padding: dict = field(default_factory=dict, repr=False)
     _step_cache: dict = field(default_factory=dict, repr=False)  # per-step values shared by all layers
     _kernel_args: dict = field(default_factory=dict, repr=False)  # Triton's per-sequence tensors, by device

@@ -50,6 +50,7 @@ from bestiary.core.runtime.kv_cache import (
 from bestiary.core.runtime.kv_window import held, release_outside, release_window, request_window
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ends_with_any
 from bestiary.core.runtime.model import DecoderLM
+from bestiary.core.runtime.pooling import Pooling, accumulate, pooled_embedding
 from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, sample
 from bestiary.core.runtime.speculative import AcceptanceStats, DraftRow, SpeculativeConfig, Speculator
 
@@ -64,6 +65,16 @@ def supports_block_reuse(model: DecoderLM) -> bool:
     """True when a token's K/V depend only on the tokens before it: a causal mask and the
     default positions (prefix-LM masks and 2D positions see the whole prompt)."""
     return model.mask_kind == "causal" and type(model).position_ids is DecoderLM.position_ids
+
+
+def longrope_switch(model: DecoderLM) -> int | None:
+    """The length past which a LongRoPE rotary (core.layers.longrope) switches to its long frequencies, or None
+    without one. A block's K/V then depend on the length of the sequence that computed it: no block is reused."""
+    for module in model.modules():
+        longrope = getattr(module, "longrope", None)
+        if longrope is not None:
+            return int(longrope.original)
+    return None
 
 
 @dataclass
@@ -96,6 +107,8 @@ class Request:
     release_window: int = 0  # blocks past this window are released (0: none are)
     draft: list[int] = field(default_factory=list)  # this step's draft tokens (speculative decoding)
     spec: AcceptanceStats = field(default_factory=AcceptanceStats)  # its speculative steps so far
+    pooling: Pooling | None = None  # an embedding request (core.runtime.pooling): ends "embedded" after its prompt
+    pooled: torch.Tensor | None = None  # its pooling state, then (finished) its embedding [H] float32
 
     @property
     def group(self) -> list[Request]:
@@ -132,7 +145,8 @@ class Executor:
         num_blocks = blocks_for(tokens, build.tokens_per_block)
         self.kv = KVCache.for_model(model, num_blocks, build.tokens_per_block)
         # Reuse needs K/V that depend on the prefix only: causal masks and positions 0, 1, ...
-        self.reuse = kv_config.enable_block_reuse and supports_block_reuse(model)
+        self.switch = longrope_switch(model)  # LongRoPE: a sequence crossing it is recomputed (_recomputes)
+        self.reuse = kv_config.enable_block_reuse and supports_block_reuse(model) and self.switch is None
         self.allocator = BlockAllocator(num_blocks, build.tokens_per_block, enable_reuse=self.reuse)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -143,9 +157,15 @@ class Executor:
 
     # --- requests ----------------------------------------------------------------------
     def add(self, prompt: list[int], sampling: SamplingConfig, stop_ids: set[int] | None = None,
-            lora: LoraAdapter | None = None) -> Request:
-        """Queue a request (with a LoRA adapter, or None: the base model); prompt and length limits are checked here."""
+            lora: LoraAdapter | None = None, pooling: Pooling | None = None) -> Request:
+        """Queue a request (with a LoRA adapter, or None: the base model); prompt and length limits are checked here.
+
+        With `pooling`, an embedding request: its prompt is computed (batched with the other requests'
+        work) and pooled; it ends "embedded" with `pooled` = the pooled hidden state [H] (not normalised),
+        generating nothing."""
         b = self.build
+        if pooling is not None and (self.model.pp_size > 1 or sampling.n > 1 or sampling.is_beam_search):
+            raise BestiaryError("embeddings need pp_size 1 (the last stage holds the hidden states), n 1, no beams")
         if not prompt:
             raise BestiaryError("empty prompt: at least one input token is needed")
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
@@ -170,6 +190,8 @@ class Executor:
             self._prepare_sampling(member, vocab)
         req = group[0]
         req.siblings = group[1:]
+        req.pooling = pooling
+        req.reuse_prefix = req.reuse_prefix and pooling != "mean"  # mean pools every prompt token's row
         window, sinks = request_window(sampling, self.build)
         released = release_window(self.model.attention_windows, window, sinks)
         for member in group:
@@ -402,12 +424,24 @@ class Executor:
                     work += [(req, beam, 1) for beam in req.search.beams]
                     budget -= len(req.search.beams)
                 continue
+            if self._recomputes(req, budget):
+                req.num_cached = 0  # every token again, with LongRoPE's long frequencies
             n = min(len(req.tokens) - req.num_cached, budget)
             if n <= 0:
                 continue
             work.append((req, req, n))
             budget -= n
         return work
+
+    def _recomputes(self, req: Request, budget: int) -> bool:
+        """True when this step takes `req` past a LongRoPE switch length o (core.layers.longrope) while its
+        cached K/V were computed at a length within o (short frequencies): like transformers' Phi-3 `generate`,
+        the whole sequence is then computed again in this step, with the long ones. Only for a lone sample
+        (no forked or released blocks, no context logits or pooling) that fits the step's budget; otherwise its
+        cache keeps the short keys, as transformers' forward over a cache does."""
+        o = self.switch
+        return (o is not None and 0 < req.num_cached <= o < len(req.tokens) <= budget and req.sampling.n == 1
+                and not req.release_window and not req.sampling.output_context_logits and req.pooling is None)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Request, int]]:
@@ -433,12 +467,16 @@ class Executor:
         if any(r.window or r.sinks for r, _, _ in work):  # per-sequence windows (the layers narrow them)
             meta.windows, meta.sinks = [r.window for r, _, _ in work], [r.sinks for r, _, _ in work]
         context = [r.sampling.output_context_logits and s is r and r.num_cached < len(r.prompt) for r, s, _ in work]
-        logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=any(context))
-        if any(context):  # logits [T, V]: keep the prompt rows of the requests that asked
+        pooled = [r.pooling is not None and s is r for r, s, _ in work]
+        meta.keep_hidden = any(pooled)
+        logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=any(context + pooled))
+        if any(context + pooled):  # logits [T, V]: keep the prompt rows of the requests that asked
             offsets = [0] + torch.tensor([n for *_, n in work]).cumsum(0).tolist()
             for i, (req, _, n) in enumerate(work):
                 if context[i]:
                     req.context_logits.append(logits[offsets[i] : offsets[i] + n].float().clone())
+                if pooled[i] and req.pooling is not None and meta.hidden is not None:
+                    req.pooled = accumulate(req.pooled, meta.hidden[offsets[i] : offsets[i] + n], req.pooling)
             logits = logits.index_select(0, meta.last_token_index)  # [B, V]
         produced: list[tuple[Request, int]] = []
         if self.speculator is not None:  # drafted rows: accepted, rolled back and done as (req, req, 0)
@@ -453,6 +491,7 @@ class Executor:
         for req, seq, _ in work:
             if seq is req and req.release_window and not req.finished:
                 self._release_outside_window(req)
+        ready = self._finish_embeddings(work, ready)
         forks = [i for i in ready if work[i][0].siblings and not work[i][0].forked]
         for i in forks:  # the siblings sample their first tokens from their request's row
             self._fork_samples(work[i][0])
@@ -462,6 +501,16 @@ class Executor:
             rows = [i for i in forks for _ in work[i][0].siblings]
             logits = torch.cat([logits, logits[rows]])  # [B + forked siblings, V]
         return produced + (self._choose(work, ready, logits) if ready else [])
+
+    def _finish_embeddings(self, work: list[Row], ready: list[int]) -> list[int]:
+        """End the embedding requests whose prompt is all computed ("embedded", `pooled` = the embedding);
+        the ready rows left to sample from."""
+        for i in ready:
+            req = work[i][0]
+            if req.pooling is not None and req.pooled is not None:
+                req.pooled = pooled_embedding(req.pooled, req.pooling, len(req.prompt), normalize=False)
+                self._finish(req, "embedded")
+        return [i for i in ready if work[i][0].pooling is None]
 
     def _accept(self, req: Request, tokens: list[int], produced: list[tuple[Request, int]]) -> None:
         """Append the tokens a verification emitted (up to a stop); keep the K/V of every token but

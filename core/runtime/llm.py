@@ -32,6 +32,8 @@ from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.engine import load_engine
 from bestiary.core.runtime.executor import Executor, Request
 from bestiary.core.runtime.kv_cache import KvCacheConfig
+from bestiary.core.runtime.pooling import Pooling, check_pooling
+from bestiary.core.runtime.prompt_log_probs import prompt_log_probs
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, speculative_config
 from bestiary.core.runtime.step_broadcast import release
@@ -165,6 +167,8 @@ class Delta:
     index: which of the request's n samples the delta belongs to.
     log_probs / top_log_probs: of the new tokens, with output_log_probs / top_log_probs.
     speculative: the sample's drafted / accepted tokens, on its last delta (LLM(speculative=...) only).
+    prompt_log_probs / prompt_top_log_probs: with output_context_logits, on each sample's first delta: the
+    prompt tokens' log probs (None for the first) and top_log_probs alternatives (core.runtime.prompt_log_probs).
     """
 
     token_ids: list[int]
@@ -174,6 +178,8 @@ class Delta:
     log_probs: list[float] | None = None
     top_log_probs: list[list[tuple[int, float]]] | None = None
     speculative: AcceptanceStats | None = None
+    prompt_log_probs: list[float | None] | None = None
+    prompt_top_log_probs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -183,6 +189,9 @@ class _Stream:
     request: Request
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+
+
+EMBEDDING = SamplingConfig(max_new_tokens=1, ignore_eos=True)  # an embedding request's (it generates nothing)
 
 
 class LLM:
@@ -329,6 +338,54 @@ class LLM:
         self.last_stats = stats
         return [self._completion(r, stats, texts) for r in requests]
 
+    def embed(self, inputs: str | Sequence[int] | Sequence[str | list[int]], pooling: Pooling | None = None,
+              normalize: bool = True) -> torch.Tensor:
+        """Embeddings [N, H] float32 of N inputs (texts and/or token id lists; one text or id list: N = 1):
+        the final-norm hidden states pooled (core.runtime.pooling; `pooling` default: the model's
+        `default_pooling`) and L2-normalised unless `normalize` is False; the prompts run in one batch."""
+        self._check_sync_allowed()
+        how = check_pooling(pooling or self.engine.model.default_pooling)
+        requests: list[Request] = []
+        try:
+            for p in prompt_list(inputs):
+                requests.append(self.executor.add(self._prompt_ids(p, False), EMBEDDING, set(), pooling=how))
+            while any(not r.finished for r in requests):
+                self.executor.step()
+        except BaseException:  # nothing of this call stays queued
+            for req in requests:
+                self.executor.cancel(req)
+            raise
+        return torch.stack([self._embedding_of(r, normalize) for r in requests])
+
+    @staticmethod
+    def _embedding_of(req: Request, normalize: bool) -> torch.Tensor:
+        """A finished embedding request's vector [H] float32, L2-normalised when asked."""
+        if req.finish_reason != "embedded" or req.pooled is None:
+            raise BestiaryError(f"embedding request ended {req.finish_reason!r}")
+        return torch.nn.functional.normalize(req.pooled, dim=0) if normalize else req.pooled
+
+    async def embed_async(self, prompt: str | list[int], pooling: Pooling | None = None) -> torch.Tensor:
+        """The normalised embedding [H] float32 of one input, computed in the shared in-flight batch (the
+        async API's worker thread, as generate_async); cancelling the awaiting task drops the request."""
+        how = check_pooling(pooling or self.engine.model.default_pooling)
+        ids = self._prompt_ids(prompt, False)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bestiary-executor")
+        req = await self._added(loop.run_in_executor(self._worker, self._add_stream, ids, EMBEDDING, queue, loop,
+                                                     None, how))
+        try:
+            self._ensure_stepper(loop)
+            while not req.finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+            return self._embedding_of(req, True)
+        finally:
+            if not req.finished or req.id in self._streams:
+                self._running_worker().submit(self._drop_stream, req)
+
     def _match_stop_strings(self, produced: list[tuple[Request, int]], texts: dict[int, TextDeltas]) -> None:
         """Feed the new tokens of the requests with stop strings; stop those whose text hit one."""
         if not texts:
@@ -451,6 +508,7 @@ class LLM:
             texts = [TextDeltas(self.tokenizer, s.stop_ids, sampling.stop_strings) if self.tokenizer else None
                      for s in req.group]
             running = set(range(len(req.group)))
+            echoed: set[int] = set()  # samples whose first delta carried the prompt's log probs
             while running:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -468,7 +526,12 @@ class LLM:
                 spec = None  # a copy of the sample's acceptance counts, on its last delta
                 if reason is not None and self.executor.speculator is not None:
                     spec = replace(req.group[index].spec)
-                yield Delta(tokens, piece, reason, index, log_probs, top, spec)
+                delta = Delta(tokens, piece, reason, index, log_probs, top, spec)
+                if index not in echoed and sampling.output_context_logits and req.context_logits:
+                    echoed.add(index)
+                    delta.prompt_log_probs, delta.prompt_top_log_probs = prompt_log_probs(
+                        req.prompt, torch.cat(req.context_logits), sampling.top_log_probs)
+                yield delta
         finally:
             if any(not s.finished or s.id in self._streams for s in req.group):
                 self._running_worker().submit(self._drop_stream, req)
@@ -493,10 +556,12 @@ class LLM:
         return self._worker
 
     def _add_stream(self, ids: list[int], sampling: SamplingConfig, queue: asyncio.Queue,
-                    loop: asyncio.AbstractEventLoop, adapter: LoraAdapter | None = None) -> Request:
+                    loop: asyncio.AbstractEventLoop, adapter: LoraAdapter | None = None,
+                    pooling: Pooling | None = None) -> Request:
         """(worker thread) Queue a request and start delivering the tokens of each of its samples."""
         try:
-            req = self.executor.add(ids, sampling, self._stop_ids(), lora=adapter)
+            req = self.executor.add(ids, sampling, set() if pooling else self._stop_ids(), lora=adapter,
+                                    pooling=pooling)
         except BaseException:
             self._release([adapter])
             raise

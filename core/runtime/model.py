@@ -10,6 +10,7 @@ extra top-level modules (learned positions, input/output projections) come from
     x = vocab_embedding(ids) -> project_in (if any) -> * embedding_scale -> + position_embedding(positions)
         -> ln_embed (if any)
     logits = lm_head(project_out(ln_f(x)))                       (project_out if any)
+    logits = c tanh(logits / c)                                  with a final-logit soft-cap c (Gemma 2)
 
 Module paths equal checkpoint names, so a rank file loads with `load_state_dict`. Under
 pipeline parallelism a rank holds only its stage's layers (local indices 0..n-1, global
@@ -177,6 +178,8 @@ class DecoderLM(nn.Module):
                       positions, style=style)
 
     embedding_scale: float | None = None  # x = embedding * this (e.g. sqrt(hidden_size)), when set
+    default_pooling: str = "last"  # embeddings (core.runtime.pooling): a family may set "mean"
+    logit_softcap: float | None = None  # logits = c tanh(logits / c) with this c, when set (Gemma 2)
 
     @property
     def embedding_dim(self) -> int:
@@ -228,8 +231,8 @@ class DecoderLM(nn.Module):
         project_in = getattr(self.transformer, "project_in", None)
         if project_in is not None:
             x = project_in(x)  # [T, H]
-        if self.embedding_scale is not None:
-            x = x * self.embedding_scale
+        if self.embedding_scale is not None:  # rounded to the embedding dtype first, as transformers' Gemma does
+            x = x * float(torch.tensor(self.embedding_scale, dtype=x.dtype))
         positions = getattr(self.transformer, "position_embedding", None)
         if positions is not None:
             x = x + positions(meta.positions)  # [T, H]
@@ -282,7 +285,8 @@ class DecoderLM(nn.Module):
             self._lm_head_t = cpu_matmul.hold_transposed(owner.weight)  # a float lm_head Linear's is already: no copy
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> (project_out, if any: [N, E]) -> logits [N, V] in logits_dtype (gathered over tp ranks)."""
+        """hidden [N, H] -> (project_out, if any: [N, E]) -> logits [N, V] in logits_dtype (gathered over tp ranks),
+        soft-capped by logit_softcap when set."""
         project_out = getattr(self.transformer, "project_out", None)
         if project_out is not None:
             hidden = project_out(hidden)  # [N, E]
@@ -298,7 +302,10 @@ class DecoderLM(nn.Module):
             parts = [torch.empty_like(out) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, out, group=self.tp_group)
             out = torch.cat(parts, dim=-1)
-        return out.to(torch_dtype(self.config.logits_dtype))
+        out = out.to(torch_dtype(self.config.logits_dtype))
+        if self.logit_softcap is not None:
+            out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
+        return out
 
     def forward(
         self,
@@ -332,6 +339,8 @@ class DecoderLM(nn.Module):
         if not all_logits:
             x = x.index_select(0, last_tokens(meta))  # [B, H]
         x = self.transformer.ln_f(x)
+        if meta.keep_hidden:  # embeddings pool these rows (core.runtime.pooling)
+            meta.hidden = x
         return self.logits(x)
 
     def _cuda_graph(self, ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCacheLike):

@@ -6,6 +6,8 @@
     GET  /v1/models              the served model and its LoRA adapters (--lora_modules)
     POST /v1/completions         text (or ids) -> text; stream: server-sent events
     POST /v1/chat/completions    messages -> chat template -> text
+    POST /v1/embeddings          inputs -> pooled, normalised hidden states (core.serve.embeddings)
+    POST /tokenize, /detokenize  text or messages <-> token ids (vLLM's shapes; core.serve.tokenize)
 
 Errors: {"error": {"message", "type", "param", "code"}} with 400 (a bad parameter, named;
 a prompt longer than max_input_len, or prompt + max_tokens past the context), 401 (missing or
@@ -29,12 +31,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.runtime.llm import LLM
-from bestiary.core.serve.completions import completions_router
+from bestiary.core.serve.completions import Completions, completions_router
+from bestiary.core.serve.embeddings import embeddings_router
 from bestiary.core.serve.errors import APIError, add_error_handlers
 from bestiary.core.serve.health import health_router
 from bestiary.core.serve.metrics import ServerMetrics
 from bestiary.core.serve.model_list import models_router
 from bestiary.core.serve.settings import ServeSettings
+from bestiary.core.serve.tokenize import tokenize_router
 from bestiary.core.serve.web import web_router
 
 __all__ = ["APIError", "AuthAndCount", "ServeSettings", "create_app", "load_chat_template"]
@@ -59,7 +63,7 @@ class AuthAndCount:
             return
         path = scope.get("path", "")
         endpoint = endpoint_label(path)
-        if (self.key is not None and path.startswith("/v1/")
+        if (self.key is not None and path.startswith(KEYED)
                 and dict(scope["headers"]).get(b"authorization") != f"Bearer {self.key}".encode()):
             self.metrics.requests.labels(endpoint, "401").inc()
             response = APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
@@ -88,7 +92,8 @@ class AuthAndCount:
 
 
 ROUTES = frozenset({"/", "/health", "/metrics", "/favicon.ico", "/v1/models", "/v1/completions",
-                    "/v1/chat/completions"})
+                    "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"})
+KEYED = ("/v1/", "/tokenize", "/detokenize")  # what --api_key guards
 
 
 def endpoint_label(path: str) -> str:
@@ -108,7 +113,10 @@ def create_app(llm: LLM, settings: ServeSettings) -> FastAPI:
     app.include_router(health_router(metrics))
     app.include_router(web_router())
     app.include_router(models_router(settings, llm.engine.build.max_seq_len))
-    app.include_router(completions_router(llm, settings, metrics))
+    handler = Completions(llm, settings, metrics)
+    app.include_router(completions_router(handler))
+    app.include_router(embeddings_router(handler))
+    app.include_router(tokenize_router(handler))
     app.state.metrics = metrics
     app.state.started = time.time()
     return app

@@ -9,6 +9,7 @@ disconnects cancels its request: waiting, generating or streaming (499 in the me
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -22,7 +23,7 @@ from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.serve.errors import APIError
-from bestiary.core.serve.generation import Formatter, choice_deltas, collect, sse_events
+from bestiary.core.serve.generation import Echo, Formatter, TimedOut, choice_deltas, collect, sse_events
 from bestiary.core.serve.metrics import RequestTimer, ServerMetrics
 from bestiary.core.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from bestiary.core.serve.request_body import request_json
@@ -38,8 +39,9 @@ class ClientGone(Exception):
     """The client closed the connection before the answer."""
 
 
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """The result of `work`, or ClientGone (and `work` cancelled) if the client disconnects first.
+async def until_disconnected(request: Request, work: Awaitable[T], deadline: float | None = None) -> T:
+    """The result of `work`, or ClientGone (and `work` cancelled) if the client disconnects first, or
+    TimedOut if the monotonic `deadline` (--request_timeout) passes first.
 
     uvicorn delivers http.disconnect to receive() once the body has been read.
     """
@@ -49,14 +51,18 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
             pass
 
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not task.done() and not gone.done()
     finally:
         for pending in (task, gone):
             pending.cancel()
         # the work unwinds before anything else touches what it iterated (closing a generator the
         # cancelled task is still inside raised "aclose(): asynchronous generator is already running")
         await asyncio.gather(task, gone, return_exceptions=True)
+    if timed_out:
+        raise TimedOut
     if task.cancelled():
         raise ClientGone
     return task.result()
@@ -124,19 +130,29 @@ class Completions:
         if min_tokens > max_tokens:
             raise APIError(400, f"min_tokens: {min_tokens} is more than {param} {max_tokens}", param="min_tokens")
 
+    def deadline(self) -> float | None:
+        """The monotonic time a request accepted now must end by (--request_timeout), or None."""
+        limit = self.settings.request_timeout
+        return None if limit is None else time.monotonic() + limit
+
+    def timed_out(self) -> APIError:
+        """408 naming the limit: the request was cancelled and everything it held given back."""
+        return APIError(408, f"request timed out after {self.settings.request_timeout:g} s (--request_timeout); "
+                             "it was cancelled", code="request_timeout")
+
     def check_queue(self) -> None:
         """503 when max_queue_len requests already wait for their first token."""
         if self.metrics.num_waiting >= self.settings.max_queue_len:
             raise APIError(503, f"server busy: {self.settings.max_queue_len} requests are waiting (--max_queue_len)",
                            code="queue_full", kind="server_error")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """A prompt's token ids (a text needs the engine's tokenizer; called in a worker thread)."""
         if isinstance(prompt, list):
             return prompt
         if self.llm.tokenizer is None:
-            raise APIError(400, "prompt: this engine has no tokenizer; send token ids", param="prompt")
-        self.check_text_length(len(prompt.encode("utf-8")), "prompt")
+            raise APIError(400, f"{param}: this engine has no tokenizer; send token ids", param=param)
+        self.check_text_length(len(prompt.encode("utf-8")), param)
         return self.llm.tokenizer.encode(prompt)
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
@@ -181,17 +197,20 @@ class Completions:
         timer = RequestTimer(self.metrics, sum(len(p) for p in prompts))
         deltas = choice_deltas(self.llm, prompts, sampling, lora)
         release = Release(timer, deltas)
+        deadline = self.deadline()
         try:
             if body.stream:
-                first = await until_disconnected(request, _first(deltas))
-                events = sse_events(first, deltas, fmt, timer, body.include_usage)
+                first = await until_disconnected(request, _first(deltas), deadline)
+                events = sse_events(first, deltas, fmt, timer, body.include_usage, deadline)
                 return ReleasingStreamingResponse(events, release, media_type="text/event-stream")
-            choices = await until_disconnected(request, collect(deltas, fmt.num_choices, timer))
+            choices = await until_disconnected(request, collect(deltas, fmt.num_choices, timer), deadline)
             return JSONResponse(fmt.response(choices))
         except BestiaryError as err:
             raise APIError(400, str(err)) from None
         except ClientGone:
             return Response(status_code=499)
+        except TimedOut:
+            raise self.timed_out() from None
         finally:
             if not body.stream or not release.handed_off:
                 await release()
@@ -200,16 +219,30 @@ class Completions:
         """POST /v1/completions: text (or ids) -> text."""
         body = await request_json(request, CompletionRequest, self.settings.max_request_bytes)
         lora = self.check_model(body.model)
-        prompts = [await asyncio.to_thread(self.encode, p) for p in body.prompts()]
+        texts = body.prompts()
+        prompts = [await asyncio.to_thread(self.encode, p) for p in texts]
         for p in prompts:
             self.check_prompt(p, "prompt")
             self.check_context(len(p), body.token_limit, body.min_tokens, "max_tokens")
+        if body.token_limit == 0 and not body.echo:
+            raise APIError(400, "max_tokens: 0 needs echo: true (the prompt alone, with its log probs)",
+                           param="max_tokens")
         self.vocab_check(body.logit_bias)
         self.check_queue()
-        sampling = self.build_sampling(body, body.token_limit, body.logprobs)
+        sampling = self.build_sampling(body, max(body.token_limit, 1), body.logprobs)
+        echo = None
+        if body.echo:  # the prompt's log probs come from its context logits (core.runtime.prompt_log_probs)
+            sampling = sampling.model_copy(update={"output_context_logits": body.logprobs is not None})
+            echo = Echo([(t if isinstance(t, str) else self.spell(t), p) for t, p in zip(texts, prompts)], body.n,
+                        drop_output=body.token_limit == 0)
         fmt = Formatter(self.llm, body.model, False, len(prompts) * body.n, sum(map(len, prompts)),
-                        body.logprobs is not None)
+                        body.logprobs is not None, echo)
         return await self.answer(request, body, prompts, fmt, sampling, lora)
+
+    def spell(self, ids: list[int]) -> str:
+        """The text of a prompt given as ids (echo), special tokens kept; "" without a tokenizer."""
+        tokenizer = self.llm.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=False)
 
     async def chat_completion(self, request: Request) -> Response:
         """POST /v1/chat/completions: messages -> chat template -> text."""
@@ -259,9 +292,8 @@ class ReleasingStreamingResponse(StreamingResponse):
             await self.release()
 
 
-def completions_router(llm: LLM, settings: ServeSettings, metrics: ServerMetrics) -> APIRouter:
-    """POST /v1/completions and POST /v1/chat/completions on `llm`."""
-    handler = Completions(llm, settings, metrics)
+def completions_router(handler: Completions) -> APIRouter:
+    """POST /v1/completions and POST /v1/chat/completions with `handler` (one LLM's checks and answers)."""
     router = APIRouter()
 
     @router.post("/v1/completions")
@@ -273,4 +305,3 @@ def completions_router(llm: LLM, settings: ServeSettings, metrics: ServerMetrics
         return await handler.chat_completion(request)
 
     return router
-

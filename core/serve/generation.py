@@ -86,6 +86,8 @@ class Choice:
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     speculative: AcceptanceStats | None = None  # on its last delta, when the server speculates
+    prompt_log_probs: list[float | None] | None = None  # on its first delta, with echo and logprobs
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text or "")
@@ -94,17 +96,38 @@ class Choice:
         self.top_log_probs += delta.top_log_probs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.speculative = delta.speculative or self.speculative
+        if delta.prompt_log_probs is not None:
+            self.prompt_log_probs, self.prompt_top = delta.prompt_log_probs, delta.prompt_top_log_probs
 
 
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else NO_LOG_PROB
+def _finite(value: float | None) -> float | None:
+    """A log prob JSON can hold: -inf as NO_LOG_PROB; None (an echoed prompt's first token) stays null."""
+    return value if value is None or math.isfinite(value) else NO_LOG_PROB
+
+
+@dataclass
+class Echo:
+    """What /v1/completions' `echo` puts before each choice: its prompt's text and ids; `drop_output`:
+    max_tokens 0, the prompt (and its log probs) alone."""
+
+    prompts: list[tuple[str, list[int]]]  # per prompt: (text, ids)
+    samples: int  # choices per prompt (n)
+    drop_output: bool = False
+    done: set[int] = field(default_factory=set)  # streamed choices whose prompt was sent
+
+    def prefix(self, index: int, log_probs: list[float | None] | None, top: list | None
+               ) -> tuple[str, list[int], list[float | None], list]:
+        """(text, ids, log probs, top alternatives) of choice `index`'s prompt (log probs None if not asked)."""
+        text, ids = self.prompts[index // self.samples]
+        return text, ids, log_probs or [None] * len(ids), top or [None] * len(ids)
 
 
 class Formatter:
     """Response bodies of one request, for /v1/completions (chat=False) or /v1/chat/completions."""
 
     def __init__(self, llm: LLM, model: str, chat: bool, num_choices: int, prompt_tokens: int,
-                 log_probs: bool) -> None:
+                 log_probs: bool, echo: Echo | None = None) -> None:
+        self.echo = echo
         self.llm = llm
         self.model = model
         self.chat = chat
@@ -128,7 +151,7 @@ class Formatter:
             usage["speculative"] = speculative_usage(speculative)
         return usage
 
-    def logprobs(self, ids: list[int], log_probs: list[float], top: list[list[tuple[int, float]]]) -> dict | None:
+    def logprobs(self, ids: list[int], log_probs: list, top: list) -> dict | None:
         """OpenAI's logprobs object of these tokens (chat: content entries; completions: parallel lists)."""
         if not self.log_probs:
             return None
@@ -144,24 +167,37 @@ class Formatter:
         tokens = [self._token(t) for t in ids]
         offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in log_probs],
-                "top_logprobs": [{self._token(a): _finite(b) for a, b in alts} for alts in tops] if top else None,
+                "top_logprobs": [None if alts is None else {self._token(a): _finite(b) for a, b in alts}
+                                 for alts in tops] if top else None,
                 "text_offset": offsets}
 
     def response(self, choices: list[Choice]) -> dict:
         """The non-streaming body."""
         out = []
         for i, c in enumerate(choices):
-            item: dict = {"index": i, "logprobs": self.logprobs(c.ids, c.log_probs, c.top_log_probs),
-                          "finish_reason": c.finish_reason}
-            text = "".join(c.text)
+            text, ids, log_probs, top = self._with_echo(i, "".join(c.text), c.ids, c.log_probs, c.top_log_probs,
+                                                        c.prompt_log_probs, c.prompt_top)
+            item: dict = {"index": i, "logprobs": self.logprobs(ids, log_probs, top), "finish_reason": c.finish_reason}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
             out.append(item)
+        generated = 0 if self.echo is not None and self.echo.drop_output else sum(len(c.ids) for c in choices)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": out, "usage": self.usage(sum(len(c.ids) for c in choices),
-                                                    [c.speculative for c in choices])}
+                "choices": out, "usage": self.usage(generated, [c.speculative for c in choices])}
+
+    def _with_echo(self, index: int, text: str, ids: list[int], log_probs: list, top: list,
+                   prompt_log_probs: list | None, prompt_top: list | None) -> tuple[str, list[int], list, list]:
+        """A choice's text, ids and log probs with its prompt's before them (echo); the output dropped with
+        max_tokens 0. Without echo, as they are."""
+        if self.echo is None:
+            return text, ids, log_probs, top
+        if self.echo.drop_output:
+            text, ids, log_probs, top = "", [], [], []
+        p_text, p_ids, p_log_probs, p_top = self.echo.prefix(index, prompt_log_probs, prompt_top)
+        top = p_top + (top or [[] for _ in ids]) if top or prompt_top else []
+        return p_text + text, p_ids + ids, p_log_probs + log_probs, top
 
     def chunk(self, choices: list[dict], usage: dict | None = None, include_usage: bool = False) -> str:
         """One server-sent event with these choice deltas (and a usage field when asked for)."""
@@ -172,13 +208,19 @@ class Formatter:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def delta_choice(self, index: int, delta: Delta) -> dict:
-        item: dict = {"index": index, "logprobs": self.logprobs(delta.token_ids, delta.log_probs or [],
-                                                                 delta.top_log_probs or []),
+        text, ids, log_probs, top = delta.text or "", delta.token_ids, delta.log_probs or [], delta.top_log_probs or []
+        if self.echo is not None and index not in self.echo.done:  # the choice's first chunk: its prompt first
+            self.echo.done.add(index)
+            text, ids, log_probs, top = self._with_echo(index, text, ids, log_probs, top, delta.prompt_log_probs,
+                                                        delta.prompt_top_log_probs)
+        elif self.echo is not None and self.echo.drop_output:
+            text, ids, log_probs, top = "", [], [], []
+        item: dict = {"index": index, "logprobs": self.logprobs(ids, log_probs, top),
                       "finish_reason": delta.finish_reason}
         if self.chat:
-            item["delta"] = {"content": delta.text or ""} if delta.text or delta.finish_reason is None else {}
+            item["delta"] = {"content": text} if text or delta.finish_reason is None else {}
         else:
-            item["text"] = delta.text or ""
+            item["text"] = text
         return item
 
 
@@ -201,8 +243,12 @@ async def collect(deltas: AsyncIterator[tuple[int, Delta]], num_choices: int, ti
     return choices
 
 
+class TimedOut(Exception):
+    """The request passed its deadline (--request_timeout)."""
+
+
 async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[tuple[int, Delta], None], fmt: Formatter,
-                     timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
+                     timer: RequestTimer, include_usage: bool, deadline: float | None = None) -> AsyncIterator[str]:
     """The event stream: (chat: a role chunk per choice), a chunk per delta, (usage), [DONE].
 
     `first` is the delta already taken from `deltas` (the server waits for it before answering,
@@ -211,12 +257,15 @@ async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[tup
     then [DONE]: `data: {"error": {"message", "type", "param", "code"}}`.
     """
     try:
-        async for event in _delta_events(first, deltas, fmt, timer, include_usage):
+        async for event in _delta_events(first, deltas, fmt, timer, include_usage, deadline):
             yield event
     except Exception as err:  # noqa: BLE001 - the status is sent: the client learns of it in the stream
         kind, code = ("invalid_request_error", None) if isinstance(err, BestiaryError) else ("server_error",
                                                                                              "internal_error")
-        if kind == "server_error":
+        if isinstance(err, TimedOut):
+            kind, code, err = "timeout", "request_timeout", TimedOut("request timed out (--request_timeout); "
+                                                                     "it was cancelled")
+        elif kind == "server_error":
             log.error("internal error in a stream: %s: %s", type(err).__name__, err, exc_info=err)
         error = {"message": f"{str(err)[:300]}", "type": kind, "param": None, "code": code}
         yield f"data: {json.dumps({'error': error}, ensure_ascii=False)}\n\n"
@@ -227,7 +276,8 @@ async def sse_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[tup
 
 
 async def _delta_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[tuple[int, Delta], None],
-                        fmt: Formatter, timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
+                        fmt: Formatter, timer: RequestTimer, include_usage: bool,
+                        deadline: float | None) -> AsyncIterator[str]:
     """sse_events' chunks: role chunks, one per delta, usage, [DONE]."""
     generated, speculative = 0, []
     if fmt.chat:
@@ -240,14 +290,25 @@ async def _delta_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[
             index, delta = pending.pop()
         else:
             try:
-                index, delta = await deltas.__anext__()
+                index, delta = await _next_before(deltas, deadline)
             except StopAsyncIteration:
                 break
         timer.tokens_arrived(index, len(delta.token_ids))
-        generated += len(delta.token_ids)
+        generated += 0 if fmt.echo is not None and fmt.echo.drop_output else len(delta.token_ids)
         if delta.speculative is not None:  # a sample's last delta
             speculative.append(delta.speculative)
         yield fmt.chunk([fmt.delta_choice(index, delta)], include_usage=include_usage)
     if include_usage:
         yield fmt.chunk([], usage=fmt.usage(generated, speculative), include_usage=True)
     yield "data: [DONE]\n\n"
+
+
+async def _next_before(deltas: AsyncGenerator[tuple[int, Delta], None], deadline: float | None) -> tuple[int, Delta]:
+    """The next delta, or TimedOut once the monotonic `deadline` passes (the wait cancelled: closing
+    `deltas` then drops the request)."""
+    if deadline is None:
+        return await deltas.__anext__()
+    try:
+        return await asyncio.wait_for(deltas.__anext__(), max(deadline - time.monotonic(), 0.0))
+    except TimeoutError:
+        raise TimedOut from None

@@ -14,7 +14,7 @@ integer fits the 32- or 64-bit slot it goes to, a float is finite), every string
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
@@ -124,9 +124,9 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Count | None = 16
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)  # 0: with echo, the prompt's log probs alone
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt's text (and log probs) before the completion's
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: None = None
 
@@ -220,3 +220,65 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def top_log_probs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Inputs = Text | list[Text] | list[TokenId] | list[list[TokenId]]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's): one input or up to 2048."""
+
+    model_config = STRICT
+
+    model: Name
+    input: Inputs
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Count | None = None
+    user: Name | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value):
+        if isinstance(value, list) and (not value or len(value) > 2048 or any(
+                isinstance(p, list | str) and not p for p in value)):
+            raise ValueError("expected 1 to 2048 non-empty inputs")
+        if isinstance(value, str) and not value:
+            raise ValueError("expected a non-empty input")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs as texts or id lists (a list of ints is one input)."""
+        v = self.input
+        if isinstance(v, str):
+            return [v]
+        if all(isinstance(t, int) for t in v):
+            return [cast(list[int], v)]
+        return cast(list[str | list[int]], v)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template."""
+
+    model_config = STRICT
+
+    model: Name | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+
+    model_config = STRICT
+
+    model: Name | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
