@@ -49,18 +49,21 @@ def build_plugin_manager(extra_plugins: dict[str, ModuleType | object] | None = 
     manager.add_hookspecs(hookspecs)
     packages: dict[str, str] = {}
     failures: list[PluginFailure] = []
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
-        if ep.name in seen:  # the same distribution seen twice on sys.path
-            continue
-        seen.add(ep.name)
         package = _distribution_name(ep)
-        try:
-            manager.register(ep.load(), name=ep.name)
-        except Exception:  # noqa: BLE001 - a broken plugin must not take the others down
-            failures.append(PluginFailure(ep.name, package, traceback.format_exc()))
+        if (package, ep.name) in seen:  # the same distribution seen twice on sys.path
             continue
-        packages[ep.name] = package
+        seen.add((package, ep.name))
+        # another distribution's entry point of the same name (a third-party `qwen3` beside the built-in) is
+        # loaded too, under "package:name": registry.name_policy decides between their architectures
+        name = ep.name if ep.name not in packages else f"{package}:{ep.name}"
+        try:
+            manager.register(ep.load(), name=name)
+        except Exception:  # noqa: BLE001 - a broken plugin must not take the others down
+            failures.append(PluginFailure(name, package, traceback.format_exc()))
+            continue
+        packages[name] = package
     for name, plugin in (extra_plugins or {}).items():
         manager.register(plugin, name=name)
         packages[name] = getattr(plugin, "__name__", name)

@@ -1,4 +1,8 @@
-"""The architecture registry: name / HF architecture / model_type -> ArchitectureSpec."""
+"""The architecture registry: name / HF architecture / model_type -> ArchitectureSpec.
+
+Two plugins registering one name never stop start-up: registry.name_policy decides (a built-in wins
+over a third-party plugin, with a one-line warning, unless BESTIARY_PREFER_PLUGINS names the plugin).
+"""
 
 from __future__ import annotations
 
@@ -9,32 +13,51 @@ from typing import Any
 
 from bestiary.core.format.errors import BestiaryError, PluginError
 from bestiary.plugins.manager import LoadedPlugins, PluginFailure, build_plugin_manager
+from bestiary.registry.name_policy import (
+    Origin,
+    Shadowed,
+    claim_warning,
+    conflict_warning,
+    new_wins,
+    preferred_plugins,
+    rank,
+    warn,
+)
 from bestiary.registry.spec import ArchitectureSpec, check_reference
 
 
 class DuplicateArchitectureError(BestiaryError):
-    """Two plugins registered the same architecture name."""
+    """A name registered twice where no policy decides: `Registry.register` called directly, or one
+    plugin registering a name twice (recorded as that plugin's failure)."""
 
 
 class Registry:
     """Architectures registered by the loaded plugins."""
 
-    def __init__(self, plugins: LoadedPlugins, override: frozenset[str] = frozenset()) -> None:
+    def __init__(self, plugins: LoadedPlugins, override: frozenset[str] = frozenset(),
+                 prefer: frozenset[str] | None = None) -> None:
         self.plugins = plugins
         self.specs: dict[str, ArchitectureSpec] = {}
         self.override = override  # plugin names whose specs replace an earlier spec of the same name
+        self.prefer = preferred_plugins() if prefer is None else prefer  # BESTIARY_PREFER_PLUGINS
+        self.origins: dict[str, Origin] = {}  # architecture name -> the plugin that registered it
+        self.shadowed: list[Shadowed] = []  # specs set aside by the name policy (registry.name_policy)
         self.failures: list[PluginFailure] = list(plugins.failures)
         self._collect()
+        self._warn_claims()
 
     @classmethod
     def from_plugins(
-        cls, extra_plugins: dict[str, ModuleType | object] | None = None, override: bool = False
+        cls, extra_plugins: dict[str, ModuleType | object] | None = None, override: bool = False,
+        prefer: frozenset[str] | None = None,
     ) -> Registry:
         """A registry over every installed plugin plus `extra_plugins` (name -> plugin).
 
-        override: the extra plugins' specs replace installed ones of the same name instead of
-        being a DuplicateArchitectureError (a plugin package under test, bestiary.testing)."""
-        return cls(build_plugin_manager(extra_plugins), frozenset(extra_plugins or ()) if override else frozenset())
+        override: the extra plugins' specs replace installed ones of the same name whatever the
+        name policy says (a plugin package under test, bestiary.testing). prefer: the plugins
+        (distributions or entry-point names) that win a name (default: BESTIARY_PREFER_PLUGINS)."""
+        return cls(build_plugin_manager(extra_plugins), frozenset(extra_plugins or ()) if override else frozenset(),
+                   prefer)
 
     def _collect(self) -> None:
         manager = self.plugins.manager
@@ -43,11 +66,10 @@ class Registry:
             if hook is None:
                 continue
             package = self.plugins.packages.get(name, name)
+            origin, override = Origin(name, package), name in self.override
             try:
-                hook(register=lambda spec, _p=package, _o=name in self.override: self.register(spec, _p, _o))
-            except DuplicateArchitectureError:
-                raise
-            except PluginError as err:  # a bad reference: its one line is the whole story
+                hook(register=lambda spec, _o=origin, _w=override: self._offer(spec, _o, _w))
+            except (PluginError, DuplicateArchitectureError) as err:  # a bad reference, a name given twice
                 self.failures.append(PluginFailure(name, package, str(err)))
             except Exception:  # noqa: BLE001 - a broken plugin is reported, the rest keep working
                 import traceback
@@ -74,6 +96,49 @@ class Registry:
                 raise PluginError(f"{where}: {field_name}: {err}") from None
         self.specs[spec.name] = spec
 
+    def _offer(self, spec: ArchitectureSpec, origin: Origin, override: bool) -> None:
+        """register() under the name policy: a name already held goes to the higher-ranked plugin
+        (registry.name_policy), the other spec is set aside in `shadowed` with a warning line."""
+        if not isinstance(spec, ArchitectureSpec):
+            raise TypeError(f"register() expects an ArchitectureSpec, got {type(spec).__name__}")
+        old = self.origins.get(spec.name, Origin("?", self.specs[spec.name].package)) \
+            if spec.name in self.specs else None
+        if old == origin:
+            raise DuplicateArchitectureError(f"architecture {spec.name!r} is registered twice by {origin.package!r}")
+        if old is None or override or new_wins(old, origin, self.prefer):
+            self.register(spec, origin.package, override=True)
+            self.origins[spec.name] = origin
+            if old is None or override:
+                return
+            shadow = Shadowed(spec.name, kept=origin, dropped=old)
+        else:
+            shadow = Shadowed(spec.name, kept=old, dropped=origin)
+        self.shadowed.append(shadow)
+        line = conflict_warning(shadow, self.prefer)
+        if line:
+            warn(line)
+
+    def _warn_claims(self) -> None:
+        """Warn once per third-party spec claiming an HF architecture that a built-in spec of another
+        name reads (lookups rank the built-in first unless the plugin is preferred)."""
+        builtin = {arch: spec.name for spec in self._ranked() if self._origin(spec).builtin
+                   for arch in (spec.name, *spec.hf_architectures)}
+        for spec in self.specs.values():
+            origin = self._origin(spec)
+            if origin.builtin or rank(origin, self.prefer) == 0:
+                continue
+            for arch in spec.hf_architectures:
+                if builtin.get(arch, spec.name) != spec.name:
+                    warn(claim_warning(arch, spec.name, origin, builtin[arch]))
+
+    def _origin(self, spec: ArchitectureSpec) -> Origin:
+        return self.origins.get(spec.name, Origin("?", spec.package))
+
+    def _ranked(self) -> list[ArchitectureSpec]:
+        """The specs in lookup order: preferred plugins', then built-ins', then the others' (each in
+        registration order)."""
+        return sorted(self.specs.values(), key=lambda spec: rank(self._origin(spec), self.prefer))
+
     def names(self) -> list[str]:
         """Registered architecture names, sorted."""
         return sorted(self.specs)
@@ -82,7 +147,7 @@ class Registry:
         """The spec called `name` (or claiming HF architecture `name`); error lists the registered ones."""
         if name in self.specs:
             return self.specs[name]
-        for spec in self.specs.values():
+        for spec in self._ranked():
             if name in spec.hf_architectures:
                 return spec
         raise BestiaryError(f"unknown architecture {name!r}; registered: {', '.join(self.names()) or 'none'}"
@@ -92,7 +157,8 @@ class Registry:
         """The spec that handles an HF config dict read from `source`.
 
         Order: `override` (--architecture), then the claim hook, then HF `architectures`,
-        then `model_type`.
+        then `model_type`; among the specs that claim one entry, the name policy's rank (a preferred
+        plugin, then a built-in, then the others).
         """
         if override:
             return self.get(override)
@@ -106,12 +172,13 @@ class Registry:
         if unique:
             return self.get(unique[0])
         wanted = list(hf_config.get("architectures") or [])
+        ranked = self._ranked()
         for arch in wanted:
-            for spec in self.specs.values():
+            for spec in ranked:
                 if arch == spec.name or arch in spec.hf_architectures:
                     return spec
         model_type = hf_config.get("model_type")
-        for spec in self.specs.values():
+        for spec in ranked:
             if model_type and model_type in spec.hf_model_types:
                 return spec
         what = ", ".join(wanted) or f"model_type {model_type!r}"

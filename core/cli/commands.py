@@ -454,7 +454,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         tensors.add_row("total", "", "", f"{total / 2**20:.2f}")
         out.print(tensors)
     out.print(cpu_kernels_table())
+    out.print(decode_plan_table(data, str(directory / "config.json")))
     return 0
+
+
+def decode_plan_table(data: dict, source: str) -> Table:
+    """How CPU decode steps of this model run: as one compiled plan, or eagerly and why
+    (core.runtime.cpu_plan.refusal on rank 0's model, built on the meta device)."""
+    import torch
+
+    from bestiary.core.format.config import config_sections
+    from bestiary.core.runtime.cpu_plan import refusal
+    from bestiary.core.runtime.engine import validate_model_config
+    from bestiary.registry import default_registry, resolve
+
+    table = Table(title="CPU decode steps (this model)")
+    table.add_column("field")
+    table.add_column("value")
+    model_data, build_data = config_sections(data, source)
+    try:
+        config = validate_model_config(model_data, source, prefix="pretrained_config." if build_data else "")
+        with torch.device("meta"):
+            model = resolve(default_registry().get(config.architecture).model_class)(config, 0, device="meta")
+        reason = refusal(model, placed=False)
+    except (BestiaryError, TypeError, ValueError) as err:
+        table.add_row("decode plan", f"unknown: {' '.join(str(err).split())[:200]}")
+        return table
+    table.add_row("decode plan", "compiled (one call a step)" if reason is None else f"eager: {reason}")
+    return table
 
 
 def cpu_kernels_table() -> Table:

@@ -10,6 +10,9 @@ Fused attention projections, whole source -> this rank's [Q_r; K_r; V_r] rows (D
     fused_qkv             [Q; K; V] rows              ((H + 2 KVH) D, hidden)   Phi-3 qkv_proj
     fused_qkv_transposed  [Q | K | V] columns         (hidden, (H + 2 KVH) D)   GPT-2 Conv1D c_attn
     per_head_qkv          [q_h k_h v_h] per head      (H 3 D, hidden)           GPT-NeoX, TinyGPT
+
+A fused MLP input, [gate; up] rows (2 I, hidden) (Phi-3 gate_up_proj), mapped to both mlp.fc and
+mlp.gate: `gate_rows` / `up_rows` take their half, then this rank's 1/tp of its rows.
 """
 
 from __future__ import annotations
@@ -87,3 +90,26 @@ def per_head_qkv(key: str, tensors: list[torch.Tensor], config, tp_rank: int = 0
     rest = qkv.shape[1:]
     head_major = qkv.reshape(heads, 3, d, *rest).transpose(0, 1).reshape(3 * heads * d, *rest)
     return {key: _rank_rows(head_major, config, tp_rank)}
+
+
+def _half_rows(fused: torch.Tensor, half: int, config, tp_rank: int) -> torch.Tensor:
+    """Rank `tp_rank`'s 1/tp of the rows of half `half` (0: first, 1: second) of a whole [A; B] tensor."""
+    part = fused.chunk(2, dim=0)[half]  # [I, ...]
+    tp = config.mapping.tp_size
+    if part.shape[0] % tp:
+        raise ValueError(f"half of shape {tuple(part.shape)} has rows not divisible by tp_size {tp}")
+    return part.chunk(tp, dim=0)[tp_rank]
+
+
+@slices_itself
+def gate_rows(key: str, tensors: list[torch.Tensor], config, tp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """mlp.fc (activated) from a fused [gate; up] source (2 I rows): the first half, this rank's rows."""
+    (fused,) = tensors
+    return {key: _half_rows(fused, 0, config, tp_rank)}
+
+
+@slices_itself
+def up_rows(key: str, tensors: list[torch.Tensor], config, tp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """mlp.gate (multiplied) from a fused [gate; up] source (2 I rows): the second half, this rank's rows."""
+    (fused,) = tensors
+    return {key: _half_rows(fused, 1, config, tp_rank)}

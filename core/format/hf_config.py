@@ -83,7 +83,8 @@ def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: f
               source: str = "config.json") -> dict[str, Any]:
     """rotary_base, rotary_scaling (None for the default rope) and rotary_pct of an HF config.
 
-    transformers 5 keeps theta, the scaling kind and partial_rotary_factor in `rope_parameters`;
+    transformers 5 keeps theta, the scaling kind and partial_rotary_factor in `rope_parameters` (or
+    one such dict per layer type: the "full_attention" one is read here, `layer_type_theta` reads another);
     earlier versions in `rope_theta`, `rope_scaling` ("type" or "rope_type") and
     `partial_rotary_factor` / `rotary_pct`. Either layout, or a mix, is read. A rope field of the
     wrong type or range is a ConfigError naming `source` (core.format.hf_fields.check_rope_fields;
@@ -91,6 +92,8 @@ def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: f
     """
     check_rope_fields(hf, source, complete=False)
     params = dict(hf.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):  # transformers 5, per layer type (Gemma 3): the global one
+        params = dict(params["full_attention"])
     scaling = dict(hf.get("rope_scaling") or params)
     theta = first_present(hf, ("rope_theta", "rotary_emb_base")) or params.get("rope_theta", default_theta)
     pct = first_present(hf, ("partial_rotary_factor", "rotary_pct")) or params.get("partial_rotary_factor",
@@ -99,6 +102,24 @@ def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: f
     drop = ("rope_theta", "partial_rotary_factor")
     rope = None if kind == "default" else {k: v for k, v in scaling.items() if k not in drop}
     return {"rotary_base": float(theta), "rotary_scaling": rope, "rotary_pct": float(pct)}
+
+
+def layer_type_theta(hf: dict[str, Any], layer_type: str, legacy: str, default: float) -> float:
+    """RoPE theta of the layers of `layer_type` ("sliding_attention") when they have their own: transformers
+    5's `rope_parameters[layer_type]["rope_theta"]`, else the earlier field `legacy` (Gemma 3's
+    rope_local_base_freq), else `default`. Such layers take no scaling: another kind is a ValueError (a
+    family's field reader: hf_config_reader makes it a ConfigError naming the config file)."""
+    params = hf.get("rope_parameters") or {}
+    own = params.get(layer_type) if isinstance(params, dict) else None
+    if isinstance(own, dict):
+        kind = own.get("rope_type", own.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"field 'rope_parameters.{layer_type}.rope_type' = {shown(kind)} is not supported "
+                             "(expected 'default')")
+        theta = own.get("rope_theta")
+    else:
+        theta = hf.get(legacy)
+    return default if theta is None else float(theta)
 
 
 class DecoderConfig(PretrainedConfig):

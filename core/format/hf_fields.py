@@ -155,9 +155,14 @@ def check_rope_fields(hf: dict[str, Any], source: str, complete: bool = True) ->
             continue
         if not isinstance(rope, dict):
             raise _fail(source, key, rope, "a JSON object or null")
-        _check_rope(rope, key, source)
-        if complete:
-            _check_rope_kind(rope, key, source)
+        # transformers 5 may hold one rope dict per layer type (Gemma 3: full_attention, sliding_attention)
+        inner = {f"{key}.{t}": rope[t] for t in ("full_attention", "sliding_attention") if t in rope}
+        for name, part in (inner or {key: rope}).items():
+            if not isinstance(part, dict):
+                raise _fail(source, name, part, "a JSON object")
+            _check_rope(part, name, source)
+            if complete:
+                _check_rope_kind(part, name, source)
 
 
 def _check_rope(rope: dict[str, Any], key: str, source: str) -> None:

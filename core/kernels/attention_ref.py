@@ -13,6 +13,9 @@ j [L] -> [H_local, L] added the same way (bias_h(j) - bias_h(i) would be equival
 softmax; this form lets an architecture reproduce a reference's exact rounding, e.g.
 Falcon's bf16 ALiBi).
 
+With a logit soft-cap c (Gemma 2) the scores are capped before the bias: s = c tanh(q k^T * scale / c),
+computed in float32 (`capped_attention`: every device, no compiled kernel has the cap).
+
 `write_kv` stores a step's new keys and values in the pools first (INT8/FP8 pools get codes,
 core.kernels.kv_codes); `prefill_attention` / `decode_attention` then read them back.
 """
@@ -194,11 +197,12 @@ def prefill_attention(
 def windowed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
-    key_bias: KeyBias | None, windows: list[int], sinks: list[int],
+    key_bias: KeyBias | None, windows: list[int], sinks: list[int], softcap: float | None = None,
 ) -> torch.Tensor:
     """prefill_attention / decode_attention under per-sequence windows (core.kernels.attention_window):
     q [T, H, D] -> [T, H*D]. Each sequence gathers only the keys its queries may see (sinks +
-    the rolling part: released blocks are never read) and masks the rest per query."""
+    the rolling part: released blocks are never read) and masks the rest per query; `softcap`: see
+    capped_attention."""
     outs, start, bs = [], 0, meta.block_size
     for i, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens)):
         k_pos = visible_keys(ctx, ctx + n - 1, windows[i], sinks[i]).to(q.device)  # [K]
@@ -219,7 +223,36 @@ def windowed_attention(
             bias = bias + key_bias(k_pos)[:, None, :]  # [H, 1, K]
         qi = q[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
         ki, vi = ki.transpose(0, 1)[None].to(q.dtype), vi.transpose(0, 1)[None].to(q.dtype)  # [1, KVH, K, D]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias.to(q.dtype)[None], scale=scale, enable_gqa=True)
+        o = _attend(qi, ki, vi, bias, scale, softcap)  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1).reshape(n, -1))
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, bias: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(s + bias) v, s = q k^T * scale, or c tanh(s / c) with softcap c (float32):
+    qi [1, H, n, D], ki / vi [1, KVH, K, D], bias [H or 1, n, K] -> [1, H, n, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias.to(qi.dtype)[None], scale=scale,
+                                              enable_gqa=True)
+    group = qi.shape[1] // ki.shape[1]
+    kf, vf = ki.float().repeat_interleave(group, 1), vi.float().repeat_interleave(group, 1)  # [1, H, K, D]
+    s = torch.matmul(qi.float(), kf.transpose(-1, -2)) * scale  # [1, H, n, K]
+    s = torch.tanh(s / softcap) * softcap + bias.float()[None]
+    return torch.matmul(torch.softmax(s, dim=-1), vf).to(qi.dtype)  # [1, H, n, D]
+
+
+def capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
+    key_bias: KeyBias | None, bounds: tuple[list[int], list[int]] | None, softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, any step (prefill, decode, windows `bounds` or none):
+
+        out_i = sum_j softmax_j(c tanh(scale q_i . k_j / c) + bias_ij) v_j     q [T, H, D] -> [T, H*D]
+
+    bias: ALiBi / key bias, -inf on the keys query i does not see (causal, prefix, window)."""
+    b = len(meta.seq_lens)
+    windows, sinks = bounds if bounds is not None else ([0] * b, [0] * b)  # 0: attention_window.FULL
+    return windowed_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias, windows, sinks, softcap)

@@ -1,6 +1,7 @@
 """The attention op of a decoder layer: write this step's K/V to the paged cache, then attend.
 
     out = softmax(q k^T * scale + bias) v     over the keys each query may see
+    out = softmax(c tanh(q k^T * scale / c) + bias) v      with a logit soft-cap c (Gemma 2)
 
 The math, the masks and the packed layout are core.kernels.attention_ref's (the torch path) and
 core.kernels.attention's (Triton); the step's batch is core.kernels.metadata.AttentionMetadata.
@@ -52,10 +53,11 @@ class PagedAttention(nn.Module):
 
     def __init__(
         self, head_dim: int, scale: float | None = None, alibi: torch.Tensor | None = None,
-        key_bias: KeyBias | None = None,
+        key_bias: KeyBias | None = None, softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.scale = scale if scale is not None else head_dim**-0.5
+        self.softcap = softcap  # c of the scores' soft-cap c tanh(s / c), or None (core.kernels.attention_ref)
         self.alibi = alibi  # [H_local] slopes or None
         self.key_bias = key_bias  # k_pos [L] -> [H_local, L], or None
         self.kv_quant: KVPoolQuant | None = None  # INT8/FP8 pools
@@ -68,7 +70,8 @@ class PagedAttention(nn.Module):
         kv_scales = None
         if self.kv_quant is not None:  # INT8/FP8 pools
             write_kv(k_pool, v_pool, k, v, meta.slot_mapping, self.kv_quant.scales)
-            if dispatch.reads_kv_codes(q, meta, k_pool, self.key_bias):  # compiled CPU decode: reads the codes
+            # compiled CPU decode reads the codes (it has no soft-cap)
+            if self.softcap is None and dispatch.reads_kv_codes(q, meta, k_pool, self.key_bias):
                 kv_scales = self.kv_quant.scales
             else:  # attend over this step's blocks, dequantized
                 k_pool, v_pool = self.kv_quant.float_pools(k_pool, v_pool, meta, q.dtype)
@@ -76,4 +79,4 @@ class PagedAttention(nn.Module):
             write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
         # Triton kernels on CUDA; on the CPU paged_attention_ref = decode/prefill_attention below.
         return dispatch.paged_attention(q, k, v, meta, k_pool, v_pool, self.scale, self.alibi, self.key_bias,
-                                        kv_scales, window=self.window)
+                                        kv_scales, window=self.window, softcap=self.softcap)

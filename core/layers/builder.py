@@ -5,6 +5,7 @@
     parallel  out = x + attention(norm(x)) + mlp(norm'(x))   norm' = norm, or its own (two norms)   (Falcon)
     scaled    a = norm(x); h = alpha a + attention(a); m = norm(h); out = alpha m + mlp(m)   (ChatGLM v1)
     output    h = x + norm(attention(x));   out = h + norm(mlp(h))             (Exaone4, OLMo2)
+    sandwich  h = x + norm(attention(norm(x)));   out = h + norm(mlp(norm(h)))  (Gemma 2 / 3)
 
 attention: fused qkv (biases per config: qkv_bias, dense_bias), rotary (the config's RoPE,
 model.make_rotary) or ALiBi slopes or a family's key bias, GQA / MHA. mlp: SwiGLU (GatedMLP)
@@ -31,37 +32,47 @@ from bestiary.core.layers.norm import LayerNorm, RMSNorm
 from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLayer
 from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
 from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
+from bestiary.core.layers.rotary import Rotary
+from bestiary.core.layers.sandwich_norm_decoder_layer import SandwichNormDecoderLayer
 from bestiary.core.layers.scaled_residual_layer import ScaledResidualLayer
 from bestiary.core.layers.self_attention import SelfAttention
 
-Layout = Literal["pre", "post", "parallel", "scaled", "output"]
+Layout = Literal["pre", "post", "parallel", "scaled", "output", "sandwich"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 
 
 def standard_layer(
-    model, device, *, mlp: nn.Module | None = None, gated: bool = True, rotary: bool = True,
+    model, device, *, mlp: nn.Module | None = None, gated: bool = True, rotary: bool | Rotary = True,
     alibi: torch.Tensor | None = None, key_bias: KeyBias | None = None, scale: float | None = None,
     layout: Layout = "pre", parallel_norms: int = 1, norm: Callable[[Any, Any], nn.Module] | None = None,
-    alpha: float = 1.0, qk_norm: bool = False, attn: PagedAttention | None = None,
+    alpha: float = 1.0, qk_norm: bool | Callable[[int], nn.Module] = False, attn: PagedAttention | None = None,
+    softcap: float | None = None,
 ) -> nn.Module:
     """The layer of `model` (a DecoderLM whose config is a core.format.hf_config.DecoderConfig).
 
-    rotary: the config's RoPE (model.make_rotary()); alibi: this rank's slopes [H_local] instead;
+    rotary: the config's RoPE (model.make_rotary()), or the given rotary module (Gemma 3's local layers);
+    alibi: this rank's slopes [H_local] instead;
     key_bias: a family's own additive key bias (a callable k_pos [L] -> [H_local, L], e.g. Falcon's
     bf16-rounded ALiBi); scale: the attention score scale (default 1/sqrt(head_size)). mlp: the
     feed-forward block, default GatedMLP (gated) or MLP. layout: see the module doc;
     parallel_norms: 1 (the MLP reads the attention's norm) or 2 (its own); alpha: the residual scale of
-    the scaled layout; qk_norm: an RMSNorm over each q and k head before rotary (Exaone4); attn: the
-    family's own attention op instead of PagedAttention (Qwen's logn scaling). norm: `(model, device) ->
+    the scaled layout; qk_norm: an RMSNorm over each q and k head before rotary (Exaone4), or `(D) -> norm`
+    (Gemma 3's 1 + w); attn: the family's own attention op instead of PagedAttention (Qwen's logn scaling);
+    softcap: the attention-logit soft-cap c tanh(s / c) of PagedAttention (Gemma 2). norm: `(model, device) ->
     module` of the layer norms (default: the model's final norm kind, model.make_final_norm)."""
     if layout not in LAYOUTS:
         raise ValueError(f"standard_layer: layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     c, place = model.config, model.placement(device)
-    head_norm = partial(RMSNorm, eps=c.norm_epsilon, dtype=model.dtype, device=device) if qk_norm else None
+    head_norm = qk_norm if callable(qk_norm) else \
+        partial(RMSNorm, eps=c.norm_epsilon, dtype=model.dtype, device=device) if qk_norm else None
+    if softcap is not None:
+        if attn is not None:
+            raise ValueError("standard_layer: softcap and a family's own attn op (give the op its softcap)")
+        attn = PagedAttention(c.head_size, scale, alibi, key_bias, softcap=softcap)
+    rope = rotary if isinstance(rotary, Rotary) else model.make_rotary() if rotary else None
     attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
-                              qkv_bias=c.qkv_bias, dense_bias=c.dense_bias, scale=scale,
-                              rotary=model.make_rotary() if rotary else None, alibi=alibi, key_bias=key_bias,
-                              qk_norm=head_norm, attn=attn, **place)
+                              qkv_bias=c.qkv_bias, dense_bias=c.dense_bias, scale=scale, rotary=rope, alibi=alibi,
+                              key_bias=key_bias, qk_norm=head_norm, attn=attn, **place)
     if mlp is None:
         mlp = (GatedMLP if gated else MLP)(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, **place)
     make = (lambda: norm(model, device)) if norm else (lambda: model.make_final_norm(device))
@@ -71,6 +82,8 @@ def standard_layer(
         return OutputNormDecoderLayer(attention, make(), mlp, make())
     if layout == "scaled":
         return ScaledResidualLayer(make(), attention, make(), mlp, alpha)
+    if layout == "sandwich":
+        return SandwichNormDecoderLayer(make(), attention, make(), make(), mlp, make())
     layer = PreNormDecoderLayer if layout == "pre" else PostNormDecoderLayer
     return layer(make(), attention, make(), mlp)
 

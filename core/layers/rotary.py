@@ -5,6 +5,8 @@ For position p and pair i of a head (i < rot_dim/2), with theta_i = base^(-2i/ro
     x'_b = x_b cos(p theta_i) + x_a sin(p theta_i)
 where (a, b) = (i, i + rot_dim/2) in neox style (half split) and (2i, 2i+1) in gptj
 style (interleaved). Dims past rot_dim are left unchanged (partial rotary).
+Scaling: linear and llama3 change theta (rope_inv_freq); longrope (Phi-3) switches between two sets of
+thetas by each sequence's length and scales cos / sin (core.layers.longrope).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
+from bestiary.core.layers.longrope import LongRope
 
 
 def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -59,14 +62,19 @@ class Rotary(nn.Module):
         self.base, self.scaling = base, scaling
         self.max_positions = max_positions
         self._cos_sin: torch.Tensor | None = None  # [max_pos, rot_dim] = cat(cos, sin), float32
+        # rope_type longrope: two frequency sets switched by sequence length (core.layers.longrope)
+        self.longrope = LongRope.of(rot_dim, base, scaling, max_positions)
 
     def _table(self, device: torch.device, needed: int) -> torch.Tensor:
         table = self._cos_sin
         if table is None or table.device != device or table.shape[0] < needed:
             size = max(needed, self.max_positions)
-            inv_freq = rope_inv_freq(self.rot_dim, self.base, self.scaling)
-            freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)  # [P, rot/2]
-            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+            if self.longrope is not None:  # short rows below its switch length, long rows from it
+                table = self.longrope.table(size).to(device)
+            else:
+                inv_freq = rope_inv_freq(self.rot_dim, self.base, self.scaling)
+                freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)  # [P, rot/2]
+                table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
             self._cos_sin = table
         return table
 
@@ -77,6 +85,9 @@ class Rotary(nn.Module):
     def step_cos_sin(self, meta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin(meta.positions)`, computed once per step for every layer with the same rotary."""
         key = ("rotary", self.rot_dim, self.base, repr(self.scaling), dtype)
+        if self.longrope is not None:  # a prefill longer than the switch length reads long rows below it
+            longrope = self.longrope
+            return meta.step_value(key, lambda: longrope.step(*self.cos_sin(meta.positions, dtype), meta))
         return meta.step_value(key, lambda: self.cos_sin(meta.positions, dtype))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

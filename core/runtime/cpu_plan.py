@@ -8,7 +8,8 @@ pointer fixed: the weights, the KV pools and preallocated activations. What chan
 point at, then `bst_run_plan` runs the list. The math is the eager path's, op for op:
 
     x = embed(ids)
-    per layer:  y = rms_norm(x [+= pending mlp output]);  qkv = y Wqkv^T;  rotary(q, k)
+    per layer:  y = rms_norm(x [+= pending mlp output]);  qkv = y Wqkv^T;  [q_h, k_h = rms_norm(q_h), rms_norm(k_h)
+                per head (QK-norm, in place)];  rotary(q, k)
                 write k, v to the pool;  o = attention(q, pool);  a = o Wo^T
                 y = rms_norm(x += a);  fg = y [Wfc; Wgate]^T;  m = act(f) * g;  d = m Wproj^T
     logits = rms_norm(x += d) W_lm^T
@@ -47,10 +48,10 @@ from bestiary.core.kernels.activations_ref import ACT_CODES
 from bestiary.core.kernels.cpu import ops
 from bestiary.core.kernels.cpu.build import library
 
-OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL, OP_LORA = range(8)
+OP_EMBED, OP_RMS_NORM, OP_LINEAR, OP_ROTARY, OP_KV_WRITE, OP_ATTENTION, OP_ACT_MUL, OP_LORA, OP_HEAD_NORM = range(9)
 # which i[] of each op's record holds its number of rows (the batch): DecodePlan.resized sets it
 BATCH_FIELD = {OP_EMBED: 0, OP_RMS_NORM: 0, OP_LINEAR: 0, OP_ROTARY: 0, OP_KV_WRITE: 0, OP_ATTENTION: 1,
-               OP_ACT_MUL: 0, OP_LORA: 0}
+               OP_ACT_MUL: 0, OP_LORA: 0, OP_HEAD_NORM: 0}
 # decode steps of up to this many sequences run as a plan: 1.7x eager at 32; with float weights in
 # row tiles (whose eager GEMMs put rows back in order each step) bf16 SmolLM2 steps of 48 / 64 / 96 /
 # 128 sequences took 76 / 96 / 118 / 163 ms as plans against 96 / 106 / 127 / 176 eager on W^T
@@ -242,6 +243,17 @@ class DecodePlan:
                    (src.data_ptr(), _ptr(res), _ptr(res), self.y.data_ptr(), norm.weight.data_ptr()),
                    (self.batch, self.x.shape[1]), (norm.eps,))
 
+    def _head_norm(self, qkv: torch.Tensor, norm, heads: int, offset: int) -> Op:
+        """QK-norm in place: each of `heads` heads of D that start `offset` elements into each qkv row [B, width]
+        becomes h / sqrt(mean(h^2) + eps) * w (w [D]), as SelfAttention's q_norm / k_norm do eagerly."""
+        from bestiary.core.layers.norm import RMSNorm
+
+        if type(norm) is not RMSNorm or norm.offset:
+            raise Unsupported(f"QK-norm {type(norm).__name__} (the plan runs an RMSNorm scaled by w)")
+        return _op(OP_HEAD_NORM, (_dt(qkv), _dt(norm.weight)),
+                   (qkv.data_ptr() + offset * qkv.element_size(), norm.weight.data_ptr()),
+                   (self.batch, heads, norm.weight.shape[0], qkv.shape[1]), (norm.eps,))
+
     def _linear(self, x: torch.Tensor, out: torch.Tensor, weight: ops.PackedWeight,
                 bias: torch.Tensor | None) -> Op:
         """out = x W^T (+ b) through bst_linear."""
@@ -294,6 +306,8 @@ class DecodePlan:
         w, bias = self._module_weight(att.qkv)
         recs = [self._norm(layer.input_layernorm, add_delta), self._lora_site(self._linear(self.y, qkv, w, bias),
                                                                              (att.qkv,), self.y, qkv)]
+        if att.q_norm is not None and att.k_norm is not None:  # QK-norm: the q heads, then the k heads
+            recs += [self._head_norm(qkv, att.q_norm, h, 0), self._head_norm(qkv, att.k_norm, kvh, h * d)]
         if att.rotary is not None:  # a Rotary (layer_refusal)
             table = att.rotary._table(torch.device("cpu"), att.rotary.max_positions)  # [P, rot] cos | sin
             self._keep.append(table)
@@ -505,7 +519,8 @@ def _all_reduce(out: torch.Tensor, bias: torch.Tensor | None, group, meta, run: 
 
 # What a plan's layer is, and what the other layouts of core.layers.builder are called in a refusal.
 LAYOUTS = {"PostNormDecoderLayer": "post-norm layout", "ParallelDecoderLayer": "parallel attention + MLP layout",
-           "ScaledResidualLayer": "scaled-residual layout", "OutputNormDecoderLayer": "output-norm layout"}
+           "ScaledResidualLayer": "scaled-residual layout", "OutputNormDecoderLayer": "output-norm layout",
+           "SandwichNormDecoderLayer": "sandwich-norm layout (norms before and after each sublayer)"}
 
 
 def layer_refusal(layer) -> str | None:
@@ -529,12 +544,14 @@ def layer_refusal(layer) -> str | None:
         return f"attention {type(att).__name__} (the plan runs SelfAttention)"
     if type(mlp) is not GatedMLP:
         return f"{type(mlp).__name__} feed-forward block (the plan runs a gated MLP: proj(act(fc x) * gate x))"
+    if att.attn.softcap is not None:
+        return "an attention logit soft-cap (the plan's attention has none)"
     if att.attn.key_bias is not None:
         return "a key bias function in attention (ALiBi slopes run; a bias table does not)"
     if type(att.attn).forward is not PagedAttention.forward:  # e.g. Qwen-1's logn query scaling
         return f"attention op {type(att.attn).__name__} (its own forward)"
-    if att.q_norm is not None:
-        return "QK-norm"
+    if att.q_norm is not None and type(att.q_norm) is not RMSNorm:
+        return f"QK-norm {type(att.q_norm).__name__} (the plan runs an RMSNorm over each head)"
     if att.head_dim > ops.MAX_HEAD_DIM:
         return f"head_dim {att.head_dim} > {ops.MAX_HEAD_DIM}"
     if mlp.act_name not in ACT_CODES:
@@ -547,8 +564,9 @@ def layer_refusal(layer) -> str | None:
 PLAIN_TOP_LEVEL = {"vocab_embedding", "layers", "ln_f"}  # transformer.* modules a plan runs
 
 
-def refusal(model) -> str | None:
-    """Why no plan can run `model` at all (before looking at its layers), or None.
+def refusal(model, placed: bool = True) -> str | None:
+    """Why no plan can run `model` at all (before looking at its layers), or None. `placed` False: a
+    model on the meta device (`bestiary inspect`), whose placement and hooks are not asked about.
 
     An architecture that overrides `embed`, `logits` or `position_ids`, or has top-level modules
     besides the token embedding, the layers and ln_f (DecoderLM.make_top_level_modules) or an
@@ -564,11 +582,17 @@ def refusal(model) -> str | None:
     if overridden:
         return f"{cls.__name__} overrides {', '.join(overridden)}"
     extra = sorted(set(dict(model.transformer.named_children())) - PLAIN_TOP_LEVEL)
-    if extra or model.embedding_scale is not None:
-        return f"top-level modules {', '.join(extra) or 'embedding_scale'}"
-    if next(model.parameters()).device.type != "cpu":
+    if extra:
+        return f"top-level modules {', '.join(extra)}"
+    if model.embedding_scale is not None:
+        return f"an embedding scale (x = embedding * {model.embedding_scale:g}; the plan's embedding has none)"
+    if model.logit_softcap is not None:
+        return "a final-logit soft-cap (the plan's lm_head has none)"
+    if any(getattr(m, "offset", 0.0) for m in model.modules() if type(m).__name__ == "RMSNorm"):
+        return "RMSNorm with a (offset + w) scale (the plan's norm multiplies by w)"
+    if placed and next(model.parameters()).device.type != "cpu":
         return "weights not on the CPU"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if placed and any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return "forward hooks (a plan runs no module: hooks would be skipped)"
     for i, layer in enumerate(model.transformer.layers):
         reason = layer_refusal(layer)

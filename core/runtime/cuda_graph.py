@@ -20,7 +20,8 @@ What a graph cannot follow is refused, and those steps run eagerly (`refusal` sa
 LoRA or per-sequence windows, the "torch" kernel mode, BESTIARY_CUDA_GRAPHS=0; and for good
 (`model_refusal`, kept in `model.__dict__["cuda_graph_refusal"]`) a prefix-LM mask or positions of
 the architecture's own (ChatGLM v1's 2D positions), a key bias (its length is read from the step),
-tp or pp > 1, and a capture that failed (an op that syncs the device, e.g. a data-dependent shape).
+an attention logit soft-cap (Gemma 2: the torch path, per sequence), tp or pp > 1, and a capture that failed
+(an op that syncs the device, e.g. a data-dependent shape).
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ def model_refusal(model) -> str | None:
         from bestiary.core.runtime.model import DecoderLM
 
         keyed = any(m.key_bias is not None for m in model.modules() if isinstance(m, PagedAttention))
+        capped = any(m.softcap is not None for m in model.modules() if isinstance(m, PagedAttention))
         model.__dict__["cuda_graph_refusal"] = (
             "tp or pp > 1" if model.tp_size > 1 or model.pp_size > 1
             else "a prefix-LM mask" if model.mask_kind != "causal"
             else "positions of the architecture's own" if type(model).position_ids is not DecoderLM.position_ids
-            else "a key bias (its length is read from each step)" if keyed else None)
+            else "a key bias (its length is read from each step)" if keyed
+            else "an attention logit soft-cap (its torch path reads each step's lengths)" if capped else None)
     return model.__dict__["cuda_graph_refusal"]
 
 

@@ -13,6 +13,7 @@ from bestiary.core.layers.norm import LayerNorm, RMSNorm
 from bestiary.core.layers.output_norm_decoder_layer import OutputNormDecoderLayer
 from bestiary.core.layers.parallel_decoder_layer import ParallelDecoderLayer
 from bestiary.core.layers.post_norm_decoder_layer import PostNormDecoderLayer
+from bestiary.core.layers.sandwich_norm_decoder_layer import SandwichNormDecoderLayer
 from bestiary.core.layers.scaled_residual_layer import ScaledResidualLayer
 from bestiary.models.llama.model import LlamaConfig, LlamaForCausalLM
 
@@ -20,7 +21,7 @@ CONFIG = dict(architecture="LlamaForCausalLM", dtype="float32", vocab_size=32, h
               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_size=8, intermediate_size=24,
               max_position_embeddings=32)
 CLASSES = {"pre": PreNormDecoderLayer, "post": PostNormDecoderLayer, "parallel": ParallelDecoderLayer,
-           "scaled": ScaledResidualLayer, "output": OutputNormDecoderLayer}
+           "scaled": ScaledResidualLayer, "output": OutputNormDecoderLayer, "sandwich": SandwichNormDecoderLayer}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def test_each_layout_is_its_layer_class(model, layout):
     layer = standard_layer(model, "cpu", layout=layout)
     assert type(layer) is CLASSES[layout]
     norms = [m for m in layer.children() if isinstance(m, RMSNorm)]
-    assert len(norms) == (1 if layout == "parallel" else 2)  # parallel: the MLP reads the attention's norm
+    # parallel: the MLP reads the attention's norm; sandwich: a norm before and after each sublayer
+    assert len(norms) == {"parallel": 1, "sandwich": 4}.get(layout, 2)
 
 
 def test_options_reach_the_modules(model):
@@ -48,5 +50,5 @@ def test_options_reach_the_modules(model):
 
 
 def test_an_unknown_layout_is_refused(model):
-    with pytest.raises(ValueError, match="layout 'sandwich'; expected one of pre, post, parallel, scaled, output"):
-        standard_layer(model, "cpu", layout="sandwich")
+    with pytest.raises(ValueError, match="layout 'cake'; expected one of pre, post, parallel, scaled, output, sandwich"):
+        standard_layer(model, "cpu", layout="cake")

@@ -70,12 +70,17 @@ def test_broken_plugin_is_reported_and_others_keep_working():
     assert "plugin exploded on purpose" in failure.traceback and "Traceback" in failure.traceback
 
 
-def test_duplicate_name_names_both_packages():
+def test_duplicate_name_keeps_the_builtin_and_names_both_packages(capsys):
+    """The name policy (tests/registry/test_name_policy.py): no crash, the built-in stays, one warning line."""
     def twice(register):
-        register(spec("LlamaForCausalLM"))
+        register(spec("LlamaForCausalLM", description="dup"))
 
+    registry = Registry.from_plugins({"dup": plugin(bestiary_register_architectures=twice)}, prefer=frozenset())
+    assert registry.get("LlamaForCausalLM").package == "bestiary"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "'dup'" in line and "built in" in line
     with pytest.raises(DuplicateArchitectureError, match="registered twice.*bestiary"):
-        Registry.from_plugins({"dup": plugin(bestiary_register_architectures=twice)})
+        registry.register(spec("LlamaForCausalLM"), "dup")  # register() itself stays strict
 
 
 def test_override_replaces_an_installed_spec_only_for_the_plugins_given():
@@ -86,8 +91,8 @@ def test_override_replaces_an_installed_spec_only_for_the_plugins_given():
     registry = Registry.from_plugins({"mine": plugin(bestiary_register_architectures=mine)}, override=True)
     assert registry.get("LlamaForCausalLM").description == "mine"
     assert "OPTForCausalLM" in registry.names()  # the other built-ins stay
-    with pytest.raises(DuplicateArchitectureError):
-        Registry.from_plugins({"mine": plugin(bestiary_register_architectures=mine)})
+    plain = Registry.from_plugins({"mine": plugin(bestiary_register_architectures=mine)}, prefer=frozenset())
+    assert plain.get("LlamaForCausalLM").package == "bestiary"  # without override the built-in wins
 
 
 def test_lookup_by_hf_architecture_and_model_type():

@@ -18,7 +18,18 @@ typedef struct {
 } bst_op;
 
 enum { OP_EMBED = 0, OP_RMS_NORM = 1, OP_LINEAR = 2, OP_ROTARY = 3, OP_KV_WRITE = 4, OP_ATTENTION = 5,
-       OP_ACT_MUL = 6, OP_LORA = 7 };
+       OP_ACT_MUL = 6, OP_LORA = 7, OP_HEAD_NORM = 8 };
+
+/* QK-norm inside the fused qkv rows: each of T rows (stride elements apart) holds n heads of D
+ * elements from its start; each head becomes h / sqrt(mean(h^2) + eps) * w (w [D]), in place. */
+static void head_norm(void *x, int dt, int64_t T, int64_t n, int64_t D, int64_t stride, const void *w, int wdt,
+                      float eps, int threads) {
+    const int64_t esize = dt == DT_F32 ? 4 : 2;
+    for (int64_t t = 0; t < T; t++) {
+        void *row = (char *)x + t * stride * esize;
+        bst_rms_norm(row, NULL, NULL, row, dt, w, wdt, n, D, eps, threads);
+    }
+}
 
 /* out[t, :] = table[ids[t], :] with table element (v, h) at v * s0 + h * s1 (a tied embedding
  * may be held transposed), or where w_off puts it in a tiled table (a tied one in row tiles). */
@@ -65,6 +76,10 @@ void bst_run_plan(const bst_op *ops, int64_t n, int threads) {
                 break;
             case OP_ACT_MUL:
                 bst_act_and_mul(o->p[0], o->p[1], (int)o->dt[0], o->i[0], o->i[1], (int)o->i[2], threads);
+                break;
+            case OP_HEAD_NORM: /* p: x (the first head), w; dt: x, w; i: T, heads, D, row stride; f: eps */
+                head_norm(o->p[0], (int)o->dt[0], o->i[0], o->i[1], o->i[2], o->i[3], o->p[1], (int)o->dt[1], o->f[0],
+                          threads);
                 break;
             case OP_LORA: /* p: x, A, B, scale, layout, idx, out; dt: x, weights, out; i: T, K, L, N */
                 bst_lora_rows(o->p[0], (int)o->dt[0], o->i[0], o->i[1], o->p[1], o->p[2], (int)o->dt[1],
