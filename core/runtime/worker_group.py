@@ -150,6 +150,7 @@ class WorkerGroup:
     sending_since: float | None = None  # monotonic time the driver began sending a step's message
     _watchdog: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _sigint: tuple[Any, Any] | None = None  # (the Ctrl-C handler _bound_ctrl_c installed, the one it wraps)
 
     # --- 1. start ----------------------------------------------------------------------
     @classmethod
@@ -289,13 +290,25 @@ class WorkerGroup:
         previous = signal.getsignal(signal.SIGINT)
 
         def on_sigint(signum, frame) -> None:
-            threading.Thread(target=self._exit_after_deadline, name="bestiary-ctrl-c", daemon=True).start()
+            if not self.closing:  # a closed group has no ranks to stop: the Ctrl-C is only the caller's
+                threading.Thread(target=self._exit_after_deadline, name="bestiary-ctrl-c", daemon=True).start()
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN:
                 raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, on_sigint)
+        self._sigint = (on_sigint, previous)
+
+    def _unbind_ctrl_c(self) -> None:
+        """close(): the handler _bound_ctrl_c installed gives way to the one it wrapped (when it is still
+        the one in place), so a later Ctrl-C in a long-lived process is only that process's again."""
+        if self._sigint is None or threading.current_thread() is not threading.main_thread():
+            return
+        mine, previous = self._sigint
+        if signal.getsignal(signal.SIGINT) is mine:
+            signal.signal(signal.SIGINT, previous)
+        self._sigint = None
 
     def _exit_after_deadline(self) -> None:
         time.sleep(CTRL_C_DEADLINE_S)
@@ -352,6 +365,7 @@ class WorkerGroup:
         self._terminate()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._unbind_ctrl_c()
         global _CURRENT
         if _CURRENT is self:
             _CURRENT = None

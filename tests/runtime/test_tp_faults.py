@@ -172,6 +172,27 @@ def test_an_error_reported_by_a_peer_of_a_killed_rank_names_the_killed_rank():
     assert group._dead_peer(ranks[2]) is ranks[1]
 
 
+def test_a_closed_groups_ctrl_c_handler_neither_lingers_nor_arms_its_deadline(monkeypatch):
+    """A group replaced or closed left its Ctrl-C handler in place: a later Ctrl-C in the same process (a test
+    run, a notebook) armed the closed group's 10 s deadline, which killed the whole process (2026-11-29)."""
+    from bestiary.core.runtime.worker_group import WorkerGroup
+
+    armed = []
+    monkeypatch.setattr(WorkerGroup, "_exit_after_deadline", lambda self: armed.append(self))
+    before = signal.getsignal(signal.SIGINT)
+    group = WorkerGroup(world_size=2, device="cpu", control=None)  # type: ignore[arg-type]
+    group._bound_ctrl_c()
+    handler = signal.getsignal(signal.SIGINT)
+    assert handler is not before
+    group.closing = True
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+    time.sleep(0.05)
+    assert armed == []  # closed: nothing to stop, the interrupt is only the caller's
+    group._unbind_ctrl_c()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_pipeline_stage_killed_mid_generation_stops_everything(tp2pp2):
     """Rank 2 (stage 1's first tp rank) killed while stage 0 sends it hidden states: every rank of both
     stages and the driver are gone, with one line naming rank 2."""
