@@ -378,23 +378,33 @@ def _print_stats(stats, beam_width: int = 1) -> None:
 
 def add_eval_parser(sub: SubParsers) -> None:
     """`bestiary eval`'s flags: the engine, the text file and how much of it."""
-    p = sub.add_parser("eval", help="perplexity of an engine on a text file")
+    from bestiary.core.cli.summarize_command import add_summarize_flags
+
+    p = sub.add_parser("eval", help="perplexity of an engine on a text file, or summaries scored against HF (ROUGE)")
     p.add_argument("--engine_dir", type=path_arg, required=True)
-    p.add_argument("--text_file", type=path_arg, required=True)
+    p.add_argument("--task", choices=["perplexity", "summarize"], default="perplexity",
+                   help="perplexity of --text_file (default), or summarize --dataset (docs/evaluation.md)")
+    p.add_argument("--text_file", type=path_arg, default=None, help="The text of --task perplexity.")
     p.add_argument("--max_tokens", type=positive_int, default=None, help="Evaluate at most this many tokens.")
     p.add_argument("--num_threads", type=thread_count, default=None)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
+    add_summarize_flags(p)
 
 
 @command("eval", add_eval_parser)
 def cmd_eval(args: argparse.Namespace) -> int:
+    from bestiary.core.cli.summarize_command import run_summarize
     from bestiary.core.runtime.engine import load_engine
     from bestiary.core.runtime.evaluate import perplexity
     from bestiary.core.runtime.worker_group import check_device
 
     _threads(args.num_threads)
     check_device(args.device)
+    if args.task == "summarize":
+        return run_summarize(args)
+    if args.text_file is None:
+        raise BestiaryError("--task perplexity needs --text_file")
     text = read_text_file(args.text_file, "--text_file")
     engine = load_engine(args.engine_dir, device=args.device, allow_nonfinite=args.allow_nonfinite,
                          num_threads=args.num_threads)

@@ -39,7 +39,7 @@ AddParser = Callable[["SubParsers"], None]
 COMMAND_MODULES: dict[str, str] = {
     "convert": "commands", "build": "commands", "export": "commands", "run": "commands", "eval": "commands",
     "inspect": "commands", "list": "commands", "cache": "commands", "serve": "serve", "chat": "chat",
-    "demo": "commands", "bench": "bench",
+    "demo": "commands", "lm-eval": "lm_eval_command", "bench": "bench",
 }
 
 
