@@ -12,7 +12,7 @@ same input share one request (lm-eval's one-token-continuation cache, for any le
 Every input is one executor request (max_new_tokens 1, context logits), at most `max_in_flight` at a
 time in one in-flight batch. Prefix reuse: context logits turn off a request's reuse of cached blocks
 (Executor._prepare_sampling), so that every prompt row is computed. Here only the rows of the
-continuation are needed, so each request gets reuse back (`Request.reuse_prefix`): its context logits
+continuation are needed, so each request gets reuse back (`Executor.add(reuse_prefix=True)`): its context logits
 then hold the rows of the positions it computed, [P - s, V] with s = the reused tokens (whole cached
 blocks, never the last prompt token). The first request of each context runs first; the others of
 that context wait for it, then reuse its blocks (first requests reuse what is cached already, e.g. a
@@ -121,12 +121,11 @@ def score_continuations(llm: LLM, pairs: list[tuple[list[int], list[int]]], max_
                 item = schedule.ready.pop()
                 adapter: LoraAdapter | None = llm.lora_store.take(lora)
                 try:
-                    req = executor.add(list(item.ids), SCORE, stop_ids, lora=adapter)
+                    req = executor.add(list(item.ids), SCORE, stop_ids, lora=adapter, reuse_prefix=item.reuse)
                 except BaseException:
                     if adapter is not None:
                         llm.lora_store.release(adapter)
                     raise
-                req.reuse_prefix = item.reuse  # module docstring: context logits of the computed rows only
                 running[req.id] = (req, item)
             executor.step()
             for rid in [rid for rid, (req, _) in running.items() if req.finished]:

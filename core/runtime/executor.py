@@ -157,12 +157,15 @@ class Executor:
 
     # --- requests ----------------------------------------------------------------------
     def add(self, prompt: list[int], sampling: SamplingConfig, stop_ids: set[int] | None = None,
-            lora: LoraAdapter | None = None, pooling: Pooling | None = None) -> Request:
+            lora: LoraAdapter | None = None, pooling: Pooling | None = None,
+            reuse_prefix: bool | None = None) -> Request:
         """Queue a request (with a LoRA adapter, or None: the base model); prompt and length limits are checked here.
 
         With `pooling`, an embedding request: its prompt is computed (batched with the other requests'
         work) and pooled; it ends "embedded" with `pooled` = the pooled hidden state [H] (not normalised),
-        generating nothing."""
+        generating nothing. `reuse_prefix` overrides whether the request may start from cached prefix blocks
+        (context logits and mean pooling turn it off): True with context logits gives the logits of the
+        computed rows only, [P - s, V] after s reused tokens (scoring a continuation: core.bench.loglikelihood)."""
         b = self.build
         if pooling is not None and (self.model.pp_size > 1 or sampling.n > 1 or sampling.is_beam_search):
             raise BestiaryError("embeddings need pp_size 1 (the last stage holds the hidden states), n 1, no beams")
@@ -192,6 +195,8 @@ class Executor:
         req.siblings = group[1:]
         req.pooling = pooling
         req.reuse_prefix = req.reuse_prefix and pooling != "mean"  # mean pools every prompt token's row
+        if reuse_prefix is not None:
+            req.reuse_prefix = reuse_prefix
         window, sinks = request_window(sampling, self.build)
         released = release_window(self.model.attention_windows, window, sinks)
         for member in group:
