@@ -179,6 +179,14 @@ def test_a_closed_groups_ctrl_c_handler_neither_lingers_nor_arms_its_deadline(mo
 
     armed = []
     monkeypatch.setattr(WorkerGroup, "_exit_after_deadline", lambda self: armed.append(self))
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran before
+    try:
+        _closed_group_handler_is_only_the_callers(WorkerGroup, armed)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+
+
+def _closed_group_handler_is_only_the_callers(WorkerGroup, armed: list) -> None:
     before = signal.getsignal(signal.SIGINT)
     group = WorkerGroup(world_size=2, device="cpu", control=None)  # type: ignore[arg-type]
     group._bound_ctrl_c()
