@@ -20,6 +20,7 @@ the renames themselves and replays it after them to the handler that was there.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None  # what getsignal returns
 
 received: list[int] = []  # the signals seen since the handlers were installed (the CLI reads and clears it)
-_state = {"deferring": 0, "recording": 1, "installed": 0}
+_state = {"deferring": 0, "recording": 1, "installed": 0, "retries": 0}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -40,12 +41,37 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+RETRY_S = 0.02  # a signal that arrived inside an import is sent again this much later
+MAX_RETRIES = 500  # ... for at most 10 s: an import that hangs still ends on Ctrl-C
+
+
 def on_signal(signum: int, frame: FrameType | None) -> None:
-    """The handler: remember `signum`, and raise Interrupted unless a commit is running."""
+    """The handler: remember `signum`, and raise Interrupted unless a commit is running. Inside an
+    import it is sent again a moment later instead (see `_importing`)."""
+    if not _state["deferring"] and _state["retries"] < MAX_RETRIES and _importing(frame):
+        _state["retries"] += 1
+        if _state["recording"]:  # remembered now: a command whose every moment imports still ends 128 + signum
+            received.append(signum)
+        threading.Timer(RETRY_S, os.kill, (os.getpid(), signum)).start()
+        return
+    _state["retries"] = 0
     if _state["recording"] or _state["deferring"]:  # a deferred one is raised after the commit
         received.append(signum)
     if not _state["deferring"]:
         raise Interrupted(signum)
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether the main thread is inside an import. An exception raised there can land in a compiled
+    extension's own import code, which does not expect one: pydantic_core (pyo3) panics with a
+    traceback when its import of `datetime` is interrupted, torch's aborts the process. So the
+    signal is remembered (no commit happens after it, the command ends 128 + signum) and sent again
+    every RETRY_S until it lands outside an import, where it raises as usual."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _main_thread() -> bool:
