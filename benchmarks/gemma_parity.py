@@ -11,7 +11,6 @@ Usage: python benchmarks/gemma_parity.py. Runs on the CPU in about a minute.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,17 +28,9 @@ def cases() -> dict[str, dict]:
 
 def main() -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from qwen3_parity import measure
+    from qwen3_parity import print_table
 
-    header = ["architecture", "case", "max \\|diff\\|", "max \\|ref\\|", "bound", "greedy (16)",
-              "tp 2: max \\|diff\\|, greedy vs tp 1", "W8A16", "W4A16"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for architecture, named in cases().items():
-        for name, case in named.items():
-            with tempfile.TemporaryDirectory() as tmp:
-                print("| " + " | ".join([architecture, name, *measure(architecture, case, Path(tmp))]) + " |",
-                      flush=True)
+    print_table(cases())
 
 
 if __name__ == "__main__":

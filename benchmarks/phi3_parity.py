@@ -8,11 +8,10 @@ Usage: python benchmarks/phi3_parity.py. Runs on the CPU in about a minute.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen3_parity import REPO, measure  # noqa: E402
+from qwen3_parity import REPO, print_table  # noqa: E402
 
 
 def main() -> None:
@@ -20,14 +19,7 @@ def main() -> None:
     __import__("sys_path").add()  # the test modules (tests/models)
     import test_phi3
 
-    header = ["architecture", "case", "max \\|diff\\|", "max \\|ref\\|", "bound", "greedy (16)",
-              "tp 2: max \\|diff\\|, greedy vs tp 1", "W8A16", "W4A16"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for name, case in test_phi3.PHI3.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            cells = measure("Phi3ForCausalLM", case, Path(tmp))
-            print("| " + " | ".join(["Phi3ForCausalLM", name, *cells]) + " |", flush=True)
+    print_table({"Phi3ForCausalLM": test_phi3.PHI3})
 
 
 if __name__ == "__main__":

@@ -86,16 +86,21 @@ def measure(architecture: str, case, workdir: Path) -> list[str]:
     return [f"{diff:.2e}", f"{scale:.2f}", f"{1e-4 * max(1.0, scale):.1e}", greedy, "; ".join(split), *quant]
 
 
-def main() -> None:
+def print_table(cases_by_architecture: dict[str, dict], split: str = "tp 2") -> None:
+    """The Markdown parity table of every case (`split`: what the tp column measures), a row as it is measured."""
     header = ["architecture", "case", "max \\|diff\\|", "max \\|ref\\|", "bound", "greedy (16)",
-              "tp 2 / ep 2: max \\|diff\\|, greedy vs tp 1", "W8A16", "W4A16"]
+              f"{split}: max \\|diff\\|, greedy vs tp 1", "W8A16", "W4A16"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for architecture, named in cases().items():
+    for architecture, named in cases_by_architecture.items():
         for name, case in named.items():
             with tempfile.TemporaryDirectory() as tmp:
                 print("| " + " | ".join([architecture, name, *measure(architecture, case, Path(tmp))]) + " |",
                       flush=True)
+
+
+def main() -> None:
+    print_table(cases(), "tp 2 / ep 2")
 
 
 if __name__ == "__main__":

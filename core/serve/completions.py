@@ -118,6 +118,10 @@ class Completions:
             raise APIError(400, f"{param}: {num_bytes} bytes of text are more than the engine's max_input_len "
                                 f"{self.max_input_len} tokens can hold", param=param, code="context_length_exceeded")
 
+    def check_messages_length(self, messages: list[dict]) -> None:
+        """check_text_length of a conversation's texts (the template only adds to them)."""
+        self.check_text_length(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
+
     def check_context(self, prompt_len: int, max_tokens: int | None, min_tokens: int, param: str) -> None:
         """400 when prompt + max_tokens exceeds the engine's context (as vLLM), or min_tokens > max_tokens."""
         if max_tokens is None:
@@ -158,7 +162,7 @@ class Completions:
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         """The conversation's token ids through the chat template (called in a worker thread)."""
         messages = [m.as_template_message() for m in body.messages]
-        self.check_text_length(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
+        self.check_messages_length(messages)
         try:
             return self.llm.chat_ids(messages, body.add_generation_prompt)
         except BestiaryError as err:

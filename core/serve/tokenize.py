@@ -39,7 +39,7 @@ def tokenize_ids(checks: Completions, body: TokenizeRequest) -> list[int]:
         checks.check_text_length(len(body.prompt.encode("utf-8")), "prompt")
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     messages = [m.as_template_message() for m in body.messages or []]
-    checks.check_text_length(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
+    checks.check_messages_length(messages)
     try:
         text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
     except BestiaryError as err:

@@ -200,22 +200,13 @@ def inject(stage: str, llm, monkeypatch) -> None:
     """Make `stage` of the next request raise."""
     from bestiary.core.serve import generation, metrics, request_body
 
-    if stage == "parse":
-        monkeypatch.setattr(request_body, "parse_body", after(0, request_body.parse_body))
-    elif stage == "template":
-        monkeypatch.setattr(llm, "chat_ids", after(0, llm.chat_ids))
-    elif stage == "add":
-        monkeypatch.setattr(llm.executor, "add", after(0, llm.executor.add))
-    elif stage == "first step":
-        monkeypatch.setattr(llm.executor, "step", after(0, llm.executor.step))
-    elif stage == "later step":
-        monkeypatch.setattr(llm.executor, "step", after(3, llm.executor.step))
-    elif stage == "response body":
-        monkeypatch.setattr(generation.Formatter, "response", after(0, generation.Formatter.response))
-    elif stage == "stream chunk":
-        monkeypatch.setattr(generation.Formatter, "chunk", after(2, generation.Formatter.chunk))
-    elif stage == "timing":
-        monkeypatch.setattr(metrics.RequestTimer, "tokens_arrived", after(1, metrics.RequestTimer.tokens_arrived))
+    owner, name, calls = {  # what raises, and after how many calls that went through
+        "parse": (request_body, "parse_body", 0), "template": (llm, "chat_ids", 0), "add": (llm.executor, "add", 0),
+        "first step": (llm.executor, "step", 0), "later step": (llm.executor, "step", 3),
+        "response body": (generation.Formatter, "response", 0), "stream chunk": (generation.Formatter, "chunk", 2),
+        "timing": (metrics.RequestTimer, "tokens_arrived", 1),
+    }[stage]
+    monkeypatch.setattr(owner, name, after(calls, getattr(owner, name)))
 
 
 COMMON = ["parse", "template", "add", "first step", "later step", "timing"]
