@@ -37,3 +37,27 @@ def bestiary_claim_hf_config(hf_config: dict[str, Any]) -> str | None:
     Used when the HF architecture name / model_type is ambiguous (e.g. ChatGLM v1 and
     v2 both say "ChatGLMModel"). Two plugins claiming one config is an error naming both.
     """
+
+
+@hookspec
+def bestiary_register_logits_processors(register: Callable[[str, Callable[..., Any]], None]) -> None:
+    """Register named logits processors: call `register(name, factory)` once per processor.
+
+    A request names the processors it wants, in order (`SamplingConfig.logits_processors =
+    [{"name": NAME, "args": {...}}]`, the server's `logits_processors` field); for each one the
+    runtime calls, once per sequence when the request is added,
+
+        factory(args: dict, context) -> processor
+        processor(token_ids: list[int], logits: Tensor [V] float32) -> Tensor [V]
+
+    `args` is the request's JSON object (default {}); a bad one should raise ValueError / TypeError /
+    KeyError, which refuses the request with one line naming the processor. `context`
+    (bestiary.core.runtime.plugin_processors.ProcessorContext) holds `vocab_size`, the engine's
+    `tokenizer` (None for an engine without one), its `stop_ids` and `token_strings()` (every id's
+    vocabulary string), so a processor can map text to ids. Each step the processor receives the
+    sequence's ids so far (prompt + output) and its logits after the built-in penalties and before
+    the grammar mask and temperature (a copy it may change in place, on the model's device), and
+    returns new logits of the same shape (-inf bans a token).
+
+    `name`: letters, digits and `_ . : -`; a name registered twice is the second plugin's failure.
+    """

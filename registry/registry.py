@@ -23,6 +23,7 @@ from bestiary.registry.name_policy import (
     rank,
     warn,
 )
+from bestiary.registry.processors import NamedProcessor, collect_logits_processors
 from bestiary.registry.spec import ArchitectureSpec, check_reference
 
 
@@ -45,6 +46,8 @@ class Registry:
         self.failures: list[PluginFailure] = list(plugins.failures)
         self._collect()
         self._warn_claims()
+        # named logits processors (hook bestiary_register_logits_processors; core.runtime.plugin_processors)
+        self.logits_processors: dict[str, NamedProcessor] = collect_logits_processors(plugins, override, self.failures)
 
     @classmethod
     def from_plugins(
@@ -186,6 +189,13 @@ class Registry:
             f"{source}: unknown architecture {what}; registered: {', '.join(self.names()) or 'none'}"
             + self._failures_note()
         )
+
+    def logits_processor(self, name: str) -> NamedProcessor:
+        """The processor registered as `name`; an unknown name is one line listing the registered ones."""
+        if name in self.logits_processors:
+            return self.logits_processors[name]
+        raise BestiaryError(f"logits_processors: unknown processor {name!r}; registered: "
+                            f"{', '.join(sorted(self.logits_processors)) or 'none'}" + self._failures_note())
 
     def _failures_note(self) -> str:
         """'; plugin X failed to load: <last line>' for each broken plugin (it may have been the one)."""

@@ -44,12 +44,13 @@ def add_bench_parser(sub: SubParsers) -> None:
     p.add_argument("--engine_dir", nargs="+", type=path_arg, required=True,
                    help="One or more engine dirs (a row each).")
     p.add_argument("--compare", default="", metavar="PEERS",
-                   help="Comma-separated peers run in the same process: hf, llama.cpp, fastllm.")
+                   help="Comma-separated peers run in the same process: hf, llama.cpp, fastllm (default: none).")
     p.add_argument("--reference", default=None, metavar="NAME",
                    help="Row the ratio columns divide by: engine, hf, llama.cpp or fastllm (its first row; "
                         "default: the first peer measured, else the first engine).")
     p.add_argument("--json", action="store_true", help="Print the report as JSON on stdout instead of tables.")
-    p.add_argument("--num_threads", type=thread_count, default=None, help="CPU threads of every system.")
+    p.add_argument("--num_threads", type=thread_count, default=None,
+                   help="CPU threads of every system (default: torch's own count, one per physical core).")
     g = p.add_argument_group("workloads")
     g.add_argument("--workloads", nargs="+", choices=ALL_WORKLOADS, default=f["workloads"].default,
                    help=f["workloads"].description)
@@ -67,12 +68,12 @@ def add_bench_parser(sub: SubParsers) -> None:
     g.add_argument("--hf_model", type=path_arg, default=None,
                    help="hf and fastllm: an HF dir, or a .gguf made dense once (cached).")
     g.add_argument("--hf_dtypes", nargs="+", default=["float32", "bfloat16"],
-                   choices=["float32", "bfloat16", "float16"])
+                   choices=["float32", "bfloat16", "float16"], help="hf: the dtypes HF transformers runs in, a row each.")
     g.add_argument("--gguf", nargs="+", type=path_arg, default=[], metavar="FILE",
-                   help="llama.cpp: GGUF files, a row each.")
+                   help="llama.cpp: GGUF files, a row each (default: none).")
     add_speculative_flags(p)  # a second row per engine, decoding speculatively (docs/speculative.md)
     g.add_argument("--fastllm_dtypes", nargs="+", default=["float16", "int8", "int4"],
-                   choices=["float32", "float16", "int8", "int4"])
+                   choices=["float32", "float16", "int8", "int4"], help="fastllm: the dtypes of its weights, a row each.")
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:

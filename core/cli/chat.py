@@ -39,8 +39,10 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from bestiary.core.cli.main import command
-from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
+from bestiary.core.cli.guided_flags import add_guided_flags, check_guided, guided_from_args
+from bestiary.core.cli.main import SEED_HELP, THREADS_HELP, command
+from bestiary.core.cli.model_arg import add_model_args, model_label, resolve_model
+from bestiary.core.cli.parsing import positive_int, thread_count
 from bestiary.core.format import stream_line
 from bestiary.core.format.errors import BestiaryError
 
@@ -99,7 +101,7 @@ def sampling_config(args: argparse.Namespace, prompt_len: int, max_seq_len: int)
 
     return SamplingConfig(max_new_tokens=max(min(args.max_output_len, max_seq_len - prompt_len), 1),
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          random_seed=args.random_seed)
+                          random_seed=args.random_seed, guided=getattr(args, "guided_config", None))
 
 
 class ChatScreen:
@@ -239,30 +241,33 @@ def answer_turn(llm, args: argparse.Namespace, conversation: Conversation, scree
 def add_chat_parser(sub: SubParsers) -> None:
     """`bestiary chat`'s flags: the engine, the system prompt and the sampling of the answers."""
     p = sub.add_parser("chat", help="chat with an engine in the terminal (or one answer per line from a pipe)")
-    p.add_argument("--engine_dir", type=path_arg, required=True,
-                   help="An engine or checkpoint directory (or any source run takes).")
-    p.add_argument("--system", default=None, metavar="TEXT", help="The system prompt (/system TEXT changes it).")
+    add_model_args(p)
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="The system prompt (/system TEXT changes it; default: none).")
     p.add_argument("--max_output_len", type=positive_int, default=256, help="New tokens per answer at most.")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
-    p.add_argument("--top_k", type=int, default=0, help="0 = off.")
-    p.add_argument("--top_p", type=float, default=1.0, help="1.0 = off.")
-    p.add_argument("--random_seed", type=int, default=None)
-    p.add_argument("--num_threads", type=thread_count, default=None, help="torch CPU threads.")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 = greedy.")
+    p.add_argument("--top_k", type=int, default=0, help="Keep the k most likely tokens; 0 = off.")
+    p.add_argument("--top_p", type=float, default=1.0, help="Keep the tokens whose probability sums to p; 1.0 = off.")
+    p.add_argument("--random_seed", type=int, default=None, help=SEED_HELP)
+    p.add_argument("--num_threads", type=thread_count, default=None, help=THREADS_HELP)
+    add_guided_flags(p)  # every answer held to the constraint
 
 
 @command("chat", add_chat_parser)
 def cmd_chat(args: argparse.Namespace) -> int:
     from bestiary.core.runtime.llm import LLM
 
-    llm = LLM(args.engine_dir, num_threads=args.num_threads)
+    args.guided_config, guided_flag = guided_from_args(args)  # a missing or unreadable file: before the engine loads
+    llm = LLM(resolve_model(args), num_threads=args.num_threads)
     if llm.tokenizer is None:
-        raise BestiaryError(f"--engine_dir {args.engine_dir}: the engine has no tokenizer; chat needs one")
+        raise BestiaryError(f"{model_label(args)}: the engine has no tokenizer; chat needs one")
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     screen = ChatScreen(interactive)
     conversation = Conversation(system=args.system or None)
     if interactive:
-        screen.note(f"bestiary chat: {args.engine_dir}   {HELP}")
+        screen.note(f"bestiary chat: {args.model or args.engine_dir}   {HELP}")
     try:
+        check_guided(llm, args.guided_config, guided_flag)
         for line in screen.lines():
             text = line.strip()
             if not text:

@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from bestiary.core.cli.main import add_model_flags, add_quant_flags, add_sampling_flags, command
+from bestiary.core.cli.guided_flags import add_guided_flags
+from bestiary.core.cli.main import (
+    THREADS_HELP,
+    add_model_flags,
+    add_quant_flags,
+    add_sampling_flags,
+    command,
+)
+from bestiary.core.cli.model_arg import add_model_args, model_label, resolve_model
 from bestiary.core.cli.parsing import path_arg, positive_int, thread_count
 from bestiary.core.cli.speculative_flags import add_speculative_flags
 from bestiary.core.format import stream_line
@@ -23,11 +31,17 @@ from bestiary.core.format.errors import BestiaryError
 if TYPE_CHECKING:
     from bestiary.core.cli.main import SubParsers
     from bestiary.core.lora.request import LoraRequest
+    from bestiary.core.runtime.guided import GuidedConfig
     from bestiary.core.runtime.sampling import SamplingConfig
 
 ERR = Console(stderr=True)
 NONFINITE_HELP = "Accept weights with NaN or inf values (refused by default, naming the tensor)."
 DEVICE_HELP = "cpu, cuda or cuda:N (a tp > 1 engine: rank r on N + r)."
+# convert's two required flags depend on the mode (--dry_run, --lora_dir), so argparse cannot require them:
+# its usage shows each mode with what that mode requires, unbracketed.
+CONVERT_USAGE = ("%(prog)s --model_dir SOURCE --output_dir DIR [options]\n"
+                 "       %(prog)s --model_dir SOURCE --dry_run [--report FILE.json] [options]\n"
+                 "       %(prog)s --lora_dir DIR --output_dir DIR [--model_dir BASE] [--storage_type {float32,float16}]")
 
 
 def stdout_console() -> Console:
@@ -36,23 +50,28 @@ def stdout_console() -> Console:
 
 
 def _threads(n: int | None) -> None:
-    if n:
-        import torch
+    """--num_threads, else the CPUs this process may use (core.runtime.threads)."""
+    from bestiary.core.runtime.threads import set_threads
 
-        torch.set_num_threads(n)
+    set_threads(n)
 
 
 def add_convert_parser(sub: SubParsers) -> None:
     """`bestiary convert`'s flags: the source, layout and dtype, LoRA adapters, quantization."""
-    p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir")
+    p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir",
+                       usage=CONVERT_USAGE)
     p.add_argument("--model_dir", type=path_arg, default=None,
-                   help="HF model directory or a .gguf/.flm/.safetensors file (with --lora_dir of TensorRT-LLM "
-                        "LoRA tensors: the base model's checkpoint or engine dir).")
+                   help="Required: the source, an HF model directory or a .gguf/.flm/.safetensors/.bin/.pth file. "
+                        "With --lora_dir optional: the base model's checkpoint or engine dir (TensorRT-LLM LoRA "
+                        "tensors -> PEFT).")
     p.add_argument("--output_dir", type=path_arg, default=None,
-                   help="The checkpoint directory (not needed with --dry_run).")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--tp_size", type=positive_int, default=1)
-    p.add_argument("--pp_size", type=positive_int, default=1)
+                   help="Required: the checkpoint directory to write (not with --dry_run).")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="dtype of the written weights; auto: the source config's torch_dtype, else float32.")
+    p.add_argument("--tp_size", type=positive_int, default=1,
+                   help="Tensor-parallel ranks: the weights are split into this many rank files.")
+    p.add_argument("--pp_size", type=positive_int, default=1,
+                   help="Pipeline-parallel stages: the layers are split over this many stages.")
     p.add_argument("--moe_tp_size", type=positive_int, default=None,
                    help="MoE models: ranks each expert's FFN dim is split over (default --tp_size / --moe_ep_size).")
     p.add_argument("--moe_ep_size", type=positive_int, default=None,
@@ -62,7 +81,8 @@ def add_convert_parser(sub: SubParsers) -> None:
                    help="Split the token embedding over the tp ranks instead of replicating it.")
     p.add_argument("--embedding_sharding_dim", type=int, default=0, choices=[0, 1],
                    help="With --use_parallel_embedding: 0 splits the vocabulary, 1 the hidden dim.")
-    p.add_argument("--architecture", default=None, help="Force a registered architecture (see `bestiary list`).")
+    p.add_argument("--architecture", default=None,
+                   help="Force a registered architecture (see `bestiary list`; default: detected from the source).")
     p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
     p.add_argument("--dry_run", action="store_true",
                    help="Write nothing: list each target tensor's sources, postprocess hook and TP slice, and flag "
@@ -151,8 +171,9 @@ def add_build_parser(sub: SubParsers) -> None:
     from bestiary.core.format.build_config import BuildConfig
 
     p = sub.add_parser("build", help="checkpoint dir -> engine dir")
-    p.add_argument("--checkpoint_dir", type=path_arg, required=True)
-    p.add_argument("--output_dir", type=path_arg, required=True)
+    p.add_argument("--checkpoint_dir", type=path_arg, required=True, help="A checkpoint written by `bestiary convert`.")
+    p.add_argument("--output_dir", type=path_arg, required=True,
+                   help="The engine directory to write (new, empty or an earlier engine, replaced atomically).")
     add_model_flags(p, BuildConfig)
     p.add_argument("--skip_memory_check", action="store_true",
                    help="Build limits whose KV cache exceeds this host's RAM (for a larger target host).")
@@ -203,8 +224,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling(args: argparse.Namespace) -> SamplingConfig:
-    """The SamplingConfig of `bestiary run`'s sampling flags (a bad value: a one-line error naming the flag)."""
+def _sampling(args: argparse.Namespace, guided: GuidedConfig | None = None) -> SamplingConfig:
+    """The SamplingConfig of `bestiary run`'s sampling flags and `guided` (the structured output flags: a bad
+    value: a one-line error naming the flag)."""
     from bestiary.core.format.config import validate_config
     from bestiary.core.runtime.sampling import SamplingConfig
 
@@ -220,6 +242,8 @@ def _sampling(args: argparse.Namespace) -> SamplingConfig:
         if getattr(args, name):
             fields[name] = [_word(w) for w in getattr(args, name)]
     fields = {k: v for k, v in fields.items() if v is not None}
+    if guided is not None:
+        fields["guided"] = guided
     return validate_config(SamplingConfig, fields, "sampling flags")
 
 
@@ -238,46 +262,54 @@ def _parse_ids(groups: list[str]) -> list[list[int]]:
 
 def add_run_parser(sub: SubParsers) -> None:
     """`bestiary run`'s flags: the engine, the inputs, sampling, output, LoRA and speculative decoding."""
-    p = sub.add_parser("run", help="generate text from an engine")
-    p.add_argument("--engine_dir", type=path_arg, required=True)
+    p = sub.add_parser("run", help="generate text from a model: an engine dir or any source (converted once, cached)")
+    add_model_args(p)
     inputs = p.add_mutually_exclusive_group(required=True)
-    inputs.add_argument("--input_text", nargs="+", help="One or more prompts.")
+    inputs.add_argument("--input_text", nargs="+",
+                        help="One or more prompts; one output line each (a newline in an answer is written \\n, "
+                             "a backslash \\\\).")
     inputs.add_argument("--input_ids", nargs="+", help="Comma-separated token ids, one group per input.")
     add_sampling_flags(p)
     p.add_argument("--streaming", action="store_true", help="Print tokens as they are generated.")
     p.add_argument("--chat", action="store_true", help="Wrap each input in the model's chat template.")
     p.add_argument("--output_ids", action="store_true", help="Print generated ids instead of text.")
-    p.add_argument("--num_threads", type=thread_count, default=None, help="torch CPU threads.")
+    p.add_argument("--num_threads", type=thread_count, default=None, help=THREADS_HELP)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
     p.add_argument("--lora_dir", nargs="+", type=path_arg, default=None, metavar="DIR",
-                   help="HF PEFT LoRA adapter directories; task uid i is the i-th directory.")
+                   help="HF PEFT LoRA adapter directories; task uid i is the i-th directory (default: none).")
     p.add_argument("--lora_task_uids", nargs="+", default=None, metavar="UID",
-                   help="One per input: the index of its --lora_dir adapter, or -1 for the base model.")
+                   help="One per input: the index of its --lora_dir adapter, or -1 for the base model "
+                        "(default: the one --lora_dir adapter for every input, else the base model).")
+    add_guided_flags(p)
     add_speculative_flags(p)
 
 
 @command("run", add_run_parser)
 def cmd_run(args: argparse.Namespace) -> int:
+    from bestiary.core.cli.guided_flags import check_guided, guided_from_args
     from bestiary.core.cli.speculative_flags import speculative_from_args
     from bestiary.core.runtime.llm import LLM
 
-    sampling = _sampling(args)
+    guided, guided_flag = guided_from_args(args)  # a missing or unreadable file: before the engine loads
+    sampling = _sampling(args, guided)
     if args.streaming and args.output_log_probs:
         raise BestiaryError("--streaming --output_log_probs: streaming prints text only; "
                             "drop --streaming to get the log probs")
-    llm = LLM(args.engine_dir, num_threads=args.num_threads, allow_nonfinite=args.allow_nonfinite,
-              device=args.device, speculative=speculative_from_args(args))
+    speculative = speculative_from_args(args)
+    llm = LLM(resolve_model(args), num_threads=args.num_threads, allow_nonfinite=args.allow_nonfinite,
+              device=args.device, speculative=speculative)
+    check_guided(llm, guided, guided_flag)  # a schema, regex or grammar the compiler refuses names its flag
     note = _length_cap_note(args.max_output_len, llm.engine.build.max_seq_len)  # said after the outputs
     prompts: list = _parse_ids(args.input_ids) if args.input_ids else list(args.input_text)
     if llm.tokenizer is None and not args.input_ids:
-        raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; use --input_ids")
+        raise BestiaryError(f"{model_label(args)}: engine has no tokenizer; use --input_ids")
     as_ids = args.output_ids or llm.tokenizer is None
     adapters = _lora_requests(args.lora_dir, args.lora_task_uids, len(prompts), sorted(llm.lora_store.bundled, key=int))
     if args.streaming:
         for prompt, lora in zip(prompts, adapters):
             for piece in llm.generate_stream(prompt, sampling, chat=args.chat, lora=lora):  # error lines: a fresh line
-                stream_line.write(f"{piece} " if as_ids and isinstance(piece, int) else str(piece))
+                stream_line.write(f"{piece} " if as_ids and isinstance(piece, int) else one_line(str(piece)))
             stream_line.write("\n")
             _say(note)
             note = None
@@ -285,7 +317,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     completions = llm.generate(prompts, sampling, chat=args.chat, lora=adapters)
     for c in completions:
-        print(" ".join(map(str, c.output_ids)) if as_ids else c.text)
+        print(" ".join(map(str, c.output_ids)) if as_ids else one_line(c.text or ""))
         if args.output_log_probs:
             print(json.dumps(_log_prob_record(c)))
     _say(note)
@@ -357,6 +389,12 @@ def _length_cap_note(max_output_len: int, max_seq_len: int | None) -> str | None
     return None
 
 
+def one_line(text: str) -> str:
+    r"""An answer as one line of `run`'s output, losslessly: a backslash is written \\, a newline \n, a carriage
+    return \r. Read back left to right: re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m[1], m[1]), line)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
 def _say(note: str | None) -> None:
     """Print `note` (if any) on stderr."""
     if note is not None:
@@ -381,12 +419,14 @@ def add_eval_parser(sub: SubParsers) -> None:
     from bestiary.core.cli.summarize_command import add_summarize_flags
 
     p = sub.add_parser("eval", help="perplexity of an engine on a text file, or summaries scored against HF (ROUGE)")
-    p.add_argument("--engine_dir", type=path_arg, required=True)
+    add_model_args(p)
     p.add_argument("--task", choices=["perplexity", "summarize"], default="perplexity",
-                   help="perplexity of --text_file (default), or summarize --dataset (docs/evaluation.md)")
-    p.add_argument("--text_file", type=path_arg, default=None, help="The text of --task perplexity.")
-    p.add_argument("--max_tokens", type=positive_int, default=None, help="Evaluate at most this many tokens.")
-    p.add_argument("--num_threads", type=thread_count, default=None)
+                   help="perplexity of --text_file, or summarize --dataset (docs/evaluation.md).")
+    p.add_argument("--text_file", type=path_arg, default=None,
+                   help="UTF-8 text whose perplexity is measured (required by --task perplexity).")
+    p.add_argument("--max_tokens", type=positive_int, default=None,
+                   help="Evaluate at most this many tokens, the first ones (default: all).")
+    p.add_argument("--num_threads", type=thread_count, default=None, help=THREADS_HELP)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--allow_nonfinite", action="store_true", help=NONFINITE_HELP)
     add_summarize_flags(p)
@@ -402,14 +442,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _threads(args.num_threads)
     check_device(args.device)
     if args.task == "summarize":
+        args.engine_dir, args.model = str(resolve_model(args)), None  # run_summarize loads --engine_dir
         return run_summarize(args)
     if args.text_file is None:
         raise BestiaryError("--task perplexity needs --text_file")
     text = read_text_file(args.text_file, "--text_file")
-    engine = load_engine(args.engine_dir, device=args.device, allow_nonfinite=args.allow_nonfinite,
+    label = model_label(args)
+    engine = load_engine(resolve_model(args), device=args.device, allow_nonfinite=args.allow_nonfinite,
                          num_threads=args.num_threads)
     if engine.tokenizer is None:
-        raise BestiaryError(f"{args.engine_dir}: engine has no tokenizer; eval needs one")
+        raise BestiaryError(f"{label}: engine has no tokenizer; eval needs one")
     ids = engine.tokenizer.encode(text)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
@@ -421,7 +463,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def add_inspect_parser(sub: SubParsers) -> None:
     """`bestiary inspect DIRECTORY`."""
     p = sub.add_parser("inspect", help="config, tensor table, dtype and size of a checkpoint/engine dir")
-    p.add_argument("directory", type=path_arg)
+    p.add_argument("directory", type=path_arg, help="A checkpoint or engine directory.")
 
 
 @command("inspect", add_inspect_parser)
@@ -540,25 +582,30 @@ def cmd_list(args: argparse.Namespace) -> int:
 def add_cache_parser(sub: SubParsers) -> None:
     """`bestiary cache list|clear`."""
     p = sub.add_parser("cache", help="list or clear the cache (LLM(source) conversions, demo, CPU kernels)")
-    p.add_argument("action", choices=["list", "clear"])
+    p.add_argument("action", choices=["list", "clear"],
+                   help="list: each entry, its source and size (hard-linked files counted once in the total); "
+                        "clear: remove what bestiary put there.")
 
 
 @command("cache", add_cache_parser)
 def cmd_cache(args: argparse.Namespace) -> int:
-    from bestiary.core.format.cache import cache_dir, cache_entries, clear_cache
+    from bestiary.core.format.cache import cache_dir, cache_entries, cache_total, clear_cache
 
     if args.action == "clear":
         freed = clear_cache()
         ERR.print(f"cache {cache_dir()} cleared: {freed / 2**20:.1f} MiB freed")
         return 0
-    table = Table(title=f"bestiary cache: {cache_dir()}")
-    for col in ("kind", "name", "source", "MiB"):
-        table.add_column(col, justify="right" if col == "MiB" else "left", no_wrap=col != "source")
     entries = cache_entries()
+    shared = any(e.shared for e in entries)
+    table = Table(title=f"bestiary cache: {cache_dir()}", caption=(
+        "shared MiB: hard links to files of an entry above (an engine's weights to its checkpoint's), counted once "
+        "in the total" if shared else None))
+    for col in ("kind", "name", "source", "MiB", *(["shared MiB"] if shared else [])):
+        table.add_column(col, justify="right" if "MiB" in col else "left", no_wrap=col != "source")
     for e in entries:
-        table.add_row(e.kind, e.name, e.source, f"{e.size / 2**20:.1f}")
+        table.add_row(e.kind, e.name, e.source, f"{e.size / 2**20:.1f}", f"{e.shared / 2**20:.1f}" if e.shared else "")
     table.add_section()
-    table.add_row("total", "", "", f"{sum(e.size for e in entries) / 2**20:.1f}")
+    table.add_row("total on disk", "", "", f"{cache_total(entries) / 2**20:.1f}", *([""] if shared else []))
     stdout_console().print(table)
     return 0
 
@@ -566,12 +613,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def add_demo_parser(sub: SubParsers) -> None:
     """`bestiary demo`'s flags: the prompt, output length, dtype, where to work, threads and device."""
     p = sub.add_parser("demo", help="convert, build and chat with the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
-    p.add_argument("--max_output_len", type=positive_int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.",
+                   help="The user message.")
+    p.add_argument("--max_output_len", type=positive_int, default=64, help="New tokens at most (greedy).")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the converted weights.")
     p.add_argument("--workdir", type=path_arg, default=None,
-                   help="Where to put the checkpoint and engine (default: a cache dir).")
-    p.add_argument("--num_threads", type=thread_count, default=None)
+                   help="Where to put the checkpoint and engine (default: $BESTIARY_CACHE/demo, "
+                        "~/.cache/bestiary/demo).")
+    p.add_argument("--num_threads", type=thread_count, default=None, help=THREADS_HELP)
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
 
 

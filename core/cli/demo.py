@@ -1,11 +1,16 @@
 """`bestiary demo`: the main job on the embedded default model, SmolLM2-135M-Instruct.
 
 convert (GGUF -> checkpoint) -> build (engine) -> chat prompt, streamed, with tokens/s.
+
+A warm demo starts from the engine it built before: `smollm2-<dtype>.json` beside it records the
+GGUF's sha256 (remembered by the cache's digest index while the file is unchanged), the dtype and the
+build limits; when they match and the engine is whole, convert and build are skipped.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import sys
 import time
 from pathlib import Path
@@ -30,9 +35,50 @@ def demo_model_path() -> Path:
     raise BestiaryError(f"package {DEMO_PACKAGE} does not contain {DEMO_FILE}")
 
 
-def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None, device: str = "cpu") -> int:
+DEMO_BUILD = {"max_batch_size": 4, "max_input_len": 1024, "max_seq_len": 2048}
+
+
+def demo_record(gguf: Path, dtype: str) -> dict:
+    """What the demo's engine was made from: the GGUF's path and sha256, the dtype, the build limits."""
+    from bestiary.core.format.cache import file_digests
+
+    (_, digest), = file_digests([gguf], show_progress=True)
+    return {"source": str(gguf), "sha256": digest, "dtype": dtype, "build": DEMO_BUILD}
+
+
+def engine_is_current(engine: Path, record_file: Path, record: dict) -> bool:
+    """True when `engine` is whole (its config.json, written last) and was built from `record`."""
+    try:
+        return (engine / "config.json").is_file() and json.loads(record_file.read_text()) == record
+    except (OSError, ValueError):
+        return False
+
+
+def make_demo_engine(gguf: Path, base: Path, dtype: str, err: Console) -> Path:
+    """The demo's engine under `base`: reused when current, else converted and built (the record is
+    removed first and written after the build, so an interrupted build is never taken as current)."""
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
+
+    ckpt, engine = base / f"smollm2-{dtype}-ckpt", base / f"smollm2-{dtype}-engine"
+    record_file, record = base / f"smollm2-{dtype}.json", demo_record(gguf, dtype)
+    if engine_is_current(engine, record_file, record):
+        err.print(f"engine   {engine} (built before from {gguf.name}; reused)")
+        return engine
+    record_file.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    convert(gguf, ckpt, ConvertOptions(dtype=dtype), show_progress=True)
+    err.print(f"convert  {gguf.name} -> {ckpt} ({time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    build_engine(ckpt, engine, BuildConfig(**DEMO_BUILD))
+    err.print(f"build    {ckpt.name} -> {engine} ({time.perf_counter() - t0:.1f} s)")
+    partial = record_file.with_name(record_file.name + ".partial")
+    partial.write_text(json.dumps(record) + "\n")
+    partial.replace(record_file)
+    return engine
+
+
+def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None, device: str = "cpu") -> int:
     from bestiary.core.format.cache import cache_dir
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
@@ -40,14 +86,8 @@ def run_demo(prompt: str, max_output_len: int, dtype: str, workdir: str | None, 
     err = Console(stderr=True)
     gguf = demo_model_path()
     base = Path(workdir) if workdir else cache_dir() / "demo"
-    ckpt, engine = base / f"smollm2-{dtype}-ckpt", base / f"smollm2-{dtype}-engine"
     err.rule("[bold]bestiary demo: SmolLM2-135M-Instruct")
-    t0 = time.perf_counter()
-    convert(gguf, ckpt, ConvertOptions(dtype=dtype), show_progress=True)
-    err.print(f"convert  {gguf.name} -> {ckpt} ({time.perf_counter() - t0:.1f} s)")
-    t0 = time.perf_counter()
-    build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_input_len=1024, max_seq_len=2048))
-    err.print(f"build    {ckpt.name} -> {engine} ({time.perf_counter() - t0:.1f} s)")
+    engine = make_demo_engine(gguf, base, dtype, err)
     llm = LLM(engine, device=device)
     err.print(f"[bold]user:[/bold] {prompt}")
     err.print("[bold]assistant:[/bold] ", end="")

@@ -80,33 +80,47 @@ def add_model_flags(parser: argparse.ArgumentParser, model) -> None:
         kind = args[0] if args[0] in (int, float, str) else str
         if kind is int:
             kind = int_range(_bound(field, "ge", 1), _bound(field, "le", INT32_MAX))
+        text = (field.description or "").replace("%", "%%")  # a default of None: the description says what then
+        shown = field.default is not None and "default" not in text.lower()
         parser.add_argument(f"--{name}", type=kind, default=None,
-                            help=f"{field.description or ''} (default: {field.default})")
+                            help=f"{text} (default: {field.default})" if shown else text)
+
+
+THREADS_HELP = "torch CPU threads, 1 to 1024 (default: torch's own count, one per physical core)."
+ENGINE_HELP = ("Engine or checkpoint directory (any other source, e.g. an HF dir or a .gguf, is converted and "
+               "built into the cache on first use).")
+SEED_HELP = "Seed of each request's generator; the same seed repeats a sampled run (default: unseeded)."
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_output_len", type=positive_int, default=64, help="New tokens per input.")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
-    parser.add_argument("--top_k", type=int, default=0, help="0 = off.")
-    parser.add_argument("--top_p", type=float, default=1.0, help="1.0 = off.")
-    parser.add_argument("--random_seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 = greedy.")
+    parser.add_argument("--top_k", type=int, default=0, help="Keep the k most likely tokens; 0 = off.")
+    parser.add_argument("--top_p", type=float, default=1.0, help="Keep the tokens whose probability sums to p; 1.0 = off.")
+    parser.add_argument("--random_seed", type=int, default=None, help=SEED_HELP)
     g = parser.add_argument_group("penalties, stopping and beam search (docs/sampling.md)")
-    g.add_argument("--num_beams", type=positive_int, default=None, help="Beam search width (1 = off).")
-    g.add_argument("--length_penalty", type=float, default=None, help="Beam score = cum log prob / len ** this (1.0).")
+    g.add_argument("--num_beams", type=positive_int, default=None, help="Beam search width (default: 1, off).")
+    g.add_argument("--length_penalty", type=float, default=None,
+                   help="Beam score = cum log prob / len ** this (default: 1.0).")
     g.add_argument("--early_stopping", choices=["true", "false", "never"], default=None,
                    help="Beam search end rule (false = HF's heuristic, the default).")
-    g.add_argument("--beam_search_diversity_rate", type=float, default=None, help="Rank penalty within a beam (0).")
-    g.add_argument("--repetition_penalty", type=float, default=None, help="Over prompt + output; 1.0 = off.")
-    g.add_argument("--presence_penalty", type=float, default=None, help="Over the output; 0 = off.")
-    g.add_argument("--frequency_penalty", type=float, default=None, help="Per occurrence in the output; 0 = off.")
-    g.add_argument("--min_length", type=int, default=None, help="Generated tokens before an end id may be chosen.")
-    g.add_argument("--top_p_decay", type=float, default=None, help="top_p *= this after each token (1.0 = off).")
-    g.add_argument("--top_p_min", type=float, default=None, help="Lower bound of the decayed top_p.")
-    g.add_argument("--top_p_reset_ids", type=int, default=None, help="This id resets the decayed top_p.")
+    g.add_argument("--beam_search_diversity_rate", type=float, default=None,
+                   help="Rank penalty within a beam (default: 0.0).")
+    g.add_argument("--repetition_penalty", type=float, default=None,
+                   help="Over prompt + output; 1.0 = off (default: 1.0).")
+    g.add_argument("--presence_penalty", type=float, default=None, help="Over the output; 0 = off (default: 0.0).")
+    g.add_argument("--frequency_penalty", type=float, default=None,
+                   help="Per occurrence in the output; 0 = off (default: 0.0).")
+    g.add_argument("--min_length", type=int, default=None,
+                   help="Generated tokens before an end id may be chosen (default: 0).")
+    g.add_argument("--top_p_decay", type=float, default=None,
+                   help="top_p *= this after each token; 1.0 = off (default: 1.0).")
+    g.add_argument("--top_p_min", type=float, default=None, help="Lower bound of the decayed top_p (default: 1e-06).")
+    g.add_argument("--top_p_reset_ids", type=int, default=None, help="This id resets the decayed top_p (default: none).")
     g.add_argument("--stop_words", nargs="+", default=None, metavar="WORD",
-                   help="Text (or comma-separated ids like 13,198) that ends generation.")
+                   help="Text (or comma-separated ids like 13,198) that ends generation (default: none).")
     g.add_argument("--bad_words", nargs="+", default=None, metavar="WORD",
-                   help="Text (or comma-separated ids) never generated.")
+                   help="Text (or comma-separated ids) never generated (default: none).")
     g.add_argument("--end_id", type=int, default=None, help="Stop token (default: the tokenizer's).")
     g.add_argument("--ignore_eos", action="store_true", help="Generate until --max_output_len.")
     g.add_argument("--output_log_probs", action="store_true",
@@ -129,14 +143,14 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
                    help="int4 group size (weight-only int4, --w4a8_awq): 32, 64 or 128 (default 128).")
     q.add_argument("--has_zero_point", action="store_true", help="int4 with per-group zero points.")
     q.add_argument("--exclude_modules", nargs="+", default=None, metavar="NAME",
-                   help="Module names or globs left unquantized, e.g. lm_head mlp.proj.")
+                   help="Module names or globs left unquantized, e.g. lm_head mlp.proj (default: none).")
     q.add_argument("--int8_kv_cache", action="store_true", help="INT8 KV cache with per-layer scales.")
     q.add_argument("--fp8_kv_cache", action="store_true", help="FP8 (e4m3) KV cache with per-layer scales.")
     q.add_argument("--fp8", action="store_true",
                    help="FP8: e4m3 weights and activations, per-tensor scales (calibrated).")
     q.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA",
                    help="W8A8_SQ_PER_CHANNEL: SmoothQuant with migration strength 0 < ALPHA <= 1 (e.g. 0.5), "
-                        "int8 weights and activations.")
+                        "int8 weights and activations (default: off).")
     q.add_argument("--w4a8_awq", action="store_true",
                    help="W4A8_AWQ: int4 group-wise weights with AWQ scales, FP8 activations.")
     q.add_argument("--weight_quantizer", default=None, choices=["rtn", "gptq"],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from bestiary.core.format.build_config import INT32_MAX
 from bestiary.core.format.path_limits import path_problem, shown
@@ -23,9 +23,43 @@ INT32_UNIT = " (the engine's counts are 32-bit integers)"
 MAX_THREADS = 1024  # torch CPU threads (llama.cpp stops at 512): more is a typo, not a machine
 
 
+def shown_default(value: object) -> str:
+    """A default as it is typed on the command line: a list's items separated by spaces."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def worth_showing(action: argparse.Action) -> bool:
+    """Whether --help shows the action's default: a value (not None, False, "" or an empty list, whose
+    help says instead what leaving the flag out means), on an action that takes a value or is a switch."""
+    default = action.default
+    return (default is not argparse.SUPPRESS and default is not None and default is not False
+            and default not in ("", [], ()) and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)))
+
+
+class FlagHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help: the text given, then `(default: VALUE)` when the default is worth showing
+    (`worth_showing`) and the text does not say it already (it holds %(default)s or the word "default"),
+    then `(required)` for an option the parser requires. tests/cli/test_help_text.py checks every flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if worth_showing(action) and "%(default)" not in text and "default" not in text.lower():
+            text += f" (default: {shown_default(action.default).replace('%', '%%')})"
+        if action.required and action.option_strings:
+            text += " (required)"
+        return text.strip()
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line `PROG: error: MESSAGE (see PROG --help)` on stderr,
-    exit code 2. Subparsers made by add_subparsers are of the same class."""
+    exit code 2, and whose --help shows defaults and required flags (FlagHelpFormatter). Subparsers made
+    by add_subparsers are of the same class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", FlagHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         text = " ".join(line.strip() for line in message.splitlines() if line.strip())

@@ -16,7 +16,8 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     f = SpeculativeConfig.model_fields
     g = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     g.add_argument("--speculative", default=None, choices=["ngram", "draft"],
-                   help="Draft tokens by prompt lookup (ngram) or with a draft engine (draft); verified in one step.")
+                   help="Draft tokens by prompt lookup (ngram) or with a draft engine (draft); verified in one step "
+                        "(default: off).")
     g.add_argument("--num_draft_tokens", type=int, default=None, metavar="K",
                    help=f"{f['num_draft_tokens'].description} (default: {f['num_draft_tokens'].default})")
     g.add_argument("--draft_engine_dir", type=path_arg, default=None, metavar="DIR",

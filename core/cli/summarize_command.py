@@ -14,14 +14,17 @@ from bestiary.core.format.errors import BestiaryError
 def add_summarize_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("--task summarize (docs/evaluation.md)")
     g.add_argument("--dataset", type=path_arg, default=None, metavar="FILE.jsonl",
-                   help="Articles: one JSON object a line with text fields 'article' and 'highlights'.")
-    g.add_argument("--hf_model_dir", type=path_arg, default=None, help="The HF model the engine is compared with.")
-    g.add_argument("--max_output_len", type=positive_int, default=100, help="New tokens per summary (100).")
-    g.add_argument("--max_input_len", type=positive_int, default=923, help="Article tokens kept (923).")
-    g.add_argument("--max_articles", type=positive_int, default=None, help="Summarize the first N articles only.")
+                   help="Articles: one JSON object a line with text fields 'article' and 'highlights' (required by "
+                        "--task summarize).")
+    g.add_argument("--hf_model_dir", type=path_arg, default=None,
+                   help="The HF model the engine is compared with (required by --task summarize).")
+    g.add_argument("--max_output_len", type=positive_int, default=100, help="New tokens per summary.")
+    g.add_argument("--max_input_len", type=positive_int, default=923, help="Article tokens kept.")
+    g.add_argument("--max_articles", type=positive_int, default=None,
+                   help="Summarize the first N articles only (default: all).")
     g.add_argument("--check_accuracy", action="store_true",
                    help="Exit 1 when the engine's ROUGE-1 is more than --rouge1_threshold below HF's.")
-    g.add_argument("--rouge1_threshold", type=float, default=1.0, help="Allowed ROUGE-1 drop, in points (1.0).")
+    g.add_argument("--rouge1_threshold", type=float, default=1.0, help="Allowed ROUGE-1 drop, in points.")
 
 
 def run_summarize(args: argparse.Namespace) -> int:

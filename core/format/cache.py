@@ -336,24 +336,54 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 @dataclass
 class CacheEntry:
-    """One thing in the cache: kind (ENTRY_KINDS), name, where it came from, bytes on disk."""
+    """One thing in the cache: kind (ENTRY_KINDS), name, where it came from, its bytes (each file once, its
+    hard links inside the entry too), and `shared`: those of its bytes in files hard-linked to an entry listed
+    before it (build hard-links an engine's weights to its checkpoint's), already counted there."""
 
     kind: str
     name: str
     source: str
     path: Path
     size: int
+    shared: int = 0
 
 
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+Inode = tuple[int, int]  # (st_dev, st_ino): one file, whatever its hard links' names
+
+
+def _files(path: Path) -> dict[Inode, int]:
+    """The regular files of `path` (itself, or every one under it; symlinks not followed): {inode: bytes}."""
+    candidates = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    files: dict[Inode, int] = {}
+    for p in candidates:
+        try:
+            st = p.lstat()
+        except OSError:  # removed meanwhile
+            continue
+        if stat.S_ISREG(st.st_mode):
+            files[(st.st_dev, st.st_ino)] = st.st_size
+    return files
+
+
+def _size(path: Path, seen: set[Inode] | None = None) -> int:
+    """Bytes of `path`'s files, each inode once; with `seen`, only inodes not in it, which it then holds."""
+    files = _files(path)
+    new = files.keys() - seen if seen is not None else files.keys()
+    if seen is not None:
+        seen.update(files)
+    return sum(files[i] for i in new)
+
+
+def cache_total(entries: list[CacheEntry]) -> int:
+    """Bytes the entries take on disk: a file hard-linked into several entries counts once."""
+    return sum(e.size - e.shared for e in entries)
 
 
 def cache_entries() -> list[CacheEntry]:
-    """Everything under the cache's known folders."""
+    """Everything under the cache's known folders; a file hard-linked into several entries is `shared` in
+    every one after the first (cache_total counts it once)."""
     entries = []
+    seen: set[Inode] = set()
     for kind in ENTRY_KINDS:
         folder = cache_dir() / kind
         if not folder.is_dir():
@@ -363,7 +393,10 @@ def cache_entries() -> list[CacheEntry]:
                 continue
             info = _read(cache_dir() / "engines" / f"{path.name}.json") if kind in ("engines", "checkpoints") else None
             source = f"{info['source']} ({info['dtype']})" if isinstance(info, dict) and "source" in info else ""
-            entries.append(CacheEntry(kind, path.name, source, path, _size(path)))
+            files = _files(path)
+            shared = sum(size for inode, size in files.items() if inode in seen)
+            seen.update(files)
+            entries.append(CacheEntry(kind, path.name, source, path, sum(files.values()), shared))
     return entries
 
 
@@ -405,11 +438,13 @@ def owned_entry(kind: str, path: Path) -> bool:
     return False
 
 
-def _remove_owned(kind: str, path: Path) -> int:
-    """Delete `path` when `owned_entry` says it is bestiary's; the bytes freed."""
+def _remove_owned(kind: str, path: Path, seen: set[Inode] | None = None) -> int:
+    """Delete `path` when `owned_entry` says it is bestiary's; the bytes freed (files whose inode is in
+    `seen`, removed before under another name, not again; `seen` then holds this entry's); without
+    `seen`, all of its files."""
     if not owned_entry(kind, path):
         return 0
-    size = _size(path)
+    size = _size(path, seen)
     try:
         if path.is_dir():
             delete_dir(path)
@@ -424,12 +459,13 @@ def clear_cache() -> int:
     """Remove what bestiary put in the cache's known folders (`owned_entry`), and each folder left empty;
     nothing else under $BESTIARY_CACHE. Returns the bytes freed."""
     freed = 0
+    seen: set[Inode] = set()  # a file hard-linked into two entries is freed once
     for kind in ENTRY_KINDS:
         folder = cache_dir() / kind
         if folder.is_symlink() or not folder.is_dir():
             continue
         for path in sorted(folder.iterdir()):
-            freed += _remove_owned(kind, path)
+            freed += _remove_owned(kind, path, seen)
         with contextlib.suppress(OSError):
             folder.rmdir()  # only when empty
     return freed

@@ -74,6 +74,22 @@ def _compile(source: str, origin: str):
         raise BestiaryError(f"{origin}: cannot be compiled ({_reason(err)})") from None
 
 
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its caller (jinja2's undeclared names: `messages`, `tools`, ...);
+    e.g. a template without "tools" among them renders no tool definitions (the server then describes them
+    in a system message: core.serve.tools)."""
+    compile_template(source)  # one that does not compile is one BestiaryError line
+    return _variables(source)
+
+
+@lru_cache(maxsize=8)
+def _variables(source: str) -> frozenset[str]:
+    """template_variables' work, on a template that compiles."""
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
+
+
 def _environment():
     """The sandbox transformers renders in (module docstring), with the time and size budget."""
     import jinja2.ext

@@ -19,12 +19,16 @@ Speculative decoding (core.runtime.speculative, Executor(speculative=...)): in a
 step, step 2 follows each plain decoding row with its k draft tokens as one-token rows over
 the same block table; after step 3's forward, `Speculator.verify` accepts a prefix of the
 drafts, appends them and one more token, and rolls the request's K/V back to what it kept.
+
+Structured output (core.runtime.guided): a guided request's chooser holds a grammar matcher; the
+masks of a step's guided rows are filled on a helper thread while step 3's forward runs.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +40,7 @@ from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.lora.adapter import LoraAdapter
 from bestiary.core.lora.batch import AdapterStack, StepLora
 from bestiary.core.runtime.beam import Beam, BeamSearch, fork_block_tables
+from bestiary.core.runtime.guided import GrammarCompiler, GrammarMatcher, MaskFill, apply_bitmask
 from bestiary.core.runtime.kv_cache import (
     BlockAllocator,
     BlockKey,
@@ -50,6 +55,7 @@ from bestiary.core.runtime.kv_cache import (
 from bestiary.core.runtime.kv_window import held, release_outside, release_window, request_window
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ends_with_any
 from bestiary.core.runtime.model import DecoderLM
+from bestiary.core.runtime.plugin_processors import ProcessorResolver, resolver_for
 from bestiary.core.runtime.pooling import Pooling, accumulate, pooled_embedding
 from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, sample
 from bestiary.core.runtime.speculative import AcceptanceStats, DraftRow, SpeculativeConfig, Speculator
@@ -153,6 +159,9 @@ class Executor:
         self._lora_stacks: dict[tuple, AdapterStack] = {}  # (name, uid) of each adapter -> stacked weights
         self._lora_roots: dict[str | tuple, BlockKey] = {}  # adapter name (, window, sinks) -> root key
         self.lora_cache: LoraCache | None = None  # sequences hold their adapter's id until they end
+        self.grammars: GrammarCompiler | None = None  # structured output: set by LLM from the engine's tokenizer
+        self.processors: ProcessorResolver | None = None  # plugins' logits processors: set by LLM (its registry)
+        self._masks = MaskFill()
         self.speculator = Speculator.for_executor(speculative, self) if speculative else None
 
     # --- requests ----------------------------------------------------------------------
@@ -235,7 +244,18 @@ class Executor:
             req.search = BeamSearch(s, req.prompt, req.stop_ids, req.stop_words, pipeline,
                                     self._max_len(req) - len(req.prompt))
         elif s.needs_chooser:
-            req.chooser = TokenChooser(s, req.generator, pipeline, req.prompt)
+            plugins = resolver_for(self.processors, vocab).build(s.logits_processors, req.prompt) \
+                if s.logits_processors else None
+            req.chooser = TokenChooser(s, req.generator, pipeline, req.prompt, self._matcher(s), plugins)
+
+    def _matcher(self, s: SamplingConfig) -> GrammarMatcher | None:
+        """A guided request's grammar matcher (compiled here: a bad constraint is refused by `add`)."""
+        if s.guided is None:
+            return None
+        if self.grammars is None:
+            raise BestiaryError(f"guided {s.guided.kind}: structured output needs the engine's tokenizer "
+                                "(this engine has none, or the executor was made without LLM)")
+        return self.grammars.matcher(s.guided)
 
     def _max_len(self, req: Request) -> int:
         return min(len(req.prompt) + req.sampling.max_new_tokens, self.build.max_seq_len)
@@ -474,6 +494,7 @@ class Executor:
         context = [r.sampling.output_context_logits and s is r and r.num_cached < len(r.prompt) for r, s, _ in work]
         pooled = [r.pooling is not None and s is r for r, s, _ in work]
         meta.keep_hidden = any(pooled)
+        masks = self._start_masks(work)  # filled while the forward runs
         logits = self.model(torch.tensor(ids, device=self.device), meta, self.kv, all_logits=any(context + pooled))
         if any(context + pooled):  # logits [T, V]: keep the prompt rows of the requests that asked
             offsets = [0] + torch.tensor([n for *_, n in work]).cumsum(0).tolist()
@@ -505,7 +526,23 @@ class Executor:
         if forks:
             rows = [i for i in forks for _ in work[i][0].siblings]
             logits = torch.cat([logits, logits[rows]])  # [B + forked siblings, V]
-        return produced + (self._choose(work, ready, logits) if ready else [])
+        return produced + (self._choose(work, ready, logits, self._masks_of(masks)) if ready else [])
+
+    def _start_masks(self, work: list[Row]) -> tuple[list[int], Future[torch.Tensor]] | None:
+        """(guided request ids, the future of their masks [G, W]) for the rows that sample after this forward."""
+        guided = [r for r, s, n in work if s is r and r.chooser is not None and r.chooser.matcher is not None
+                  and s.num_cached + n == len(s.tokens) and not r.draft]
+        if not guided:
+            return None
+        return [r.id for r in guided], self._masks.start([r.chooser.matcher for r in guided if r.chooser and r.chooser.matcher])
+
+    @staticmethod
+    def _masks_of(started: tuple[list[int], Future[torch.Tensor]] | None) -> dict[int, torch.Tensor]:
+        """request id -> its mask [W] int32, from `_start_masks`."""
+        if started is None:
+            return {}
+        ids, future = started
+        return dict(zip(ids, future.result()))
 
     def _finish_embeddings(self, work: list[Row], ready: list[int]) -> list[int]:
         """End the embedding requests whose prompt is all computed ("embedded", `pooled` = the embedding);
@@ -520,7 +557,10 @@ class Executor:
     def _accept(self, req: Request, tokens: list[int], produced: list[tuple[Request, int]]) -> None:
         """Append the tokens a verification emitted (up to a stop); keep the K/V of every token but
         the newest (its K/V come with the next step) and free the blocks past them (rollback)."""
+        matcher = req.chooser.matcher if req.chooser is not None else None
         for token in tokens:
+            if matcher is not None:
+                matcher.accept(token)
             req.output.append(token)
             produced.append((req, token))
             self._check_stop(req, token)
@@ -533,20 +573,27 @@ class Executor:
         if self.reuse:
             self._cache_full_blocks(req)
 
-    def _choose(self, work: list[Row], ready: list[int], logits: torch.Tensor) -> list[tuple[Request, int]]:
+    def _choose(self, work: list[Row], ready: list[int], logits: torch.Tensor,
+                masks: dict[int, torch.Tensor] | None = None) -> list[tuple[Request, int]]:
         """Next tokens of the ready rows of logits [B, V]: plain requests in one batched call,
-        requests with processors one by one, beam search requests one beam group each."""
-        plain = [i for i in ready if work[i][0].chooser is None and work[i][0].search is None]
+        requests with processors one by one (guided ones with their mask [W] from `masks`, by request id,
+        or filled now), beam search requests one beam group each."""
+        plain = [i for i in ready if work[i][0].search is None
+                 and (work[i][0].chooser is None or work[i][0].sampling.guided_only)]
         out: list[tuple[Request, int]] = []
         if plain:
             reqs = [work[i][0] for i in plain]
             rows = logits if plain == list(range(logits.shape[0])) else logits[plain]  # (no copy: every row)
-            tokens = sample(rows, [r.sampling for r in reqs], [r.generator for r in reqs])
+            tokens = sample(self._grammar_masked(rows, reqs, masks or {}), [r.sampling for r in reqs],
+                            [r.generator for r in reqs])
             out += zip(reqs, tokens)
-        for i in ready:
+        for req, token in out:  # guided plain rows: their grammar takes the token
+            if req.chooser is not None and req.chooser.matcher is not None:
+                req.chooser.matcher.accept(token)
+        for i in set(ready) - set(plain):
             req = work[i][0]
             if req.chooser is not None:
-                out.append((req, req.chooser.choose(logits[i])))
+                out.append((req, req.chooser.choose(logits[i], (masks or {}).get(req.id))))
         for req, token in out:
             req.output.append(token)
             self._check_stop(req, token)
@@ -557,6 +604,20 @@ class Executor:
         for beam_rows in groups.values():
             out += self._beam_step(work[beam_rows[0]][0], logits[beam_rows])
         return out
+
+    @staticmethod
+    def _grammar_masked(rows: torch.Tensor, reqs: list[Request], masks: dict[int, torch.Tensor]) -> torch.Tensor:
+        """rows [B, V] with each guided request's row masked by its grammar (masks by request id, or filled now);
+        rows itself when none is guided."""
+        choosers = {j: r.chooser for j, r in enumerate(reqs) if r.chooser is not None and r.chooser.matcher is not None}
+        if not choosers:
+            return rows
+        guided = list(choosers)
+        stacked = torch.stack([masks[reqs[j].id] if reqs[j].id in masks else choosers[j].grammar_mask()[0]
+                               for j in guided])  # [G, W]
+        rows = rows.float().clone()
+        rows[guided] = apply_bitmask(rows[guided], stacked)
+        return rows
 
     def _beam_step(self, req: Request, logits: torch.Tensor) -> list[tuple[Request, int]]:
         """One beam search step on the logits [R, V] of req's running beams (or its prompt)."""
@@ -594,6 +655,8 @@ class Executor:
         if token in req.stop_ids or (req.stop_words and len(req.output) >= s.min_length
                                      and ends_with_any(req.output, req.stop_words)):
             self._finish(req, "stop")
+        elif req.chooser is not None and req.chooser.matcher is not None and req.chooser.matcher.stopped:
+            self._finish(req, "stop")  # the grammar is complete: only an end id could follow
         elif len(req.output) >= s.max_new_tokens or len(req.tokens) >= self.build.max_seq_len:
             self._finish(req, "length")
 

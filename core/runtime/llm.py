@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,23 +31,28 @@ from bestiary.core.lora.cache import LoraCache, LoraCacheConfig
 from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.engine import load_engine
 from bestiary.core.runtime.executor import Executor, Request
+from bestiary.core.runtime.guided import GrammarCompiler
 from bestiary.core.runtime.kv_cache import KvCacheConfig
+from bestiary.core.runtime.plugin_processors import ProcessorContext, ProcessorResolver
 from bestiary.core.runtime.pooling import Pooling, check_pooling
 from bestiary.core.runtime.prompt_log_probs import prompt_log_probs
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, speculative_config
 from bestiary.core.runtime.step_broadcast import release
 from bestiary.core.runtime.text_deltas import TextDeltas
+from bestiary.core.runtime.threads import set_threads
 from bestiary.core.runtime.worker_group import check_device
 
 
-def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = False) -> Path:
+def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = False,
+                  on_convert: Callable[[Path], None] | None = None) -> Path:
     """An engine/checkpoint dir for `path`, converting and building a source into the cache.
 
     A directory whose config.json is bestiary's is used as it is (Engine.load names what it
     lacks). Any other source is cached under a key of the content of every file it is read from
     (core.format.cache), so a changed weights, config or tokenizer file converts again, whatever its
-    times say; an entry whose files were written while it was converted is discarded."""
+    times say; an entry whose files were written while it was converted is discarded. `on_convert`
+    is called with the engine dir about to be written when the cache has no engine for `path` yet."""
     path = Path(path)
     if path.is_dir() and config_kind(path / "config.json") is not None:
         return path
@@ -61,6 +66,8 @@ def ensure_engine(path: str | Path, dtype: str = "auto", show_progress: bool = F
     engine_dir = cache_dir() / "engines" / key
     if not (engine_dir / "config.json").is_file():
         ckpt = cache_dir() / "checkpoints" / key
+        if on_convert is not None:
+            on_convert(engine_dir)
         convert(path, ckpt, ConvertOptions(dtype=dtype), show_progress=show_progress)
         build_engine(ckpt, engine_dir, BuildConfig())
         if file_stamps(source_files(path)) != stamps:
@@ -206,8 +213,7 @@ class LLM:
         tp_size > 1 starts its ranks (core.runtime.worker_group); under torchrun a rank other than 0
         serves rank 0's steps inside this constructor and then exits."""
         check_device(device)
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        set_threads(num_threads)  # the usable CPUs when not given (core.runtime.threads)
         self.engine = load_engine(ensure_engine(path, dtype), device=device, registry=registry,
                                   allow_nonfinite=allow_nonfinite, num_threads=num_threads)
         self.tokenizer = self.engine.tokenizer
@@ -217,6 +223,11 @@ class LLM:
         self.lora_store = LoraCache(self.engine.model, registry, LoraCacheConfig.model_validate(lora_cache_config or {}),
                                     bundled_adapters(self.engine.directory), engine_lora(self.engine.directory))
         self.executor.lora_cache = self.lora_store
+        if self.tokenizer is not None:  # structured output: grammars over this tokenizer (core.runtime.guided)
+            self.executor.grammars = GrammarCompiler(self.tokenizer.to_json(), self.engine.model.config.vocab_size,
+                                                     self.tokenizer.stop_ids)
+        self.executor.processors = ProcessorResolver(  # plugins' logits processors (core.runtime.plugin_processors)
+            registry, ProcessorContext(self.engine.model.config.vocab_size, self.tokenizer))
         self.last_stats = GenerationStats()
         self._worker: ThreadPoolExecutor | None = None  # the one thread that calls the executor (async API)
         self._streams: dict[int, _Stream] = {}  # request id -> stream; changed on the worker thread only
@@ -233,11 +244,13 @@ class LLM:
             return self.chat_ids([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the chat template (no special tokens added again)."""
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (no special tokens added again);
+        `tools`: the template's `tools` variable (OpenAI's [{"type": "function", "function": {...}}, ...])."""
         if self.tokenizer is None:
             raise BestiaryError(f"{self.engine.directory}: engine has no tokenizer; chat needs one")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _resolve(self, sampling: SamplingConfig | None) -> SamplingConfig:

@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.sampling_ref import filter_logits
+from bestiary.core.runtime.guided import GrammarMatcher, GuidedConfig, apply_bitmask
 from bestiary.core.runtime.logits_processors import LogitsPipeline, ProcessorState
+from bestiary.core.runtime.plugin_processors import PluginProcessors, ProcessorRequest
 
 WordList = list[list[int] | str]
 # The smallest temperature that samples: logits / T stay finite in float32 for any |logit| < 3e33. vLLM
@@ -75,6 +77,15 @@ class SamplingConfig(BaseModel):
                                                            "probs at each step (0 = off).")
     output_context_logits: bool = Field(False, description="Return the logits of every prompt position.")
     output_generation_logits: bool = Field(False, description="Return the raw logits of every generated step.")
+    # --- structured output (core.runtime.guided)
+    guided: GuidedConfig | None = Field(
+        None, description="Hold the output to a JSON schema, any JSON object, a regex, a grammar or a choice of "
+                          "strings (docs/structured-output.md); not with beam search.")
+    # --- plugins' logits processors (core.runtime.plugin_processors)
+    logits_processors: list[ProcessorRequest] = Field(
+        default_factory=list, description="Processors registered by plugins, applied in this order after the "
+                                          "penalties and before the grammar mask: [{'name': NAME, 'args': {...}}] or "
+                                          "NAME (docs/logits-processors.md); not with beam search.")
     # --- attention window (core.kernels.attention_window)
     max_attention_window: int | None = Field(
         None, ge=1, description="Attend to at most this many recent keys (sinks included); default: the engine's "
@@ -108,6 +119,12 @@ class SamplingConfig(BaseModel):
             raise ValueError(f"top_p_min {self.top_p_min} is larger than top_p {self.top_p}")
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"n {self.n} with beam_width {self.beam_width}: use one or the other")
+        if self.guided is not None and self.beam_width > 1:
+            raise ValueError(f"guided ({self.guided.kind}) with beam_width {self.beam_width}: beam search cannot "
+                             "hold its beams to a grammar; use beam_width 1")
+        if self.logits_processors and self.beam_width > 1:
+            raise ValueError(f"logits_processors with beam_width {self.beam_width}: plugins' processors run on "
+                             "sampled sequences only; use beam_width 1")
         return self
 
     @property
@@ -127,7 +144,16 @@ class SamplingConfig(BaseModel):
     def needs_chooser(self) -> bool:
         """False for plain requests: the batched fast path `sample` serves them."""
         return (self.is_beam_search or self.output_log_probs or self.top_log_probs > 0 or self.output_generation_logits
-                or self.top_p_decay != 1.0 or self.top_p_reset_ids is not None or LogitsPipeline.wanted(self))
+                or self.top_p_decay != 1.0 or self.top_p_reset_ids is not None or LogitsPipeline.wanted(self)
+                or self.guided is not None or bool(self.logits_processors))
+
+    @property
+    def guided_only(self) -> bool:
+        """Guided, and otherwise plain: speculative decoding may draft for it (core.runtime.speculative)."""
+        return self.guided is not None and not (
+            self.is_beam_search or self.output_log_probs or self.top_log_probs > 0 or self.output_generation_logits
+            or self.top_p_decay != 1.0 or self.top_p_reset_ids is not None or LogitsPipeline.wanted(self)
+            or bool(self.logits_processors))
 
     def token_words(self, name: str) -> list[list[int]]:
         """stop_words / bad_words as id sequences (text must be resolved first: LLM does it)."""
@@ -200,30 +226,40 @@ def decayed_top_p(current: float, token: int, config: SamplingConfig) -> float:
 class TokenChooser:
     """One non-beam request's sampler with state: processors, decayed top_p, outputs.
 
-    choose(l): x = pipeline(l) (float32); greedy: argmax x, log p = log_softmax(x)[token];
+    choose(l): x = pipeline(l) (float32), then the plugins' processors (core.runtime.plugin_processors), then
+    -inf where the grammar's mask forbids (guided requests);
+    greedy: argmax x, log p = log_softmax(x)[token];
     otherwise y = filter(x / T, top_k, top_p_t), token ~ softmax(y), log p = log_softmax(y)[token].
     top_log_probs = k: the k largest entries of that same log_softmax, with their token ids.
     """
 
     def __init__(self, config: SamplingConfig, generator: torch.Generator, pipeline: LogitsPipeline | None,
-                 prompt: list[int]) -> None:
+                 prompt: list[int], matcher: GrammarMatcher | None = None,
+                 plugins: PluginProcessors | None = None) -> None:
         self.config = config
         self.generator = generator
         self.pipeline = pipeline
+        self.matcher = matcher  # guided requests: the grammar's state (core.runtime.guided)
+        self.plugins = plugins  # the request's processors registered by plugins, with its ids so far
         self.state = pipeline.new_state(prompt) if pipeline else None
         self.top_p = config.top_p
         self.log_probs: list[float] = []
         self.top_log_probs: list[list[tuple[int, float]]] = []  # per step: (token, log p), most likely first
         self.logits: list[torch.Tensor] = []  # raw generation logits, [V] each
 
-    def choose(self, row: torch.Tensor) -> int:
-        """The next token from this request's raw logits row [V]."""
+    def choose(self, row: torch.Tensor, mask: torch.Tensor | None = None) -> int:
+        """The next token from this request's raw logits row [V] (and, guided, the grammar's mask [W] int32,
+        filled for this step; None: filled here)."""
         cfg = self.config
         if cfg.output_generation_logits:
             self.logits.append(row.float().clone())
         x = row.float()
         if self.pipeline is not None and self.state is not None:  # made together: both or neither
             x = self.pipeline(x[None], [self.state])[0]
+        if self.plugins is not None:
+            x = self.plugins(x)
+        if self.matcher is not None:
+            x = apply_bitmask(x[None], self.grammar_mask() if mask is None else mask[None])[0]
         if cfg.is_greedy:
             token = dispatch.argmax_rows(x[None])[0]
             dist = x
@@ -238,8 +274,19 @@ class TokenChooser:
                 self.top_log_probs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         if self.state is not None:
             self.state.push(token)
+        if self.plugins is not None:
+            self.plugins.push(token)
+        if self.matcher is not None:
+            self.matcher.accept(token)
         self.top_p = decayed_top_p(self.top_p, token, cfg)
         return token
+
+    def grammar_mask(self) -> torch.Tensor:
+        """The matcher's mask for the next token, [1, W] int32."""
+        assert self.matcher is not None, "grammar_mask of a request without a grammar"
+        mask = torch.full((1, self.matcher.words), -1, dtype=torch.int32)
+        self.matcher.fill(mask, 0)
+        return mask
 
 
 def pad_outputs(sequences: list[list[list[int]]], pad_id: int) -> torch.Tensor:

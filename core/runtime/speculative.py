@@ -26,6 +26,11 @@ Drafters:
 After verification the sequence keeps the K/V of t_{L-1}, d_1 .. d_a (a accepted): the slots of
 rejected drafts are dead and the blocks past the kept tokens go back to the request's
 reservation (the executor's rollback).
+
+Guided requests (core.runtime.guided): a draft is cut to the prefix its grammar accepts before it
+runs; verification fills the grammar's mask m_j after d_1 .. d_j for every row j (the matcher walks
+the drafts, then rolls back), applies it to row j (p_j is then zero outside the grammar, so a
+rejected draft is never emitted) and advances the matcher by the tokens emitted.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from bestiary.core.format.errors import BestiaryError
 from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.kernels.sampling_ref import filter_logits
 from bestiary.core.runtime.cpu_plan import MAX_BATCH
+from bestiary.core.runtime.guided import apply_bitmask
 from bestiary.core.runtime.sampling import SamplingConfig, draw
 from bestiary.core.runtime.speculative_config import SpeculativeConfig, speculative_config  # noqa: F401 - re-exported
 
@@ -131,6 +137,30 @@ def accept_drafts(logits: torch.Tensor, draft: list[int], sampling: SamplingConf
         residual[d] = 0.0  # norm(max(0, p - q)) for q one-hot at d
         return out + [draw(residual, generator)]
     return out + [draw(probs[len(draft)], generator)]
+
+
+def grammar_prefix(req: Request, draft: list[int]) -> list[int]:
+    """The part of `draft` a guided request's grammar accepts from where it is (all of it otherwise)."""
+    matcher = req.chooser.matcher if req.chooser is not None else None
+    return draft if matcher is None or not draft else draft[: matcher.valid_prefix(draft)]
+
+
+def guided_rows(req: Request, logits: torch.Tensor) -> torch.Tensor:
+    """logits [1 + k, V] of a guided request's verification with row j masked by its grammar after
+    draft tokens 1 .. j: the matcher walks the (grammar-checked) drafts, then rolls back."""
+    matcher = req.chooser.matcher if req.chooser is not None else None
+    if matcher is None:
+        return logits
+    masks = torch.full((len(req.draft) + 1, matcher.words), -1, dtype=torch.int32)  # [1 + k, W]
+    walked = 0
+    for j in range(len(req.draft) + 1):
+        matcher.fill(masks, j)
+        if j < len(req.draft):
+            if not matcher.accept(req.draft[j]):
+                raise RuntimeError(f"draft token {req.draft[j]} was checked against the grammar, then refused")
+            walked += 1
+    matcher.rollback(walked)
+    return apply_bitmask(logits.float(), masks)
 
 
 @dataclass
@@ -323,7 +353,8 @@ class Speculator:
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        return req.chooser is None and req.search is None and bool(req.output) and req.num_cached == len(req.tokens) - 1
+        plain = req.chooser is None or req.sampling.guided_only  # a guided request drafts too (its grammar checks)
+        return plain and req.search is None and bool(req.output) and req.num_cached == len(req.tokens) - 1
 
     def draft(self, executor: Executor, work: list[Row]) -> list[Row]:
         """`work` (request, sequence, new tokens) with each eligible decode row followed by its drafts
@@ -342,7 +373,7 @@ class Speculator:
         if not asks:
             return work
         proposed = self.drafter.propose([(r.id, r.tokens, k) for _, r, k in asks])
-        drafts = {i: list(tokens[:k]) for (i, _, k), tokens in zip(asks, proposed)}
+        drafts = {i: grammar_prefix(r, list(tokens[:k])) for (i, r, k), tokens in zip(asks, proposed)}
         out: list[Row] = []
         for i, (req, seq, n) in enumerate(work):
             out.append((req, seq, n))
@@ -372,7 +403,8 @@ class Speculator:
                 out.append((req, seq, n))
                 keep.append(i)
             else:
-                tokens = accept_drafts(logits[i:j], req.draft, req.sampling, req.generator)  # logits [1 + k, V]
+                rows = logits[i:j] if req.chooser is None else guided_rows(req, logits[i:j])  # [1 + k, V]
+                tokens = accept_drafts(rows, req.draft, req.sampling, req.generator)  # _accept advances a grammar
                 for s in (req.spec, self.stats):
                     s.add(AcceptanceStats(1, len(req.draft), len(tokens) - 1))
                 req.draft = []

@@ -121,6 +121,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what the grammar compiler builds its token trie from)."""
+        return self._tok.to_str()
+
     def token_strs(self, ids: list[int]) -> list[str]:
         """The vocabulary's string of each id (byte-level tokens as stored, e.g. 'Ġthe'); '' for none."""
         return [self._tok.id_to_token(i) or "" for i in ids]

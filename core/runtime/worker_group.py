@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from bestiary.core.format import stream_line
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.runtime.threads import default_threads
 
 STEP_TIMEOUT_S = float(os.environ.get("BESTIARY_DIST_TIMEOUT", "20"))
 CTRL_C_DEADLINE_S = 10.0  # after Ctrl-C the driver and its ranks are gone within this (WorkerGroup._bound_ctrl_c)
@@ -168,7 +169,7 @@ class WorkerGroup:
             group = cls(world_size, device, join_world(0, world_size, device))
             atexit.register(group.close)
             return group
-        threads = num_threads or max(1, (os.cpu_count() or 1) // world_size)
+        threads = num_threads or default_threads(world_size)  # the usable CPUs shared by the ranks
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
         spawned = []

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from bestiary.core.format.errors import BestiaryError
 from bestiary.core.lora.request import LoraRequest
+from bestiary.core.runtime.guided import GuidedConfig
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.serve.errors import APIError
@@ -28,6 +29,7 @@ from bestiary.core.serve.metrics import RequestTimer, ServerMetrics
 from bestiary.core.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from bestiary.core.serve.request_body import request_json
 from bestiary.core.serve.settings import ServeSettings
+from bestiary.core.serve.tools import ToolPlan, plan_tools
 
 T = TypeVar("T")
 # SamplingConfig's field -> the request's (what build_sampling's errors name)
@@ -159,14 +161,48 @@ class Completions:
         self.check_text_length(len(prompt.encode("utf-8")), param)
         return self.llm.tokenizer.encode(prompt)
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        """The conversation's token ids through the chat template (called in a worker thread)."""
-        messages = [m.as_template_message() for m in body.messages]
-        self.check_messages_length(messages)
+    def chat_ids(self, plan: ToolPlan, add_generation_prompt: bool) -> list[int]:
+        """The conversation's token ids through the chat template, with the plan's tools (in a worker thread)."""
+        self.check_messages_length(plan.messages)
         try:
-            return self.llm.chat_ids(messages, body.add_generation_prompt)
+            return self.llm.chat_ids(plan.messages, add_generation_prompt, plan.tools)
         except BestiaryError as err:
             raise APIError(400, f"messages: {err}", param="messages") from None
+
+    def tool_plan(self, body: ChatCompletionRequest) -> tuple[ToolPlan, list[int]]:
+        """The request's template input and output constraint (core.serve.tools, under --tool_parser) and its
+        prompt's ids (in a worker thread)."""
+        template = self.llm.tokenizer.chat_template if self.llm.tokenizer is not None else None
+        plan = plan_tools(body, template, self.settings.tool_parser)
+        return plan, self.chat_ids(plan, body.add_generation_prompt)
+
+    async def check_guided(self, body: SamplingRequest, plan: ToolPlan | None = None) -> None:
+        """400 naming the field, before anything is queued, for a constraint that does not compile: the
+        request's response_format / guided_*, each tool's parameters, then the plan's grammar (compiled
+        grammars are cached: the executor reuses them)."""
+        checks: list[tuple[GuidedConfig, str]] = []
+        if (answer := body.guided()) is not None:
+            checks.append((answer, body.guided_param))
+        if plan is not None and plan.parser is not None and isinstance(body, ChatCompletionRequest):
+            checks += [(GuidedConfig(json_schema=t.function.parameters), f"tools.{i}.function.parameters")
+                       for i, t in enumerate(body.tools or []) if t.function.parameters is not None]
+            if plan.guided is not None and plan.guided is not answer:
+                checks.append((plan.guided, "tool_choice" if body.tool_mode == "named" else "tools"))
+        if not checks:
+            return
+        grammars = self.llm.executor.grammars
+        if grammars is None:
+            raise APIError(400, f"{checks[0][1]}: this engine has no tokenizer to constrain the output with",
+                           param=checks[0][1])
+
+        def compile_all() -> None:
+            for config, param in checks:
+                try:
+                    grammars.check(config)
+                except BestiaryError as err:
+                    raise APIError(400, f"{param}: {err}", param=param) from None
+
+        await asyncio.to_thread(compile_all)
 
     def vocab_check(self, bias: dict[int, float] | None) -> None:
         """400 for a logit_bias token outside the vocabulary."""
@@ -232,6 +268,7 @@ class Completions:
             raise APIError(400, "max_tokens: 0 needs echo: true (the prompt alone, with its log probs)",
                            param="max_tokens")
         self.vocab_check(body.logit_bias)
+        await self.check_guided(body)
         self.check_queue()
         sampling = self.build_sampling(body, max(body.token_limit, 1), body.logprobs)
         echo = None
@@ -252,15 +289,16 @@ class Completions:
         """POST /v1/chat/completions: messages -> chat template -> text."""
         body = await request_json(request, ChatCompletionRequest, self.settings.max_request_bytes)
         lora = self.check_model(body.model)
-        ids = await asyncio.to_thread(self.chat_ids, body)
+        plan, ids = await asyncio.to_thread(self.tool_plan, body)
         self.check_prompt(ids, "messages")
         limit_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         self.check_context(len(ids), body.token_limit, body.min_tokens, limit_name)
         self.vocab_check(body.logit_bias)
+        await self.check_guided(body, plan)
         self.check_queue()
         limit = body.token_limit or max(self.max_seq_len - len(ids), 1)
-        sampling = self.build_sampling(body, limit, body.top_log_probs)
-        fmt = Formatter(self.llm, body.model, True, body.n, len(ids), body.logprobs)
+        sampling = self.build_sampling(body, limit, body.top_log_probs).model_copy(update={"guided": plan.guided})
+        fmt = Formatter(self.llm, body.model, True, body.n, len(ids), body.logprobs, tool_parser=plan.parser)
         return await self.answer(request, body, [ids], fmt, sampling, lora)
 
 

@@ -31,6 +31,7 @@ from bestiary.core.runtime.llm import LLM, Delta
 from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.speculative import AcceptanceStats
 from bestiary.core.serve.metrics import RequestTimer
+from bestiary.core.serve.tool_calls import ToolCallDeltas, new_call_id, parse, tool_calls_json
 
 NO_LOG_PROB = -9999.0
 log = logging.getLogger("bestiary.serve")
@@ -126,8 +127,10 @@ class Formatter:
     """Response bodies of one request, for /v1/completions (chat=False) or /v1/chat/completions."""
 
     def __init__(self, llm: LLM, model: str, chat: bool, num_choices: int, prompt_tokens: int,
-                 log_probs: bool, echo: Echo | None = None) -> None:
+                 log_probs: bool, echo: Echo | None = None, tool_parser: str | None = None) -> None:
         self.echo = echo
+        self.tool_parser = tool_parser  # chat with tools: the answers' tool call format (core.serve.tool_calls)
+        self.tool_streams: dict[int, ToolCallDeltas] = {}  # streamed choice -> its parse so far
         self.llm = llm
         self.model = model
         self.chat = chat
@@ -179,13 +182,26 @@ class Formatter:
                                                         c.prompt_log_probs, c.prompt_top)
             item: dict = {"index": i, "logprobs": self.logprobs(ids, log_probs, top), "finish_reason": c.finish_reason}
             if self.chat:
-                item["message"] = {"role": "assistant", "content": text}
+                item["message"], item["finish_reason"] = self.message(text, c.finish_reason)
             else:
                 item["text"] = text
             out.append(item)
         generated = 0 if self.echo is not None and self.echo.drop_output else sum(len(c.ids) for c in choices)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": out, "usage": self.usage(generated, [c.speculative for c in choices])}
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A chat choice's message and finish_reason: with tools, the calls parsed out of its text (content
+        None when only calls were written; "tool_calls" for an answer that ended by itself with calls)."""
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        parsed = parse(text, self.tool_parser)
+        if not parsed.calls:
+            return {"role": "assistant", "content": parsed.content}, finish_reason
+        calls = tool_calls_json(parsed.calls, [new_call_id() for _ in parsed.calls])
+        content = parsed.content if parsed.content.strip() else None
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if finish_reason == "stop" else finish_reason)
 
     def _with_echo(self, index: int, text: str, ids: list[int], log_probs: list, top: list,
                    prompt_log_probs: list | None, prompt_top: list | None) -> tuple[str, list[int], list, list]:
@@ -206,6 +222,24 @@ class Formatter:
         if include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def delta_choices(self, index: int, delta: Delta) -> list[dict]:
+        """The choice deltas of one generated delta: one, or (chat with tools) what its text adds to the
+        content and the calls, OpenAI's way (a call's first delta has its id, type and name, then argument
+        fragments), the log probs on the first and the finish_reason on the last."""
+        if self.tool_parser is None:
+            return [self.delta_choice(index, delta)]
+        stream = self.tool_streams.setdefault(index, ToolCallDeltas(self.tool_parser))
+        pieces = stream.push(delta.text or "", final=delta.finish_reason is not None)
+        logprobs = self.logprobs(delta.token_ids, delta.log_probs or [], delta.top_log_probs or [])
+        if not pieces and delta.finish_reason is None and logprobs is None:
+            return []
+        items: list[dict] = [{"index": index, "delta": piece, "logprobs": None, "finish_reason": None}
+                             for piece in pieces or [{}]]
+        items[0]["logprobs"] = logprobs
+        finish = delta.finish_reason
+        items[-1]["finish_reason"] = "tool_calls" if finish == "stop" and stream.called else finish
+        return items
 
     def delta_choice(self, index: int, delta: Delta) -> dict:
         text, ids, log_probs, top = delta.text or "", delta.token_ids, delta.log_probs or [], delta.top_log_probs or []
@@ -297,7 +331,8 @@ async def _delta_events(first: tuple[int, Delta] | None, deltas: AsyncGenerator[
         generated += 0 if fmt.echo is not None and fmt.echo.drop_output else len(delta.token_ids)
         if delta.speculative is not None:  # a sample's last delta
             speculative.append(delta.speculative)
-        yield fmt.chunk([fmt.delta_choice(index, delta)], include_usage=include_usage)
+        for item in fmt.delta_choices(index, delta):
+            yield fmt.chunk([item], include_usage=include_usage)
     if include_usage:
         yield fmt.chunk([], usage=fmt.usage(generated, speculative), include_usage=True)
     yield "data: [DONE]\n\n"

@@ -27,3 +27,6 @@ class ServeSettings(BaseModel):
                                                                        "the model's default.")
     lora_modules: dict[str, str] = Field(default_factory=dict,
                                          description="LoRA adapters served as model names: name -> HF PEFT dir.")
+    tool_parser: Literal["auto", "hermes", "llama3", "mistral"] = Field(
+        "auto", description="The format of tool calls in the model's text (core.serve.tool_calls); auto: the one "
+                            "the chat template shows, hermes for a template without tools.")

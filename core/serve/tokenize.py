@@ -21,6 +21,7 @@ from bestiary.core.serve.completions import Completions
 from bestiary.core.serve.errors import APIError
 from bestiary.core.serve.protocol import DetokenizeRequest, TokenizeRequest
 from bestiary.core.serve.request_body import request_json
+from bestiary.core.serve.tools import template_messages
 
 
 def tokenizer_of(checks: Completions, model: str | None) -> Tokenizer:
@@ -38,7 +39,7 @@ def tokenize_ids(checks: Completions, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         checks.check_text_length(len(body.prompt.encode("utf-8")), "prompt")
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-    messages = [m.as_template_message() for m in body.messages or []]
+    messages = template_messages(body.messages or [], tokenizer.chat_template, checks.settings.tool_parser)
     checks.check_messages_length(messages)
     try:
         text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)

@@ -1,0 +1,127 @@
+"""Decode speed on a shared CPU: bestiary's thread settings with 0, 1 and 2 competing busy processes.
+
+Each case runs a fresh `python` that loads a SmolLM2 engine and decodes 32 greedy tokens three times
+(the median decode tok/s is its reading), while `busy` processes (`while True: pass`, each pinned to
+one CPU) compete, or pinned itself to one CPU (`taskset` case: a quota below the visible cores).
+Settings, each by its environment only, so one engine serves all:
+
+  default      what bestiary does when nothing is set (its thread count and OpenMP waiting policy)
+  threads-1    BESTIARY_NUM_THREADS=1
+  spin         GOMP_SPINCOUNT=300000 OMP_WAIT_POLICY=ACTIVE-free: libgomp's own default (bestiary before
+               the busy-CPU issue): idle threads spin 300k rounds before they sleep
+  passive      OMP_WAIT_POLICY=PASSIVE: idle threads sleep at once
+
+Rounds alternate the settings within each load; the table gives medians over rounds, and the
+ratio of each setting to the best one of its load. Usage:
+
+    python benchmarks/contention.py [--dtype bfloat16] [--rounds 3] [--loads 0,1,2,taskset]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS = {
+    "default": {},
+    "threads-1": {"BESTIARY_NUM_THREADS": "1"},
+    "spin": {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": ""},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+}
+CHILD = """
+import json, statistics, sys
+from bestiary.core.runtime.llm import LLM
+from bestiary.core.runtime.sampling import SamplingConfig
+llm = LLM(sys.argv[1])
+cfg = SamplingConfig(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+llm.generate("Tell me a story about a dragon.", cfg)  # warm-up
+rates = []
+for _ in range(3):
+    llm.generate("Tell me a story about a dragon.", cfg)
+    rates.append(llm.last_stats.decode_tokens_per_second)
+import torch
+print(json.dumps({"rate": statistics.median(rates), "threads": torch.get_num_threads()}))
+"""
+
+
+def engine(workdir: Path, dtype: str) -> Path:
+    """The SmolLM2 engine of `dtype`, built once under `workdir`."""
+    from bestiary.core.cli.demo import demo_model_path
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
+
+    out = workdir / f"smollm2-{dtype}-engine"
+    if not (out / "config.json").is_file():
+        ckpt = convert(demo_model_path(), workdir / f"smollm2-{dtype}-ckpt", ConvertOptions(dtype=dtype))
+        build_engine(ckpt, out, BuildConfig(max_batch_size=4, max_seq_len=512))
+    return out
+
+
+def busy(count: int) -> list[subprocess.Popen]:
+    """`count` spinning processes, process i pinned to CPU i (mod the CPUs this process may use)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    procs = []
+    for i in range(count):
+        p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        os.sched_setaffinity(p.pid, {cpus[i % len(cpus)]})
+        procs.append(p)
+    return procs
+
+
+def run_case(engine_dir: Path, setting: str, pin: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                            "BESTIARY_NUM_THREADS", "OMP_NUM_THREADS")}
+    env.update({k: v for k, v in SETTINGS[setting].items() if v})
+    cmd = [sys.executable, "-c", CHILD, str(engine_dir)]
+    if pin:
+        cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), *cmd]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise SystemExit(f"{setting}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", help="Engine dtype (default: bfloat16).")
+    parser.add_argument("--rounds", type=int, default=3, help="Alternated rounds per load (default: 3).")
+    parser.add_argument("--loads", default="0,1,2,taskset",
+                        help="Busy processes per case, comma-separated; 'taskset': no busy process, bestiary pinned "
+                             "to one CPU (default: 0,1,2,taskset).")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"Settings to run (default: {','.join(SETTINGS)}).")
+    parser.add_argument("--workdir", default=None, help="Where the engine is built (default: a temporary dir).")
+    args = parser.parse_args()
+    print(f"uptime: {os.getloadavg()}  cpus: {len(os.sched_getaffinity(0))}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine_dir = engine(Path(args.workdir or tmp), args.dtype)
+        settings = args.settings.split(",")
+        for load in args.loads.split(","):
+            readings: dict[str, list[float]] = {s: [] for s in settings}
+            threads: dict[str, int] = {}
+            procs = busy(0 if load == "taskset" else int(load))
+            try:
+                time.sleep(0.5)
+                for _ in range(args.rounds):
+                    for s in settings:
+                        r = run_case(engine_dir, s, pin=load == "taskset")
+                        readings[s].append(r["rate"])
+                        threads[s] = r["threads"]
+            finally:
+                for p in procs:
+                    p.kill()
+            medians = {s: statistics.median(v) for s, v in readings.items()}
+            best = max(medians.values())
+            for s in settings:
+                print(f"load {load:8s} {s:10s} threads {threads[s]}  decode {medians[s]:6.1f} tok/s  "
+                      f"({medians[s] / best:.2f}x best)  rounds {[round(x, 1) for x in readings[s]]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
