@@ -104,12 +104,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="Rounds of (free, guided) per batch size (default: 5).")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="Tokens per request (default: 64).")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num_threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 steadies the figures on a shared machine.")
     args = parser.parse_args()
     print("uptime:", os.popen("uptime").read().strip(), flush=True)
     from bestiary.core.runtime.llm import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(args.engine or default_engine(Path(tmp)), device=args.device)
+        llm = LLM(args.engine or default_engine(Path(tmp)), device=args.device, num_threads=args.num_threads)
         for row in bench_compile(llm) + bench_decode(llm, args.rounds, args.max_new_tokens):
             print(row, flush=True)
     print("uptime:", os.popen("uptime").read().strip(), flush=True)

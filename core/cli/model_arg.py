@@ -3,7 +3,8 @@
 MODEL is an engine dir, a checkpoint dir, or any source convert takes (an HF dir, a .gguf, .flm,
 .safetensors, .bin or .pth file). A source is converted and built into the cache once
 (core.runtime.llm.ensure_engine, keyed on its files' contents, core.format.cache); later starts
-load the cached engine without converting. The first start says so on stderr, with the engine's path:
+load the cached engine without converting. The first start says so on stderr, with the engine's path
+(on a terminal, with convert's progress bars between the two lines; elsewhere one line once it is done):
 
     [bestiary] converting model.gguf into the cache (once)...
     [bestiary] engine: ~/.cache/bestiary/engines/0123456789abcdef
@@ -30,6 +31,7 @@ MODEL_HELP = ("The model: an engine or checkpoint dir, or a source (HF dir, .ggu
 ENGINE_DIR_HELP = "MODEL as a flag (the same meaning; give one of the two)."
 DTYPE_HELP = ("dtype a source is converted to (default: %(default)s, the source config's torch_dtype, else float32); "
               "an engine or checkpoint dir keeps its own.")
+ERASE_LINE = "\x1b[1A\x1b[2K"  # cursor up one line, clear it
 EXPECTED = "expected an engine or checkpoint dir, an HF model dir, or a .gguf/.flm/.safetensors/.bin/.pth file"
 
 
@@ -92,19 +94,36 @@ def source_problem(path: Path) -> str | None:
 
 def resolve_model(args: argparse.Namespace) -> Path:
     """The engine (or checkpoint) dir of MODEL / --engine_dir: as given, or converted and built into the
-    cache the first time (progress bars when stderr is a terminal, and a line on stderr before and after)."""
+    cache the first time. On a terminal the conversion is announced before it starts, with progress bars,
+    and the announcement is erased when it fails (the error stays its one line, as convert's bars are);
+    elsewhere (a pipe, a log) one line says it once it is done. A later start names the cached engine."""
     from bestiary.core.runtime.llm import ensure_engine
 
     path = given_model(args)
     if config_kind(path / "config.json") is not None:
         return path
+    terminal = sys.stderr.isatty()
     converted: list[Path] = []
 
     def converting(engine_dir: Path) -> None:
         converted.append(engine_dir)
-        print(f"[bestiary] converting {path} into the cache (once)...", file=sys.stderr, flush=True)
+        if terminal:
+            say(f"converting {path} into the cache (once)...")
 
-    engine = ensure_engine(path, args.dtype, show_progress=sys.stderr.isatty(), on_convert=converting)
-    said = f"engine: {engine}" if converted else f"{path}: cached engine {engine} (not converted again)"
-    print(f"[bestiary] {said}", file=sys.stderr, flush=True)
+    try:
+        engine = ensure_engine(path, args.dtype, show_progress=terminal, on_convert=converting)
+    except BaseException:
+        if converted and terminal:
+            sys.stderr.write(ERASE_LINE)
+            sys.stderr.flush()
+        raise
+    if not converted:
+        say(f"{path}: cached engine {engine} (not converted again)")
+    else:
+        say(f"engine: {engine}" if terminal else f"converted {path} into the cache (once): engine {engine}")
     return engine
+
+
+def say(text: str) -> None:
+    """A status line on stderr."""
+    print(f"[bestiary] {text}", file=sys.stderr, flush=True)

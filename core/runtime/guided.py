@@ -41,7 +41,8 @@ class GuidedConfig(BaseModel):
     regex: str | None = Field(None, description="The output fully matches this regular expression (Rust regex "
                                                 "syntax, as Python's re for common patterns; no lookaround).")
     grammar: str | None = Field(None, description="A grammar: Lark (llguidance's dialect, start rule `start`) "
-                                                  "or GBNF (llama.cpp's, recognised by `::=`, start rule `root`).")
+                                                  "or GBNF (llama.cpp's, start rule `root`: a text with `::=` "
+                                                  "and no `start:` rule).")
     choice: list[str] | None = Field(None, min_length=1, description="The output is exactly one of these strings.")
     json_whitespace: Literal["single", "flexible"] = Field(
         "single", description="JSON layout: 'single' writes `, ` and `: ` and no other whitespace (small models "
@@ -82,8 +83,9 @@ def lark_of(config: GuidedConfig) -> str:
         alternatives = " | ".join(json.dumps(c) for c in config.choice or [])
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
     text = str(config.grammar)
-    if "::=" in text:  # GBNF (llama.cpp): root ::= ...
-        from llguidance.gbnf_to_lark import gbnf_to_lark
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if "::=" in text and not is_lark_syntax(text):  # GBNF (llama.cpp): root ::= ...; Lark has a `start:` rule
 
         try:
             text = gbnf_to_lark(text)

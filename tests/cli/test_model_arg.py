@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import sys
 
 import pytest
@@ -19,6 +20,7 @@ pytest.importorskip("transformers")
 from tiny_llama import make_tiny_llama, write_tiny_tokenizer  # noqa: E402
 
 from bestiary.core.cli.main import main  # noqa: E402
+from bestiary.core.cli.model_arg import ERASE_LINE  # noqa: E402
 
 NEW = ["--max_output_len", "2"]
 
@@ -68,11 +70,11 @@ def engines(cache) -> list[str]:
 
 
 def assert_cold_then_warm(cold_err: str, warm_err: str, source, cache) -> None:
-    """The first start said it converts (once) and the engine's path; the second named the cached engine."""
+    """The first start said it converted (once) and the engine's path (stderr is no terminal here: one line
+    once it is done); the second named the cached engine."""
     (engine,) = engines(cache)
-    assert f"converting {source} into the cache (once)" in cold_err
-    assert f"engine: {cache / 'engines' / engine}" in cold_err
-    assert "converting" not in warm_err and f"cached engine {cache / 'engines' / engine}" in warm_err
+    assert f"[bestiary] converted {source} into the cache (once): engine {cache / 'engines' / engine}\n" in cold_err
+    assert "into the cache" not in warm_err and f"{source}: cached engine {cache / 'engines' / engine}" in warm_err
 
 
 def test_run_converts_once_then_starts_from_the_cache(source, cache, converts, capsys):
@@ -127,7 +129,7 @@ def test_an_engine_dir_is_used_as_it_is(source, cache, converts, capsys):
     started(capsys, ["run", str(source), "--input_ids", "4", *NEW])
     (engine,) = engines(cache)
     _, err = started(capsys, ["run", str(cache / "engines" / engine), "--input_ids", "4", *NEW])
-    assert converts == [str(source)] and "[bestiary] converting" not in err and "cached engine" not in err
+    assert converts == [str(source)] and "into the cache" not in err and "cached engine" not in err
 
 
 ARGS = {"run": ["--input_ids", "4"], "chat": [], "serve": [], "eval": ["--text_file", "t.txt"]}
@@ -171,3 +173,29 @@ def test_dtype_with_an_engine_dir_is_one_line(source, cache, capsys):
     assert main(["run", str(cache / "engines" / engine), "--input_ids", "4", "--dtype", "float16"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype float16" in err and "MODEL" in err and "engine dir" in err
+
+
+@pytest.fixture
+def unreadable_source(source, tmp_path):
+    """A copy of the source whose config.json is not JSON: it passes the checks before hashing, and
+    fails while it is converted."""
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    (bad / "config.json").write_text("{")
+    return bad
+
+
+def test_a_failed_conversion_is_one_line(unreadable_source, cache, capsys):
+    capsys.readouterr()
+    assert main(["run", str(unreadable_source), "--input_ids", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "config.json" in err, err
+
+
+def test_a_failed_conversion_on_a_terminal_erases_its_announcement(unreadable_source, cache, capsys, monkeypatch):
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["run", str(unreadable_source), "--input_ids", "4"]) == 2
+    err = capsys.readouterr().err
+    announced = err.index(f"[bestiary] converting {unreadable_source} into the cache (once)...\n")
+    assert announced < err.index(ERASE_LINE) < err.index("error: ") and err.endswith("\n"), err

@@ -212,3 +212,21 @@ def test_choice_and_a_stopped_grammar_end_without_an_end_id(llm):
     for out in outs:
         assert out.finish_reason == "stop" and out.text in ("alpha", "beta gamma", "delta"), out.text
         assert not set(out.output_ids) & stop_ids
+
+
+@pytest.mark.xfail(strict=True, reason="reported to the lead: when bans / penalties leave no token the grammar allows, "
+                                       "greedy emits a token outside the grammar and sampling raises from multinomial")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bans_that_forbid_every_grammar_token(llm, temperature):
+    """bad_words ["a"] with regex "a" (the byte-level "a" is the only token the grammar allows first): the
+    request must not end "stop" with text outside the grammar, nor crash the batch; one line
+    BestiaryError, or an output the grammar accepts."""
+    conflict = SamplingConfig(max_new_tokens=5, temperature=temperature, random_seed=1, bad_words=["a"],
+                              guided=GuidedConfig(regex="a"))
+    try:
+        out = llm.generate("hi", conflict)[0]
+    except BestiaryError as err:
+        assert "\n" not in str(err)
+    else:
+        assert out.finish_reason == "length" or out.text == "a", (out.text, out.output_ids, out.finish_reason)
+    assert not llm.executor.has_work

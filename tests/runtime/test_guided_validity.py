@@ -243,6 +243,7 @@ class Tally:
     """Counts of a run: finish reasons, valid outputs, the invalid ones (label, mode, text, why)."""
 
     finish: Counter = field(default_factory=Counter)
+    by_kind: Counter = field(default_factory=Counter)  # (kind, greedy | sampled, finish reason) -> requests
     valid: int = 0
     invalid: list[tuple[str, str, str, str]] = field(default_factory=list)
     lengths: list[tuple[str, str, str]] = field(default_factory=list)  # outputs that ran out of tokens
@@ -272,6 +273,7 @@ def run_cases(llm: LLM, cases: list[Case], max_tokens: int = MAX_TOKENS, sampled
     tally = Tally(seconds=time.perf_counter() - start)
     for (case, name, _), out in zip(work, done):
         tally.finish[out.finish_reason] += 1
+        tally.by_kind[case.label.split()[0], name, out.finish_reason] += 1
         tally.tokens += len(out.output_ids)
         text = out.text or ""
         if out.finish_reason == "length":
@@ -370,6 +372,7 @@ if __name__ == "__main__":
     llm = LLM(args.engine)
     tally = run_cases(llm, json_cases(generated_schemas(args.schemas)) + other_cases())
     print(tally.line())
+    print(dict(sorted(tally.by_kind.items())))
     for item in tally.invalid[:10] + tally.lengths[:10]:
         print(item)
     sys.exit(1 if tally.invalid else 0)
