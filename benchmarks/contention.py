@@ -2,19 +2,21 @@
 
 Each case runs a fresh `python` that loads a SmolLM2 engine and decodes 32 greedy tokens three times
 (the median decode tok/s is its reading), while `busy` processes (`while True: pass`, each pinned to
-one CPU) compete, or pinned itself to one CPU (`taskset` case: a quota below the visible cores).
+one CPU) compete, pinned itself to one CPU (`taskset`), or in a cgroup v1 with a CPU quota of one CPU
+(`quota`: made under /sys/fs/cgroup/cpu when this user may, else the case is skipped).
 Settings, each by its environment only, so one engine serves all:
 
-  default      what bestiary does when nothing is set (its thread count and OpenMP waiting policy)
+  default      what bestiary does when nothing is set: threads follow the CPUs the other processes leave
+               (core.runtime.threads.ThreadGovernor), libgomp's own waiting policy
+  fixed-all    BESTIARY_NUM_THREADS=<usable CPUs>: every usable CPU, all the time (bestiary before the
+               busy-CPU issue)
   threads-1    BESTIARY_NUM_THREADS=1
-  spin         GOMP_SPINCOUNT=300000 OMP_WAIT_POLICY=ACTIVE-free: libgomp's own default (bestiary before
-               the busy-CPU issue): idle threads spin 300k rounds before they sleep
-  passive      OMP_WAIT_POLICY=PASSIVE: idle threads sleep at once
+  passive      OMP_WAIT_POLICY=PASSIVE with every usable CPU: idle OpenMP threads sleep at once
 
 Rounds alternate the settings within each load; the table gives medians over rounds, and the
 ratio of each setting to the best one of its load. Usage:
 
-    python benchmarks/contention.py [--dtype bfloat16] [--rounds 3] [--loads 0,1,2,taskset]
+    python benchmarks/contention.py [--dtype bfloat16] [--rounds 3] [--loads 0,1,2,taskset,quota]
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from pathlib import Path
 
 SETTINGS = {
     "default": {},
+    "fixed-all": {"BESTIARY_NUM_THREADS": str(len(os.sched_getaffinity(0)))},
     "threads-1": {"BESTIARY_NUM_THREADS": "1"},
-    "spin": {"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": ""},
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "passive": {"BESTIARY_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "PASSIVE"},
 }
 CHILD = """
 import json, statistics, sys
@@ -75,13 +77,34 @@ def busy(count: int) -> list[subprocess.Popen]:
     return procs
 
 
-def run_case(engine_dir: Path, setting: str, pin: bool) -> dict:
+QUOTA_DIR = Path("/sys/fs/cgroup/cpu/bestiary_contention")
+
+
+def quota_cgroup() -> Path | None:
+    """A cgroup v1 CPU controller dir with a quota of 1 CPU (100 ms per 100 ms), or None where none can be made."""
+    try:
+        QUOTA_DIR.mkdir(exist_ok=True)
+        (QUOTA_DIR / "cpu.cfs_period_us").write_text("100000")
+        (QUOTA_DIR / "cpu.cfs_quota_us").write_text("100000")
+        return QUOTA_DIR
+    except OSError:
+        return None
+
+
+def wrapped(cmd: list[str], load: str) -> list[str]:
+    """`cmd` pinned to one CPU (taskset) or started inside the quota cgroup (quota)."""
+    if load == "taskset":
+        return ["taskset", "-c", str(min(os.sched_getaffinity(0))), *cmd]
+    if load == "quota":
+        return ["sh", "-c", f'echo $$ > {QUOTA_DIR}/cgroup.procs && exec "$@"', "sh", *cmd]
+    return cmd
+
+
+def run_case(engine_dir: Path, setting: str, load: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                                                             "BESTIARY_NUM_THREADS", "OMP_NUM_THREADS")}
     env.update({k: v for k, v in SETTINGS[setting].items() if v})
-    cmd = [sys.executable, "-c", CHILD, str(engine_dir)]
-    if pin:
-        cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), *cmd]
+    cmd = wrapped([sys.executable, "-c", CHILD, str(engine_dir)], load)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise SystemExit(f"{setting}: {out.stderr[-2000:]}")
@@ -92,9 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", help="Engine dtype (default: bfloat16).")
     parser.add_argument("--rounds", type=int, default=3, help="Alternated rounds per load (default: 3).")
-    parser.add_argument("--loads", default="0,1,2,taskset",
+    parser.add_argument("--loads", default="0,1,2,taskset,quota",
                         help="Busy processes per case, comma-separated; 'taskset': no busy process, bestiary pinned "
-                             "to one CPU (default: 0,1,2,taskset).")
+                             "to one CPU; 'quota': in a cgroup with a 1-CPU quota (default: 0,1,2,taskset,quota).")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"Settings to run (default: {','.join(SETTINGS)}).")
     parser.add_argument("--workdir", default=None, help="Where the engine is built (default: a temporary dir).")
     args = parser.parse_args()
@@ -103,14 +126,17 @@ def main() -> None:
         engine_dir = engine(Path(args.workdir or tmp), args.dtype)
         settings = args.settings.split(",")
         for load in args.loads.split(","):
+            if load == "quota" and quota_cgroup() is None:
+                print("load quota: skipped (no cgroup v1 cpu controller this user may write)")
+                continue
             readings: dict[str, list[float]] = {s: [] for s in settings}
             threads: dict[str, int] = {}
-            procs = busy(0 if load == "taskset" else int(load))
+            procs = busy(int(load) if load.isdigit() else 0)
             try:
                 time.sleep(0.5)
                 for _ in range(args.rounds):
                     for s in settings:
-                        r = run_case(engine_dir, s, pin=load == "taskset")
+                        r = run_case(engine_dir, s, load)
                         readings[s].append(r["rate"])
                         threads[s] = r["threads"]
             finally:

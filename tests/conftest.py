@@ -9,6 +9,8 @@ import pytest
 import sys_path
 import torch
 
+from bestiary.core.format.resources import usable_cpus
+
 sys_path.add()  # tests/helpers and the test folders: `import parity`, `from test_zoo_remote import ...`
 # The Triton kernel tests (tests/kernels) run compiled on a GPU where there is one, else under the
 # interpreter on the CPU; BESTIARY_KERNEL_TEST_DEVICE=cpu|cuda chooses. @triton.jit reads
@@ -16,6 +18,13 @@ sys_path.add()  # tests/helpers and the test folders: `import parity`, `from tes
 # folder) imports one.
 if os.environ.setdefault("BESTIARY_KERNEL_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+
+# Each pytest-xdist worker runs on its share of the usable CPUs (`make test`: 2 workers on 2 cores, 1 thread
+# each): more threads than CPUs spin at OpenMP barriers for CPUs they do not get, and a busy machine made the
+# suite 3x slower (docs/testing.md). A BESTIARY_NUM_THREADS already set is kept; subprocesses inherit it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("BESTIARY_NUM_THREADS", str(max(1, usable_cpus().amount // _WORKERS)))
+torch.set_num_threads(int(os.environ["BESTIARY_NUM_THREADS"]))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

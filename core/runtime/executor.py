@@ -59,6 +59,7 @@ from bestiary.core.runtime.plugin_processors import ProcessorResolver, resolver_
 from bestiary.core.runtime.pooling import Pooling, accumulate, pooled_embedding
 from bestiary.core.runtime.sampling import SamplingConfig, TokenChooser, make_generator, sample
 from bestiary.core.runtime.speculative import AcceptanceStats, DraftRow, SpeculativeConfig, Speculator
+from bestiary.core.runtime.threads import ThreadGovernor
 
 if TYPE_CHECKING:
     from bestiary.core.lora.cache import LoraCache
@@ -160,6 +161,7 @@ class Executor:
         self._lora_roots: dict[str | tuple, BlockKey] = {}  # adapter name (, window, sinks) -> root key
         self.lora_cache: LoraCache | None = None  # sequences hold their adapter's id until they end
         self.grammars: GrammarCompiler | None = None  # structured output: set by LLM from the engine's tokenizer
+        self.governor: ThreadGovernor | None = None  # threads that follow a shared CPU (core.runtime.threads)
         self.processors: ProcessorResolver | None = None  # plugins' logits processors: set by LLM (its registry)
         self._masks = MaskFill()
         self.speculator = Speculator.for_executor(speculative, self) if speculative else None
@@ -472,6 +474,8 @@ class Executor:
     def step(self) -> list[tuple[Request, int]]:
         """Run one step; returns (request, new token) for every request that produced one
         (a beam search request: every token of its best beam, once, when it finishes)."""
+        if self.governor is not None:
+            self.governor.tick()
         self._admit()
         work = self._schedule()
         if not work:
@@ -560,7 +564,7 @@ class Executor:
         matcher = req.chooser.matcher if req.chooser is not None else None
         for token in tokens:
             if matcher is not None:
-                matcher.accept(token)
+                matcher.take(token)
             req.output.append(token)
             produced.append((req, token))
             self._check_stop(req, token)
@@ -589,7 +593,7 @@ class Executor:
             out += zip(reqs, tokens)
         for req, token in out:  # guided plain rows: their grammar takes the token
             if req.chooser is not None and req.chooser.matcher is not None:
-                req.chooser.matcher.accept(token)
+                req.chooser.matcher.take(token)
         for i in set(ready) - set(plain):
             req = work[i][0]
             if req.chooser is not None:

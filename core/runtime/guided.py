@@ -126,6 +126,11 @@ class GrammarMatcher:
         """Advance by one generated token; False (and the matcher stays in error) if the grammar forbids it."""
         return bool(self._m.consume_token(token))
 
+    def take(self, token: int) -> None:
+        """Advance by a token the mask allowed; a refusal is a bug (the output would not match), raised."""
+        if not self.accept(token):
+            raise RuntimeError(f"grammar matcher refused token {token} its mask allowed ({self.error})")
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar would accept from here (the state does not change)."""
         return int(self._m.validate_tokens(tokens))

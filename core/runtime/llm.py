@@ -40,7 +40,7 @@ from bestiary.core.runtime.sampling import SamplingConfig
 from bestiary.core.runtime.speculative import AcceptanceStats, SpeculativeConfig, speculative_config
 from bestiary.core.runtime.step_broadcast import release
 from bestiary.core.runtime.text_deltas import TextDeltas
-from bestiary.core.runtime.threads import set_threads
+from bestiary.core.runtime.threads import ThreadGovernor, bestiary_chooses, set_threads
 from bestiary.core.runtime.worker_group import check_device
 
 
@@ -213,6 +213,7 @@ class LLM:
         tp_size > 1 starts its ranks (core.runtime.worker_group); under torchrun a rank other than 0
         serves rank 0's steps inside this constructor and then exits."""
         check_device(device)
+        governed = bestiary_chooses(num_threads)
         set_threads(num_threads)  # the usable CPUs when not given (core.runtime.threads)
         self.engine = load_engine(ensure_engine(path, dtype), device=device, registry=registry,
                                   allow_nonfinite=allow_nonfinite, num_threads=num_threads)
@@ -223,6 +224,8 @@ class LLM:
         self.lora_store = LoraCache(self.engine.model, registry, LoraCacheConfig.model_validate(lora_cache_config or {}),
                                     bundled_adapters(self.engine.directory), engine_lora(self.engine.directory))
         self.executor.lora_cache = self.lora_store
+        if governed and self.engine.group is None:  # one rank: threads follow the CPUs other processes leave
+            self.executor.governor = ThreadGovernor.for_this_process()
         if self.tokenizer is not None:  # structured output: grammars over this tokenizer (core.runtime.guided)
             self.executor.grammars = GrammarCompiler(self.tokenizer.to_json(), self.engine.model.config.vocab_size,
                                                      self.tokenizer.stop_ids)
@@ -341,11 +344,16 @@ class LLM:
         texts = {s.id: TextDeltas(tokenizer, s.stop_ids, s.sampling.stop_strings)
                  for s in samples if s.sampling.stop_strings and tokenizer is not None}
         stats = GenerationStats(prompt_tokens=sum(len(r.prompt) for r in requests))
-        while any(not s.finished for s in samples):
-            produced = self.executor.step()
-            if produced and stats.first_token_seconds is None:
-                stats.first_token_seconds = time.perf_counter() - start
-            self._match_stop_strings(produced, texts)
+        try:
+            while any(not s.finished for s in samples):
+                produced = self.executor.step()
+                if produced and stats.first_token_seconds is None:
+                    stats.first_token_seconds = time.perf_counter() - start
+                self._match_stop_strings(produced, texts)
+        except BaseException:  # a step failed (or Ctrl-C): nothing of this call stays in the batch
+            for req in requests:
+                self.executor.cancel(req)
+            raise
         stats.seconds = time.perf_counter() - start
         stats.generated_tokens = sum(len(s.output) for s in samples)
         self.last_stats = stats

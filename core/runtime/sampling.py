@@ -259,7 +259,10 @@ class TokenChooser:
         if self.plugins is not None:
             x = self.plugins(x)
         if self.matcher is not None:
-            x = apply_bitmask(x[None], self.grammar_mask() if mask is None else mask[None])[0]
+            allowed = self.grammar_mask() if mask is None else mask[None]  # [1, W]
+            x = apply_bitmask(x[None], allowed)[0]
+            if bool(torch.isneginf(x).all()):  # bans / penalties / processors left nothing the grammar allows:
+                x = apply_bitmask(row.float()[None], allowed)[0]  # the grammar wins (the raw logits, masked)
         if cfg.is_greedy:
             token = dispatch.argmax_rows(x[None])[0]
             dist = x
@@ -277,7 +280,7 @@ class TokenChooser:
         if self.plugins is not None:
             self.plugins.push(token)
         if self.matcher is not None:
-            self.matcher.accept(token)
+            self.matcher.take(token)
         self.top_p = decayed_top_p(self.top_p, token, cfg)
         return token
 

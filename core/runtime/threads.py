@@ -6,13 +6,24 @@ its affinity mask and its cgroup CPU quota, `core.format.resources.usable_cpus`)
 given 1 CPU of a 16-core host then runs 1 thread, not 16 that wait for one another at every
 barrier. Ranks of a tp / pp engine on one host share that count.
 
-How idle OpenMP threads wait is set where bestiary is imported (bestiary/__init__.py), before
-torch loads its OpenMP runtime: docs/performance.md has the measurements behind it.
+On a shared CPU the best count changes while a model runs: two threads on two cores where
+another process keeps one busy wait at every barrier for the thread that gets no CPU (measured:
+0.4x of one thread's speed). Without an asked-for count, `ThreadGovernor` follows the CPUs the other
+processes leave: every INTERVAL_S it reads how busy this process's CPUs were (/proc/stat, per CPU of
+the affinity mask) minus this process's own time (/proc/self/stat), and runs
+
+    threads = clamp(floor(usable - others + 0.25), 1, usable)
+
+(others: CPUs' worth of other processes' work over the interval). docs/runtime.md has the
+measurements (benchmarks/contention.py).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +52,12 @@ def default_threads(ranks: int = 1) -> int:
     return max(1, min(_TORCH_DEFAULT, usable_cpus().amount) // ranks)
 
 
+def bestiary_chooses(num_threads: int | None) -> bool:
+    """True when nobody asked for a count: no num_threads, no BESTIARY_NUM_THREADS, and torch's count not set by
+    the program (call before `set_threads`)."""
+    return not num_threads and env_threads() is None and torch.get_num_threads() == _TORCH_DEFAULT
+
+
 def set_threads(num_threads: int | None = None, ranks: int = 1) -> int:
     """Set torch's (and so the compiled kernels') thread count: `num_threads`, else the default, unless the
     program set its own with torch.set_num_threads (kept). Returns the count."""
@@ -50,3 +67,75 @@ def set_threads(num_threads: int | None = None, ranks: int = 1) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+INTERVAL_S = 0.5  # how often the governor looks (a /proc read of ~50 us)
+ROOT = Path("/")
+
+
+def cpu_busy_ticks(cpus: set[int], root: Path = ROOT) -> int | None:
+    """Busy clock ticks (user, nice, system, irq, softirq, steal) of `cpus` so far; None without /proc/stat."""
+    try:
+        lines = (root / "proc" / "stat").read_text().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus and len(fields) >= 8:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+            total += user + nice + system + irq + softirq + steal
+    return total
+
+
+def own_ticks(root: Path = ROOT) -> int | None:
+    """This process's CPU clock ticks so far (utime + stime, every thread); None without /proc."""
+    try:
+        text = (root / "proc" / "self" / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3, utime 14, stime 15
+    return int(fields[11]) + int(fields[12])
+
+
+class ThreadGovernor:
+    """Sets torch's thread count to the CPUs other processes leave (module docstring); `tick` once per step."""
+
+    def __init__(self, usable: int, cpus: set[int], root: Path = ROOT, clock=time.monotonic) -> None:
+        self.usable = usable
+        self.cpus = cpus
+        self.root = root
+        self.clock = clock
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.threads = torch.get_num_threads()
+        self._last = self._sample()
+
+    @classmethod
+    def for_this_process(cls) -> ThreadGovernor | None:
+        """A governor when the count is bestiary's to choose (none asked for) and /proc can be read."""
+        try:
+            cpus = os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            return None
+        governor = cls(default_threads(), cpus)
+        return governor if governor._last is not None else None
+
+    def _sample(self) -> tuple[float, int, int] | None:
+        busy, own = cpu_busy_ticks(self.cpus, self.root), own_ticks(self.root)
+        return None if busy is None or own is None else (self.clock(), busy, own)
+
+    def tick(self) -> int:
+        """Re-read the CPUs' use when INTERVAL_S has passed and set the thread count; returns it."""
+        if self._last is None or self.clock() - self._last[0] < INTERVAL_S:
+            return self.threads
+        now = self._sample()
+        if now is None:
+            return self.threads
+        seconds, busy, own = (b - a for a, b in zip(self._last, now))
+        self._last = now
+        others = max(0.0, (busy - own) / (self.hz * seconds))  # CPUs' worth of other processes' work
+        threads = max(1, min(self.usable, math.floor(self.usable - others + 0.25)))
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
