@@ -48,9 +48,10 @@ WHEEL_DIR = REPO / ".whl"
 IMAGE_PACKAGES = REPO / "benchmarks" / "gpu_image_packages.txt"
 # The wheels that travel: bestiary's runtime requirements the image lacks, pinned (python 3.12, manylinux x86_64).
 WHEELS = {"pydantic": "2.14.4", "pydantic-core": "2.50.5", "annotated-types": "0.8.0",
-          "typing-inspection": "0.4.5", "typing-extensions": "4.16.0", "gguf": "0.19.0"}
+          "typing-inspection": "0.4.5", "typing-extensions": "4.16.0", "gguf": "0.19.0", "llguidance": "1.9.1"}
 DOWNLOAD = ("python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
-            "--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "
+            "--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "
+            "--platform manylinux2014_x86_64 "
             "-d .whl")
 
 

@@ -95,8 +95,8 @@ def source_problem(path: Path) -> str | None:
 def resolve_model(args: argparse.Namespace) -> Path:
     """The engine (or checkpoint) dir of MODEL / --engine_dir: as given, or converted and built into the
     cache the first time. On a terminal the conversion is announced before it starts, with progress bars,
-    and the announcement is erased when it fails (the error stays its one line, as convert's bars are);
-    elsewhere (a pipe, a log) one line says it once it is done. A later start names the cached engine."""
+    and the announcement is erased when it fails (the error stays its one line, as convert's bars are), and a
+    later start names the cached engine; elsewhere (a pipe, a log) nothing is said."""
     from bestiary.core.runtime.llm import ensure_engine
 
     path = given_model(args)
@@ -117,10 +117,8 @@ def resolve_model(args: argparse.Namespace) -> Path:
             sys.stderr.write(ERASE_LINE)
             sys.stderr.flush()
         raise
-    if not converted:
-        say(f"{path}: cached engine {engine} (not converted again)")
-    else:
-        say(f"engine: {engine}" if terminal else f"converted {path} into the cache (once): engine {engine}")
+    if terminal:  # a pipe or a log gets no status lines: an error after them would not be its one line
+        say(f"engine: {engine}" if converted else f"{path}: cached engine {engine} (not converted again)")
     return engine
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -157,8 +158,8 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Compiles constraints for one engine's tokenizer (built lazily, once) and caches the results."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, stop_ids: set[int]) -> None:
-        self._json = tokenizer_json
+    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int, stop_ids: set[int]) -> None:
+        self._json = tokenizer_json  # the tokenizer.json text, or what gives it (read at the first constraint)
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self._tokenizer: Any = None
@@ -175,7 +176,12 @@ class GrammarCompiler:
 
         if self._tokenizer is None:
             eos = self.stop_ids or None
-            self._tokenizer = llguidance.LLTokenizer(self._json, n_vocab=self.vocab_size, eos_token=eos)
+            try:
+                text = self._json() if callable(self._json) else self._json
+                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
+            except Exception as err:  # noqa: BLE001 - tokenizers / llguidance raise their own types
+                raise BestiaryError(f"structured output: the grammar compiler cannot read this engine's tokenizer "
+                                    f"({_first_line(err)})") from None
         return self._tokenizer
 
     def check(self, config: GuidedConfig) -> None:

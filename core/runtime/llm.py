@@ -227,7 +227,7 @@ class LLM:
         if governed and self.engine.group is None:  # one rank: threads follow the CPUs other processes leave
             self.executor.governor = ThreadGovernor.for_this_process()
         if self.tokenizer is not None:  # structured output: grammars over this tokenizer (core.runtime.guided)
-            self.executor.grammars = GrammarCompiler(self.tokenizer.to_json(), self.engine.model.config.vocab_size,
+            self.executor.grammars = GrammarCompiler(self.tokenizer.to_json, self.engine.model.config.vocab_size,
                                                      self.tokenizer.stop_ids)
         self.executor.processors = ProcessorResolver(  # plugins' logits processors (core.runtime.plugin_processors)
             registry, ProcessorContext(self.engine.model.config.vocab_size, self.tokenizer))

@@ -70,11 +70,11 @@ def engines(cache) -> list[str]:
 
 
 def assert_cold_then_warm(cold_err: str, warm_err: str, source, cache) -> None:
-    """The first start said it converted (once) and the engine's path (stderr is no terminal here: one line
-    once it is done); the second named the cached engine."""
+    """stderr is no terminal here: neither start says anything of the cache (a status line before an error
+    would make the error two lines); one engine was made."""
     (engine,) = engines(cache)
-    assert f"[bestiary] converted {source} into the cache (once): engine {cache / 'engines' / engine}\n" in cold_err
-    assert "into the cache" not in warm_err and f"{source}: cached engine {cache / 'engines' / engine}" in warm_err
+    assert "into the cache" not in cold_err and "cached engine" not in warm_err
+    assert (cache / "engines" / engine / "config.json").is_file()
 
 
 def test_run_converts_once_then_starts_from_the_cache(source, cache, converts, capsys):

@@ -149,7 +149,11 @@ def flags_case(rng: random.Random, base: Base) -> Case:
         elif command == "demo" and not refused:
             values = ["x"]  # a valid --dtype would start the demo (a convert of the real SmolLM2)
         if not flag.option:
-            head[1 + [f.name for f in table if not f.option].index(flag.name)] = values[0]
+            slot = 1 + [f.name for f in table if not f.option].index(flag.name)
+            if slot < len(head):
+                head[slot] = values[0]
+            else:  # an optional positional the base leaves out (MODEL of run / chat / eval / serve)
+                head.append(values[0])
         else:
             given[flag.option] = values
         edits.append(f"{flag.option or '<' + flag.name + '>'} {' '.join(v[:40] for v in values)}".rstrip())
