@@ -61,3 +61,27 @@ def bestiary_register_logits_processors(register: Callable[[str, Callable[..., A
 
     `name`: letters, digits and `_ . : -`; a name registered twice is the second plugin's failure.
     """
+
+
+@hookspec
+def bestiary_register_grammar_backends(register: Callable[[str, Callable[..., Any]], None]) -> None:
+    """Register named grammar backends for structured output: call `register(name, factory)` once per backend.
+
+    A request picks one with `GuidedConfig(backend=NAME, ...)` (the server's `guided_decoding_backend`
+    field; default "llguidance", the built-in). For each engine, at the first request naming it, the
+    runtime calls
+
+        factory(tokenizer_json: str, vocab_size: int, stop_ids: set[int]) -> compiler
+
+    and uses the compiler as bestiary.core.runtime.guided.GrammarCompiler: `check(config)` raises
+    BestiaryError (one line) for a constraint it refuses, when the request is made; `matcher(config)`
+    returns one sequence's matcher with GrammarMatcher's interface: `words` (int32 words of a mask row,
+    ceil(vocab_size / 32)), `fill(mask [N, words] int32, row)` (bit t % 32 of word t // 32 set where
+    token t may come next; an end id only where the constraint is complete), `accept(token) -> bool`,
+    `take(token)` (accept, raising on a refusal), `valid_prefix(tokens) -> int`, `rollback(count)`,
+    `stopped` (complete: nothing more may follow) and `error` (str or None). A backend may support only
+    some of GuidedConfig's kinds and refuse the others in `check`.
+
+    `name`: letters, digits and `_ . : -`; "llguidance" is the built-in's; a name registered twice is the
+    second plugin's failure.
+    """

@@ -23,7 +23,7 @@ from bestiary.registry.name_policy import (
     rank,
     warn,
 )
-from bestiary.registry.processors import NamedProcessor, collect_logits_processors
+from bestiary.registry.named_factories import GRAMMAR_BACKENDS, PROCESSORS, NamedFactory, collect_named
 from bestiary.registry.spec import ArchitectureSpec, check_reference
 
 
@@ -47,7 +47,10 @@ class Registry:
         self._collect()
         self._warn_claims()
         # named logits processors (hook bestiary_register_logits_processors; core.runtime.plugin_processors)
-        self.logits_processors: dict[str, NamedProcessor] = collect_logits_processors(plugins, override, self.failures)
+        # and grammar backends (hook bestiary_register_grammar_backends; core.runtime.guided)
+        self.logits_processors: dict[str, NamedFactory] = collect_named(plugins, override, self.failures, PROCESSORS)
+        self.grammar_backends: dict[str, NamedFactory] = collect_named(plugins, override, self.failures,
+                                                                       GRAMMAR_BACKENDS)
 
     @classmethod
     def from_plugins(
@@ -190,12 +193,19 @@ class Registry:
             + self._failures_note()
         )
 
-    def logits_processor(self, name: str) -> NamedProcessor:
+    def logits_processor(self, name: str) -> NamedFactory:
         """The processor registered as `name`; an unknown name is one line listing the registered ones."""
         if name in self.logits_processors:
             return self.logits_processors[name]
         raise BestiaryError(f"logits_processors: unknown processor {name!r}; registered: "
                             f"{', '.join(sorted(self.logits_processors)) or 'none'}" + self._failures_note())
+
+    def grammar_backend(self, name: str) -> NamedFactory:
+        """The grammar backend registered as `name`; an unknown name is one line listing the registered ones."""
+        if name in self.grammar_backends:
+            return self.grammar_backends[name]
+        raise BestiaryError(f"guided backend {name!r}: not a registered grammar backend; registered: "
+                            f"{', '.join(['llguidance', *sorted(self.grammar_backends)])}" + self._failures_note())
 
     def _failures_note(self) -> str:
         """'; plugin X failed to load: <last line>' for each broken plugin (it may have been the one)."""

@@ -40,7 +40,7 @@ from bestiary.core.kernels.metadata import AttentionMetadata
 from bestiary.core.lora.adapter import LoraAdapter
 from bestiary.core.lora.batch import AdapterStack, StepLora
 from bestiary.core.runtime.beam import Beam, BeamSearch, fork_block_tables
-from bestiary.core.runtime.guided import GrammarCompiler, GrammarMatcher, MaskFill, apply_bitmask
+from bestiary.core.runtime.guided import GrammarBackends, GrammarMatcher, MaskFill, apply_bitmask
 from bestiary.core.runtime.kv_cache import (
     BlockAllocator,
     BlockKey,
@@ -160,7 +160,7 @@ class Executor:
         self._lora_stacks: dict[tuple, AdapterStack] = {}  # (name, uid) of each adapter -> stacked weights
         self._lora_roots: dict[str | tuple, BlockKey] = {}  # adapter name (, window, sinks) -> root key
         self.lora_cache: LoraCache | None = None  # sequences hold their adapter's id until they end
-        self.grammars: GrammarCompiler | None = None  # structured output: set by LLM from the engine's tokenizer
+        self.grammars: GrammarBackends | None = None  # structured output: set by LLM from the engine's tokenizer
         self.governor: ThreadGovernor | None = None  # threads that follow a shared CPU (core.runtime.threads)
         self.processors: ProcessorResolver | None = None  # plugins' logits processors: set by LLM (its registry)
         self._masks = MaskFill()

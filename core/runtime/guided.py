@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from bestiary.core.format.errors import BestiaryError
 
 GRAMMAR_CACHE = 64  # compiled grammars kept per engine (a server's requests often repeat a schema)
+BUILT_IN = "llguidance"
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
@@ -45,6 +46,9 @@ class GuidedConfig(BaseModel):
                                                   "or GBNF (llama.cpp's, start rule `root`: a text with `::=` "
                                                   "and no `start:` rule).")
     choice: list[str] | None = Field(None, min_length=1, description="The output is exactly one of these strings.")
+    backend: str = Field(BUILT_IN, min_length=1, max_length=100,
+                         description="The grammar backend: 'llguidance' (built in) or one a plugin registers "
+                                     "(hook bestiary_register_grammar_backends).")
     json_whitespace: Literal["single", "flexible"] = Field(
         "single", description="JSON layout: 'single' writes `, ` and `: ` and no other whitespace (small models "
                               "cannot loop on newlines); 'flexible' allows any JSON whitespace.")
@@ -61,6 +65,7 @@ class GuidedConfig(BaseModel):
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
 
     def key(self) -> str:
         """The cache key: the kind and its text (schemas in canonical JSON)."""
@@ -246,3 +251,41 @@ def fill_masks(matchers: list[GrammarMatcher]) -> torch.Tensor:
     for row, matcher in enumerate(matchers):
         matcher.fill(mask, row)
     return mask
+
+
+class GrammarBackends:
+    """An engine's grammar compilers by backend name: the built-in llguidance one, and those plugins register
+    (made at the first request naming them, from the registry's factory: plugins/hookspecs.py)."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, stop_ids: set[int], registry: Any) -> None:
+        self._json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.stop_ids = set(stop_ids)
+        self.registry = registry  # the bestiary.registry.Registry the LLM was loaded with (None: the default)
+        self._compilers: dict[str, Any] = {BUILT_IN: GrammarCompiler(tokenizer_json, vocab_size, stop_ids)}
+        self._lock = threading.Lock()
+
+    def compiler(self, name: str) -> Any:
+        """The compiler of backend `name`; an unknown name is a one-line BestiaryError listing the known ones."""
+        with self._lock:
+            if name not in self._compilers:
+                if self.registry is None:  # the registry the engine was loaded with: the default one
+                    from bestiary.registry import default_registry
+
+                    self.registry = default_registry()
+                named = self.registry.grammar_backend(name)
+                try:
+                    self._compilers[name] = named.factory(self._json(), self.vocab_size, set(self.stop_ids))
+                except BestiaryError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - a plugin's failure, named
+                    raise BestiaryError(f"guided backend {name!r} (from {named.package}): {_first_line(err)}") from None
+            return self._compilers[name]
+
+    def check(self, config: GuidedConfig) -> None:
+        """Compile `config` with its backend now (a refusal is one line)."""
+        self.compiler(config.backend).check(config)
+
+    def matcher(self, config: GuidedConfig) -> GrammarMatcher:
+        """A fresh matcher of `config` from its backend."""
+        return self.compiler(config.backend).matcher(config)

@@ -31,7 +31,7 @@ from bestiary.core.lora.cache import LoraCache, LoraCacheConfig
 from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.engine import load_engine
 from bestiary.core.runtime.executor import Executor, Request
-from bestiary.core.runtime.guided import GrammarCompiler
+from bestiary.core.runtime.guided import GrammarBackends
 from bestiary.core.runtime.kv_cache import KvCacheConfig
 from bestiary.core.runtime.plugin_processors import ProcessorContext, ProcessorResolver
 from bestiary.core.runtime.pooling import Pooling, check_pooling
@@ -227,8 +227,8 @@ class LLM:
         if governed and self.engine.group is None:  # one rank: threads follow the CPUs other processes leave
             self.executor.governor = ThreadGovernor.for_this_process()
         if self.tokenizer is not None:  # structured output: grammars over this tokenizer (core.runtime.guided)
-            self.executor.grammars = GrammarCompiler(self.tokenizer.to_json, self.engine.model.config.vocab_size,
-                                                     self.tokenizer.stop_ids)
+            self.executor.grammars = GrammarBackends(self.tokenizer.to_json, self.engine.model.config.vocab_size,
+                                                     self.tokenizer.stop_ids, registry)
         self.executor.processors = ProcessorResolver(  # plugins' logits processors (core.runtime.plugin_processors)
             registry, ProcessorContext(self.engine.model.config.vocab_size, self.tokenizer))
         self.last_stats = GenerationStats()

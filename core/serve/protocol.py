@@ -138,6 +138,7 @@ class SamplingRequest(BaseModel):
     guided_regex: Text | None = None
     guided_choice: list[Annotated[Text, Field(min_length=1)]] | None = Field(None, min_length=1)
     guided_grammar: Text | None = None
+    guided_decoding_backend: Annotated[str, Field(min_length=1, max_length=100)] | None = None  # a plugin's
 
     @field_validator("guided_json")
     @classmethod
@@ -199,7 +200,14 @@ class SamplingRequest(BaseModel):
         )
 
     def guided(self) -> GuidedConfig | None:
-        """The output constraint the request names (response_format or a guided_* field), None for none."""
+        """The output constraint the request names (response_format or a guided_* field), None for none,
+        compiled by `guided_decoding_backend` (a plugin's grammar backend) when given."""
+        config = self._guided()
+        if config is None or self.guided_decoding_backend is None:
+            return config
+        return config.model_copy(update={"backend": self.guided_decoding_backend})
+
+    def _guided(self) -> GuidedConfig | None:
         if self.response_format is not None:
             return self.response_format.guided()
         if self.guided_json is not None:
