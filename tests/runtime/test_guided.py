@@ -237,3 +237,29 @@ def test_a_failing_step_leaves_nothing_of_its_call_queued(llm, monkeypatch):
     monkeypatch.undo()
     assert not llm.executor.has_work and llm.executor.allocator.num_used == 0
     assert llm.generate("hi", SamplingConfig(max_new_tokens=3))[0].finish_reason in ("stop", "length")
+
+
+def test_tensor_and_pipeline_parallel_engines_hold_the_grammar(tmp_path):
+    """tp 2 and pp 2 engines of the tiny chat model: rank 0 samples, so its matchers hold every request; the
+    guided outputs equal the one-rank engine's (greedy, float32) and match their constraints."""
+    from tiny_chat import make_tiny_chat_hf
+
+    from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
+    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
+
+    hf = make_tiny_chat_hf(tmp_path)
+    configs = [SamplingConfig(max_new_tokens=24, temperature=0.0, guided=GuidedConfig(regex="[a-f]{2,6}-[0-9]{2}")),
+               SamplingConfig(max_new_tokens=24, temperature=0.0, guided=GuidedConfig(choice=["north", "south"])),
+               SamplingConfig(max_new_tokens=8, temperature=0.0)]
+    texts = {}
+    for name, options in {"one": {}, "tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}}.items():
+        ckpt = convert(hf, tmp_path / f"{name}-ckpt", ConvertOptions(**options), show_progress=False)
+        engine = build_engine(ckpt, tmp_path / f"{name}-engine", BuildConfig(max_batch_size=4, max_seq_len=128,
+                                                                              max_input_len=64, tokens_per_block=8))
+        llm = LLM(engine)
+        try:
+            texts[name] = [o.text for o in llm.generate([PROMPT] * 3, configs)]
+        finally:
+            llm.close()
+    assert re.fullmatch("[a-f]{2,6}-[0-9]{2}", texts["one"][0]) and texts["one"][1] in ("north", "south")
+    assert texts["tp2"] == texts["one"] and texts["pp2"] == texts["one"]
