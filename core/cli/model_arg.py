@@ -3,8 +3,9 @@
 MODEL is an engine dir, a checkpoint dir, or any source convert takes (an HF dir, a .gguf, .flm,
 .safetensors, .bin or .pth file). A source is converted and built into the cache once
 (core.runtime.llm.ensure_engine, keyed on its files' contents, core.format.cache); later starts
-load the cached engine without converting. The first start says so on stderr, with the engine's path
-(on a terminal, with convert's progress bars between the two lines; elsewhere one line once it is done):
+load the cached engine without converting. On a terminal the first start says so on stderr, with
+convert's progress bars between its two lines (a pipe or a log gets no status lines: an error after
+one would not be its one line):
 
     [bestiary] converting model.gguf into the cache (once)...
     [bestiary] engine: ~/.cache/bestiary/engines/0123456789abcdef
