@@ -215,6 +215,9 @@ class LLM:
         check_device(device)
         governed = bestiary_chooses(num_threads)
         set_threads(num_threads)  # the usable CPUs when not given (core.runtime.threads)
+        governor = ThreadGovernor.for_this_process() if governed else None
+        if governor is not None:
+            governor.settle()  # a loaded machine: fewer threads from the load on
         self.engine = load_engine(ensure_engine(path, dtype), device=device, registry=registry,
                                   allow_nonfinite=allow_nonfinite, num_threads=num_threads)
         self.tokenizer = self.engine.tokenizer
@@ -224,8 +227,8 @@ class LLM:
         self.lora_store = LoraCache(self.engine.model, registry, LoraCacheConfig.model_validate(lora_cache_config or {}),
                                     bundled_adapters(self.engine.directory), engine_lora(self.engine.directory))
         self.executor.lora_cache = self.lora_store
-        if governed and self.engine.group is None:  # one rank: threads follow the CPUs other processes leave
-            self.executor.governor = ThreadGovernor.for_this_process()
+        if self.engine.group is None:  # one rank: threads follow the CPUs other processes leave
+            self.executor.governor = governor
         if self.tokenizer is not None:  # structured output: grammars over this tokenizer (core.runtime.guided)
             self.executor.grammars = GrammarBackends(self.tokenizer.to_json, self.engine.model.config.vocab_size,
                                                      self.tokenizer.stop_ids, registry)

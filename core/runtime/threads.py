@@ -70,6 +70,7 @@ def set_threads(num_threads: int | None = None, ranks: int = 1) -> int:
 
 
 INTERVAL_S = 0.5  # how often the governor looks (a /proc read of ~50 us)
+SETTLE_S = 0.1  # the first look on a loaded machine, before an engine loads
 ROOT = Path("/")
 
 
@@ -124,15 +125,31 @@ class ThreadGovernor:
         busy, own = cpu_busy_ticks(self.cpus, self.root), own_ticks(self.root)
         return None if busy is None or own is None else (self.clock(), busy, own)
 
-    def tick(self) -> int:
-        """Re-read the CPUs' use when INTERVAL_S has passed and set the thread count; returns it."""
-        if self._last is None or self.clock() - self._last[0] < INTERVAL_S:
+    def settle(self, seconds: float = SETTLE_S, loadavg=os.getloadavg) -> int:
+        """On a loaded machine (1-minute load average above half the usable CPUs), look at the CPUs' use over
+        `seconds` now, so that what runs before the first decode step (loading an engine: the weights' NaN
+        scan, their repacking) has the count the governor would pick; returns it."""
+        try:
+            busy = loadavg()[0] > self.usable / 2
+        except OSError:
+            return self.threads
+        if not busy:
+            return self.threads
+        self._last = self._sample()
+        time.sleep(seconds)
+        return self.tick(force=True)
+
+    def tick(self, force: bool = False) -> int:
+        """Re-read the CPUs' use when INTERVAL_S has passed (or `force`) and set the thread count; returns it."""
+        if self._last is None or (not force and self.clock() - self._last[0] < INTERVAL_S):
             return self.threads
         now = self._sample()
         if now is None:
             return self.threads
         seconds, busy, own = (b - a for a, b in zip(self._last, now))
         self._last = now
+        if seconds <= 0:
+            return self.threads
         others = max(0.0, (busy - own) / (self.hz * seconds))  # CPUs' worth of other processes' work
         threads = max(1, min(self.usable, math.floor(self.usable - others + 0.25)))
         if threads != self.threads:

@@ -92,3 +92,16 @@ def test_only_a_count_nobody_asked_for_is_governed(monkeypatch) -> None:
     assert threads.bestiary_chooses(None) and not threads.bestiary_chooses(3)
     monkeypatch.setenv(threads.ENV, "1")
     assert not threads.bestiary_chooses(None)
+
+
+def test_settle_looks_at_once_only_on_a_loaded_machine(tmp_path, monkeypatch) -> None:
+    """settle(): a load average above half the usable CPUs samples the CPUs now (others busy on one of two:
+    1 thread before the engine loads); a quiet one costs nothing."""
+    monkeypatch.setattr(threads.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(threads.time, "sleep", lambda s: write_proc(tmp_path, [10, 1], 1))  # others: 1 CPU for 0.1 s
+    now = iter([0.0, 0.0, 0.1, 0.1])
+    torch.set_num_threads(2)
+    write_proc(tmp_path, [0, 0], 0)
+    gov = threads.ThreadGovernor(2, {0, 1}, root=tmp_path, clock=lambda: next(now))
+    assert gov.settle(loadavg=lambda: (0.4, 0, 0)) == 2  # quiet: no sample, no sleep
+    assert gov.settle(loadavg=lambda: (3.0, 0, 0)) == 1 and torch.get_num_threads() == 1
