@@ -14,6 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from bestiary.core.cli.commands import one_line  # noqa: E402
 from bestiary.core.runtime.engine import Engine  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
@@ -48,7 +49,7 @@ def test_greedy_text_equals_hf(engine_dir, hf_model, hf_tokenizer):
         with torch.no_grad():
             out = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         expected.append(hf_tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-    assert ours.stdout == "".join(text + "\n" for text in expected)
+    assert ours.stdout == "".join(one_line(text) + "\n" for text in expected)  # one line per answer, \n escaped
 
 
 def test_generated_ids_equal_hf_for_40_tokens(engine_dir, hf_model, hf_tokenizer):
