@@ -534,11 +534,12 @@ class Executor:
 
     def _start_masks(self, work: list[Row]) -> tuple[list[int], Future[torch.Tensor]] | None:
         """(guided request ids, the future of their masks [G, W]) for the rows that sample after this forward."""
-        guided = [r for r, s, n in work if s is r and r.chooser is not None and r.chooser.matcher is not None
+        guided = [(r.id, r.chooser.matcher) for r, s, n in work
+                  if s is r and r.chooser is not None and r.chooser.matcher is not None
                   and s.num_cached + n == len(s.tokens) and not r.draft]
         if not guided:
             return None
-        return [r.id for r in guided], self._masks.start([r.chooser.matcher for r in guided if r.chooser and r.chooser.matcher])
+        return [i for i, _ in guided], self._masks.start([m for _, m in guided])
 
     @staticmethod
     def _masks_of(started: tuple[list[int], Future[torch.Tensor]] | None) -> dict[int, torch.Tensor]:

@@ -214,8 +214,8 @@ class LLM:
         serves rank 0's steps inside this constructor and then exits."""
         check_device(device)
         governed = bestiary_chooses(num_threads)
-        set_threads(num_threads)  # the usable CPUs when not given (core.runtime.threads)
-        governor = ThreadGovernor.for_this_process() if governed else None
+        threads = set_threads(num_threads)  # the usable CPUs when not given (core.runtime.threads)
+        governor = ThreadGovernor.for_this_process(threads) if governed else None
         if governor is not None:
             governor.settle()  # a loaded machine: fewer threads from the load on
         self.engine = load_engine(ensure_engine(path, dtype), device=device, registry=registry,

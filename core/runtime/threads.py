@@ -112,13 +112,13 @@ class ThreadGovernor:
         self._last = self._sample()
 
     @classmethod
-    def for_this_process(cls) -> ThreadGovernor | None:
-        """A governor when the count is bestiary's to choose (none asked for) and /proc can be read."""
+    def for_this_process(cls, usable: int) -> ThreadGovernor | None:
+        """A governor of up to `usable` threads (`set_threads`' default count) when /proc can be read."""
         try:
             cpus = os.sched_getaffinity(0)
         except (AttributeError, OSError):
             return None
-        governor = cls(default_threads(), cpus)
+        governor = cls(usable, cpus)
         return governor if governor._last is not None else None
 
     def _sample(self) -> tuple[float, int, int] | None:

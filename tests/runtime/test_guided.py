@@ -15,17 +15,15 @@ import asyncio
 import json
 import re
 
-import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 jsonschema = pytest.importorskip("jsonschema")
 
+from test_lora_cache import seed_adapter  # noqa: E402 - the tiny model's random LoRA, shared
 from tiny_chat import make_tiny_chat_engine  # noqa: E402
 
 from bestiary.core.format.errors import BestiaryError  # noqa: E402
-from bestiary.core.lora.request import LoraRequest  # noqa: E402
 from bestiary.core.runtime.guided import GuidedConfig  # noqa: E402
 from bestiary.core.runtime.llm import LLM  # noqa: E402
 from bestiary.core.runtime.sampling import SamplingConfig  # noqa: E402
@@ -51,21 +49,6 @@ def json_valid(text: str | None, schema: dict = SCHEMA) -> bool:
 def guided(kind: str = "schema", **options) -> SamplingConfig:
     constraint = GuidedConfig(json_schema=SCHEMA) if kind == "schema" else GuidedConfig(regex=REGEX)
     return SamplingConfig(max_new_tokens=options.pop("max_new_tokens", 120), guided=constraint, **options)
-
-
-def seed_adapter(seed: int, rank: int = 2) -> LoraRequest:
-    """Task `seed`: a random rank-`rank` LoRA (TensorRT-LLM tensors) on q and v of both layers of the tiny model."""
-    gen = torch.Generator().manual_seed(seed)
-    rows, config = [], []
-    for layer in range(2):
-        for module_id, out in ((1, 64), (3, 32)):  # attn_q: 4 heads x 16, attn_v: 2 kv heads x 16
-            a = torch.randn(rank, 64, generator=gen) / 8
-            b = torch.randn(out, rank, generator=gen)
-            rows.append(torch.cat([a.flatten(), b.flatten()]))
-            config.append([module_id, layer, rank])
-    width = max(r.numel() for r in rows)
-    weights = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
-    return LoraRequest(f"seed-{seed}", weights=weights.numpy(), config=np.array(config, dtype=np.int32))
 
 
 @pytest.fixture(scope="module")
