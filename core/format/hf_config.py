@@ -228,7 +228,7 @@ def same_named(hf: dict[str, Any], cls: type[PretrainedConfig], skip: tuple[str,
 
 
 ConfigT = TypeVar("ConfigT", bound=PretrainedConfig)
-ROPE_KINDS = ("linear", "llama3")  # the scalings core.layers.rotary computes (besides the default)
+ROPE_KINDS = ("linear", "llama3", "yarn")  # the scalings core.layers.rotary computes (besides the default)
 
 
 def derived(name: str, read: Callable[[dict[str, Any]], Any], hf: dict[str, Any], source: str) -> Any:

@@ -5,8 +5,9 @@ For position p and pair i of a head (i < rot_dim/2), with theta_i = base^(-2i/ro
     x'_b = x_b cos(p theta_i) + x_a sin(p theta_i)
 where (a, b) = (i, i + rot_dim/2) in neox style (half split) and (2i, 2i+1) in gptj
 style (interleaved). Dims past rot_dim are left unchanged (partial rotary).
-Scaling: linear and llama3 change theta (rope_inv_freq); longrope (Phi-3) switches between two sets of
-thetas by each sequence's length and scales cos / sin (core.layers.longrope).
+Scaling: linear, llama3 and yarn change theta (rope_inv_freq), yarn also scales cos / sin
+(core.layers.yarn); longrope (Phi-3) switches between two sets of thetas by each sequence's length and
+scales cos / sin (core.layers.longrope).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from torch import nn
 from bestiary.core.format.errors import ConfigError
 from bestiary.core.kernels import dispatch
 from bestiary.core.layers.longrope import LongRope
+from bestiary.core.layers.yarn import yarn_attention_factor, yarn_inv_freq
 
 
-def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
-    """theta_i [rot_dim/2] in float64->float32, with HF's linear / llama3 scaling applied."""
+def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None, max_positions: int = 2048) -> torch.Tensor:
+    """theta_i [rot_dim/2] in float64->float32, with HF's linear / llama3 / yarn scaling applied
+    (`max_positions`: the model's max_position_embeddings, which yarn's defaults read)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     if not scaling:
         return inv_freq
@@ -33,7 +36,16 @@ def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tens
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ConfigError(f"rotary_scaling: unsupported rope_type {kind!r}; expected linear or llama3")
+    if kind == "yarn":
+        return yarn_inv_freq(inv_freq, rot_dim, base, scaling, max_positions)
+    raise ConfigError(f"rotary_scaling: unsupported rope_type {kind!r}; expected linear, llama3 or yarn")
+
+
+def rope_attention_factor(scaling: dict | None, max_positions: int) -> float:
+    """The scale of cos / sin: yarn's attention factor (core.layers.yarn), else 1."""
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return yarn_attention_factor(scaling, max_positions)
+    return 1.0
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -72,9 +84,11 @@ class Rotary(nn.Module):
             if self.longrope is not None:  # short rows below its switch length, long rows from it
                 table = self.longrope.table(size).to(device)
             else:
-                inv_freq = rope_inv_freq(self.rot_dim, self.base, self.scaling)
+                inv_freq = rope_inv_freq(self.rot_dim, self.base, self.scaling, self.max_positions)
                 freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)  # [P, rot/2]
-                table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+                table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, rot]
+                scale = rope_attention_factor(self.scaling, self.max_positions)
+                table = (table * scale if scale != 1.0 else table).to(device)
             self._cos_sin = table
         return table
 

@@ -114,11 +114,11 @@ def test_llama3_band_edge_at_the_low_frequency_wavelength_is_divided_by_the_fact
     torch.testing.assert_close(got, hf_inv_freq(2, 10000.0, {"rope_type": "llama3", **params}))
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
+@pytest.mark.parametrize("kind", ["dynamic", "ntk"])
 def test_unsupported_rope_kinds_are_refused_by_name(kind) -> None:
-    """A scaling kind other than default / linear / llama3 is refused with one message naming it
+    """A scaling kind other than default / linear / llama3 / yarn is refused with one message naming it
     (rope_inv_freq 44: the message dropped)."""
-    message = f"rotary_scaling: unsupported rope_type {kind!r}; expected linear or llama3"
+    message = f"rotary_scaling: unsupported rope_type {kind!r}; expected linear, llama3 or yarn"
     with pytest.raises(ConfigError, match=whole(message)):
         rope_inv_freq(8, 10000.0, {"rope_type": kind, "factor": 2.0})
 

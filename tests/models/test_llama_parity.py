@@ -23,6 +23,9 @@ CONFIGS = {
     "rope_llama3": dict(num_key_value_heads=2, rope_theta=500.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32}),
+    # yarn: pairs 0-2 of 8 ramp from kept to interpolated by 4 (core.layers.yarn), cos / sin scaled by 1.139
+    "rope_yarn": dict(num_key_value_heads=2, rope_theta=500.0, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "truncate": False}),
 }
 
 
