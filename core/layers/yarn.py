@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from bestiary.core.format.errors import ConfigError
+
 KIND = "yarn"
 
 
@@ -61,6 +63,8 @@ def _correction_dim(rotations: float, rot_dim: int, base: float, original: int) 
 
 def yarn_inv_freq(inv_freq: torch.Tensor, rot_dim: int, base: float, scaling: dict, max_positions: int) -> torch.Tensor:
     """theta'_i [rot_dim/2] from the unscaled theta_i `inv_freq` [rot_dim/2] (module docstring)."""
+    if base <= 1:  # corr(r) divides by ln(base)
+        raise ConfigError(f"rotary_scaling: yarn needs rope_theta > 1 (got {base:g})")
     s, original = yarn_factor(scaling, max_positions), original_positions(scaling, max_positions)
     fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
     lo, hi = _correction_dim(fast, rot_dim, base, original), _correction_dim(slow, rot_dim, base, original)

@@ -95,11 +95,13 @@ def test_is_number_refuses_what_float_cannot_hold():
 
 
 def test_the_reader_refuses_a_rope_kind_the_runtime_cannot_compute():
-    """Default rope_kinds: linear and llama3 (core.layers.rotary); yarn converted, then failed at run."""
+    """Default rope_kinds: linear, llama3 and yarn (core.layers.rotary); dynamic converted, then failed at run."""
     read = hf_config_reader(LlamaConfig)
     assert read(SIZES | {"rope_scaling": LLAMA3}, "float32", Mapping()).rotary_scaling["rope_type"] == "llama3"
-    with pytest.raises(ConfigError, match=r"^c/config.json: field 'rope_scaling': rope_type 'yarn' is not supported"):
-        read(SIZES | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "float32", Mapping(), "c/config.json")
+    yarn = {"rope_type": "yarn", "factor": 2.0}
+    assert read(SIZES | {"rope_scaling": yarn}, "float32", Mapping()).rotary_scaling == yarn
+    with pytest.raises(ConfigError, match=r"^c/config.json: field 'rope_scaling': rope_type 'dynamic' is not supp"):
+        read(SIZES | {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "float32", Mapping(), "c/config.json")
 
 
 def test_a_family_field_that_cannot_be_derived_is_a_config_error():

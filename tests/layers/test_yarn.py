@@ -56,3 +56,11 @@ def test_yarn_scales_the_cos_sin_table() -> None:
     expected = yarn_mscale(16.0, 1.0) / yarn_mscale(16.0, 0.5)
     torch.testing.assert_close(cos**2 + sin**2, torch.full_like(cos, expected**2))
     assert expected == pytest.approx((0.1 * math.log(16) + 1) / (0.05 * math.log(16) + 1))
+
+
+def test_yarn_refuses_a_base_of_one() -> None:
+    """rope_theta 1 (a positive number, so it passes the field check) would divide by ln(1): one-line ConfigError."""
+    from bestiary.core.format.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^rotary_scaling: yarn needs rope_theta > 1 \(got 1\)$"):
+        rope_inv_freq(8, 1.0, {"rope_type": "yarn", "factor": 2.0})
