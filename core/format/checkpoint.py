@@ -120,14 +120,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
-TENSOR_ALIGNMENT = 64  # bytes: what torch's CPU allocator guarantees and vectorized kernels may assume
-
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a copy of it when its data does not start on a TENSOR_ALIGNMENT boundary."""
-    return t if t.data_ptr() % TENSOR_ALIGNMENT == 0 else t.clone()
-
-
 FINITE_CHUNK = 1 << 20  # elements checked at a time: isfinite of a half tensor makes float32 temporaries
 
 
@@ -152,23 +144,24 @@ def check_finite(tensor: torch.Tensor, where: str) -> None:
 
 
 def load_rank_weights(directory: Path, rank: int, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
-    """All tensors of rank `rank`; a missing or truncated file is a one-line error.
+    """All tensors of rank `rank`; a missing, malformed or truncated file is a one-line error.
 
-    safetensors memory-maps the file: a tensor's data sits at its file offset, which the format
-    aligns to 8 bytes only. Kernels used as-is on loaded tensors (int8 weights and bf16 scales
-    feed aten._weight_int8pack_mm directly) crashed on such addresses, so every tensor that does
-    not start on a 64-byte boundary is copied (the others stay memory-mapped). A float tensor with
-    NaN or inf values is refused unless `allow_nonfinite`."""
-    from safetensors.torch import load_file
+    Each tensor is read into memory of its own (core.format.safetensors_stream), 64-byte aligned as
+    kernels used as-is on loaded tensors need (int8 weights and bf16 scales feed
+    aten._weight_int8pack_mm directly), and nothing stays mapped from the file: a memory map would
+    add every page a load touches to the process's resident memory until the last tensor read from
+    it is gone, while the model repacks most weights into layouts of its own (Engine.load frees
+    each source as its repack is made). A float tensor with NaN or inf values is refused unless
+    `allow_nonfinite`."""
+    from bestiary.core.format.safetensors_stream import SafetensorsStream
 
     path = rank_file(directory, rank)
     if not path.is_file():
         raise WeightsError(f"{path}: rank file not found")
-    try:
-        weights = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-        raise WeightsError(f"{path}: not a readable .safetensors file ({err})") from None
-    if not allow_nonfinite:
-        for key, t in weights.items():
-            check_finite(t, f"{path}: tensor {key!r}")
-    return {key: aligned(t) for key, t in weights.items()}
+    weights: dict[str, torch.Tensor] = {}
+    with SafetensorsStream(path) as stream:
+        for key in stream.keys():
+            weights[key] = stream.get_tensor(key)
+            if not allow_nonfinite:
+                check_finite(weights[key], f"{path}: tensor {key!r}")
+    return weights

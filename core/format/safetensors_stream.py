@@ -102,10 +102,29 @@ def tensor_entry(path: Path, name: str, value: object, data_start: int, data_len
 
 
 def read_header(f: BinaryIO, path: Path) -> dict[str, TensorEntry]:
-    """Every tensor's validated entry, in header order (`__metadata__` skipped)."""
+    """Every tensor's validated entry, in header order (`__metadata__` skipped); together they tile the data
+    section exactly (check_tiling)."""
     header, data_start, data_len = read_header_json(f, path)
-    return {name: tensor_entry(path, name, value, data_start, data_len)
-            for name, value in header.items() if name != "__metadata__"}
+    entries = {name: tensor_entry(path, name, value, data_start, data_len)
+               for name, value in header.items() if name != "__metadata__"}
+    check_tiling(path, entries, data_start, data_len)
+    return entries
+
+
+def check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int, data_len: int) -> None:
+    """The tensors' byte ranges, in file order, follow one another with no gap or overlap and end at the
+    data section's end (the safetensors format's rule: two tensors sharing bytes, or bytes no tensor owns,
+    mean a corrupt header)."""
+    at = data_start
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].start, item[1].nbytes)):
+        if entry.start != at:
+            what = "overlaps the tensor before it" if entry.start < at else "leaves a gap before it"
+            raise WeightsError(f"{path}: tensor {name!r}: data_offsets start at {entry.start - data_start}, which "
+                               f"{what} (expected {at - data_start}): the header is corrupt")
+        at += entry.nbytes
+    if at != data_start + data_len:
+        raise WeightsError(f"{path}: the tensors end at byte {at - data_start} of a {data_len}-byte data section "
+                           f"(bytes no tensor owns: the file or its header is corrupt)")
 
 
 class SafetensorsStream:
@@ -132,14 +151,15 @@ class SafetensorsStream:
         return list(self.entries)
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        """Tensor `key`, read into memory of its own; a file cut short since it was opened is a WeightsError."""
+        """Tensor `key`, read into memory of its own (64-byte aligned: kernels may use it as it is); a file cut
+        short since it was opened is a WeightsError."""
         entry = self.entries[key]
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
-        data = bytearray(entry.nbytes)
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)  # torch's CPU allocator: 64-byte aligned
         self.file.seek(entry.start)
-        got = self.file.readinto(data)
+        got = self.file.readinto(tensor.reshape(-1).view(torch.uint8).numpy().data)  # the array's memoryview
         if got != entry.nbytes:
             raise WeightsError(f"{self.path}: tensor {key!r}: file ends {entry.nbytes - got} bytes early "
                                f"(truncated while reading?)")
-        return torch.frombuffer(data, dtype=entry.dtype).reshape(entry.shape)
+        return tensor

@@ -13,6 +13,7 @@ scales cos / sin (core.layers.longrope).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -61,6 +62,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+# cos / sin tables by (rot_dim, base, scaling, max_positions, device), held while a Rotary holds them
+_TABLES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 class Rotary(nn.Module):
     """Applies RoPE in place to q and k heads packed as [T, n_heads, head_dim]."""
 
@@ -78,19 +83,28 @@ class Rotary(nn.Module):
         self.longrope = LongRope.of(rot_dim, base, scaling, max_positions)
 
     def _table(self, device: torch.device, needed: int) -> torch.Tensor:
+        """cat(cos, sin) rows [P >= needed, rot_dim] on `device`: this module's, else the one another Rotary of
+        the same parameters holds (every layer has its own module; one table of max_positions rows each cost
+        30 x 2 MiB on SmolLM2, 32 x 64 MiB on a 131k-position Llama 3), else made now."""
         table = self._cos_sin
         if table is None or table.device != device or table.shape[0] < needed:
             size = max(needed, self.max_positions)
-            if self.longrope is not None:  # short rows below its switch length, long rows from it
-                table = self.longrope.table(size).to(device)
-            else:
-                inv_freq = rope_inv_freq(self.rot_dim, self.base, self.scaling, self.max_positions)
-                freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)  # [P, rot/2]
-                table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, rot]
-                scale = rope_attention_factor(self.scaling, self.max_positions)
-                table = (table * scale if scale != 1.0 else table).to(device)
+            key = (self.rot_dim, self.base, repr(self.scaling), self.max_positions, str(device))
+            table = _TABLES.get(key)
+            if table is None or table.shape[0] < size:
+                table = _TABLES[key] = self._make_table(size).to(device)
             self._cos_sin = table
         return table
+
+    def _make_table(self, size: int) -> torch.Tensor:
+        """cat(cos, sin) [size, rot_dim] float32 for positions 0..size-1 (times yarn's attention factor)."""
+        if self.longrope is not None:  # short rows below its switch length, long rows from it
+            return self.longrope.table(size)
+        inv_freq = rope_inv_freq(self.rot_dim, self.base, self.scaling, self.max_positions)
+        freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)  # [P, rot/2]
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, rot]
+        scale = rope_attention_factor(self.scaling, self.max_positions)
+        return table * scale if scale != 1.0 else table
 
     def reserve(self, device: torch.device, positions: int) -> None:
         """Build the cos/sin table on `device` for positions 0..positions-1 now (before a graph capture)."""

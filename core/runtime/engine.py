@@ -18,7 +18,7 @@ from bestiary.core.format.config import (
     validate_config,
 )
 from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
-from bestiary.core.kernels.cpu.malloc import keep_freed_memory
+from bestiary.core.kernels.cpu.malloc import keep_freed_memory, release_freed_memory
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.pipeline import stage_tp_group
 from bestiary.core.runtime.tokenizer import Tokenizer
@@ -120,11 +120,14 @@ class Engine:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as err:
             raise WeightsError(f"{directory}/rank{rank}.safetensors: {str(err).splitlines()[-1].strip()}") from None
+        del weights  # the parameters hold the tensors now: each repack below frees its source as it goes
         if tp_group is not None:
             model.use_tp_group(tp_group)
         model.to(device)
         model.eval()
         model.prepare_for_inference()
+        if device == "cpu":
+            release_freed_memory()  # the load's freed sources (core.kernels.cpu.malloc)
         return cls(directory, config, build, model, tokenizer)
 
 

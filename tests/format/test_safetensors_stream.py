@@ -154,3 +154,25 @@ def test_a_bad_header_closes_the_file(good: Path, monkeypatch: pytest.MonkeyPatc
     header["a.weight"]["dtype"] = ""
     _error(_join(good, header, data))
     assert opened and all(h.closed for h in opened)
+
+
+def _two(a: list[int], b: list[int]) -> dict:
+    return {"x": {"dtype": "F32", "shape": [2], "data_offsets": a}, "y": {"dtype": "F32", "shape": [2], "data_offsets": b}}
+
+
+@pytest.mark.parametrize(("header", "size", "expect"), [
+    (_two([0, 8], [0, 8]), 16, "tensor 'y': data_offsets start at 0, which overlaps the tensor before it (expected 8)"),
+    (_two([0, 8], [4, 12]), 12, "tensor 'y': data_offsets start at 4, which overlaps the tensor before it (expected 8)"),
+    (_two([0, 8], [12, 20]), 20, "tensor 'y': data_offsets start at 12, which leaves a gap before it (expected 8)"),
+    (_two([0, 8], [8, 16]), 24, "the tensors end at byte 16 of a 24-byte data section"),
+])
+def test_tensors_must_tile_the_data_section(tmp_path: Path, header: dict, size: int, expect: str) -> None:
+    """Two tensors sharing bytes (an engine loaded them as silently wrong weights: load_file refused them, the
+    plain reader did not), a gap, or bytes past the last tensor: one line naming the file and the tensor."""
+    assert expect in _error(_join(tmp_path / "bad.safetensors", header, bytes(size)))
+
+
+def test_tensors_are_read_64_byte_aligned(good: Path) -> None:
+    """Kernels use loaded tensors as they are (int8 weights -> aten._weight_int8pack_mm crashed at 8-byte offsets)."""
+    with SafetensorsStream(good) as f:
+        assert all(f.get_tensor(k).data_ptr() % 64 == 0 for k in f.keys() if f.entries[k].nbytes)

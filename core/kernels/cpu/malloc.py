@@ -9,6 +9,10 @@ step faulted 83 k pages and ran ~10% faster.
 
 Set once per process, on the first CPU engine loaded (core.runtime.engine.Engine.load); off with
 BESTIARY_MALLOC_TUNING=0, and a no-op where the C library is not glibc.
+
+Kept free heap is also what a load leaves behind: the weights as read, freed as each is repacked
+(cpu_matmul tiles, quantized layouts). `release_freed_memory` (malloc_trim) hands it back once the
+engine is loaded, so resident memory after loading is the engine's, not the load's high-water mark.
 """
 
 from __future__ import annotations
@@ -26,15 +30,30 @@ PAD_BYTES = 64 << 20  # extra heap asked for at each growth (untouched pages cos
 _done: list[bool] = []  # [True] once this process has been set
 
 
-def glibc_mallopt():
-    """The C library's mallopt, or None where it is not glibc (musl, macOS, Windows)."""
+def _glibc():
+    """The C library, or None where it is not glibc (musl, macOS, Windows)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def glibc_mallopt():
+    """The C library's mallopt, or None where it is not glibc (musl, macOS, Windows)."""
+    libc = _glibc()
     fn = getattr(libc, "mallopt", None)
     if fn is not None:
         fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return fn
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the system now (glibc malloc_trim(0)); True when it ran."""
+    fn = getattr(_glibc(), "malloc_trim", None)
+    if fn is None:
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn(0)
+    return True
 
 
 def keep_freed_memory() -> bool:
