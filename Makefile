@@ -11,7 +11,7 @@ PIP = $(PYTHON) -m pip
 INSTALLED = $(VENV)/.bestiary-installed
 SAY_VENV = @echo "bestiary: using the virtualenv $(VENV)"
 
-.PHONY: install demo test test-slow fuzz test-gpu test-all lint typecheck gpu-check bench docs mutation browser
+.PHONY: install demo test test-slow test-eval fuzz test-gpu test-all lint typecheck gpu-check bench docs mutation browser
 
 $(PYTHON):
 	@$(BASE_PYTHON) -m venv $(VENV) || { echo "error: $(BASE_PYTHON) -m venv $(VENV) failed (Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
@@ -47,6 +47,14 @@ test: $(INSTALLED)
 test-slow: $(INSTALLED)
 	$(SAY_VENV)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow tests
+
+# The lm-evaluation-harness model and `eval --task summarize` (the eval extra: lm-eval pins some of the test
+# extra's dependencies, so it is installed last, only here): their fast tests, against transformers and PEFT.
+# The SmolLM2 runs against lm-eval's own `hf` model are slow tests (`pytest -m slow tests/bench`).
+test-eval: $(INSTALLED)
+	$(SAY_VENV)
+	$(PIP) install --quiet -e '.[eval]' --config-settings editable_mode=strict
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests/bench/test_lm_eval_model.py tests/bench/test_summarize.py
 
 # The fuzzer at length (tests/fuzz): FUZZ_CASES seeded cases of every input kind (safetensors, config.json,
 # tokenizer files, GGUF, .flm, chat templates, CLI flags) through the CLI in one long-lived worker; it
