@@ -219,10 +219,12 @@ class WeightsLoader:
         return target.tp_dim - extra
 
     def _slice_dim(self, target: Target, source_key: str, tp_size: int, transposed: bool) -> int:
-        """source_tp_dim, with dims 0 and 1 swapped for a 2-D source the hook transposes."""
+        """source_tp_dim, with the last two dims swapped for a source the hook transposes (a 2-D (in, out)
+        matrix, or stacked experts [E, in, out])."""
         dim = self.source_tp_dim(target, source_key, tp_size)
-        if transposed and dim in (0, 1) and len(self.source.shape(source_key)) == 2:
-            return 1 - dim
+        n = len(self.source.shape(source_key))
+        if transposed and n >= 2 and dim in (n - 2, n - 1):
+            return 2 * n - 3 - dim
         return dim
 
     def source_part(self, target: Target, index: int, count: int, tp_size: int, tp_rank: int) -> tuple[int, int]:

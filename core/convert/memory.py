@@ -2,10 +2,12 @@
 
 The KV pool of an engine holds max_tokens_in_paged_kv_cache tokens (default max_batch_size *
 max_seq_len) rounded up to whole blocks of tokens_per_block, as the runtime allocates it; one
-token takes, over the layers and kv heads of one rank, K and V:
+token takes, over the layers of one rank, K and V in the pool geometry the runtime allocates
+(core.layers.kv_geometry.pool_geometry: kv heads of the rank, K dim, V dim; a family may state its own,
+e.g. multi-head latent attention's one latent row and no V):
 
-    bytes_per_token = 2 * ceil(num_hidden_layers / pp_size) * ceil(num_key_value_heads / tp_size)
-                      * head_size * element_size
+    bytes_per_token = ceil(num_hidden_layers / pp_size) * kv_heads * (k_dim + v_dim) * element_size
+                      (standard attention: kv_heads = the rank's kv heads, k_dim = v_dim = head_size)
 
 (element_size: 1 under an INT8 / FP8 kv_cache_quant_algo, else the model dtype's). `bestiary
 build` refuses limits whose pool plus one rank's weights exceed the memory this process could use
@@ -24,19 +26,20 @@ from collections.abc import Iterator
 from bestiary.core.format.build_config import BuildConfig, pool_blocks
 from bestiary.core.format.errors import EnvironmentFault
 from bestiary.core.format.resources import memory_capacity, size_text
+from bestiary.core.layers.kv_geometry import pool_geometry
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def kv_bytes_per_token(config) -> int:
-    """K + V bytes of one token over the layers and kv heads of one rank of a PretrainedConfig (module docstring)."""
+    """K + V bytes of one token over the layers of one rank of a PretrainedConfig (module docstring): the
+    geometry of rank 0 (every rank's is the same size), as KVCache.for_model allocates it."""
     quant = getattr(config, "quantization", None)
     kv_quantized = bool(getattr(quant, "kv_cache_quant_algo", None))
     element = 1 if kv_quantized else DTYPE_BYTES.get(str(config.dtype), 4)
     mapping = getattr(config, "mapping", None)
     tp, pp = getattr(mapping, "tp_size", 1), getattr(mapping, "pp_size", 1)
-    layers, heads = math.ceil(config.num_hidden_layers / pp), math.ceil(config.num_key_value_heads / tp)
-    return 2 * layers * heads * config.head_size * element
+    return math.ceil(config.num_hidden_layers / pp) * pool_geometry(config, tp).elements * element
 
 
 def flags_to_lower(build: BuildConfig, tokens: int) -> str:

@@ -44,9 +44,9 @@ def slices_itself(hook):
 
 
 def transposes_source(hook):
-    """Mark a hook whose 2-D source is the target transposed: the loader then slices the
-    source for a tp rank along the other dim (a column-parallel (out, in) target is cut on
-    dim 0, so its (in, out) source on dim 1)."""
+    """Mark a hook whose source is the target with its last two dims swapped: the loader then slices
+    the source for a tp rank along the other one (a column-parallel (out, in) target is cut on
+    dim 0, so its (in, out) source on dim 1; stacked experts [E, out, in] from [E, in, out] alike)."""
     hook.transposes_source = True
     return hook
 

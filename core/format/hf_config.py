@@ -80,7 +80,7 @@ def read_common(hf: dict[str, Any], defaults: dict[str, Any] | None = None,
 
 
 def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: float = 1.0,
-              source: str = "config.json") -> dict[str, Any]:
+              source: str = "config.json", default_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
     """rotary_base, rotary_scaling (None for the default rope) and rotary_pct of an HF config.
 
     transformers 5 keeps theta, the scaling kind and partial_rotary_factor in `rope_parameters` (or
@@ -88,13 +88,16 @@ def read_rope(hf: dict[str, Any], default_theta: float = 10000.0, default_pct: f
     earlier versions in `rope_theta`, `rope_scaling` ("type" or "rope_type") and
     `partial_rotary_factor` / `rotary_pct`. Either layout, or a mix, is read. A rope field of the
     wrong type or range is a ConfigError naming `source` (core.format.hf_fields.check_rope_fields;
-    `hf_config_reader` also refuses a dict without the fields its kind needs).
+    `hf_config_reader` also refuses a dict without the fields its kind needs). `default_scaling`: the
+    family's scaling when the config names neither rope_scaling nor rope_parameters (gpt-oss: YaRN).
     """
     check_rope_fields(hf, source, complete=False)
     params = dict(hf.get("rope_parameters") or {})
     if isinstance(params.get("full_attention"), dict):  # transformers 5, per layer type (Gemma 3): the global one
         params = dict(params["full_attention"])
     scaling = dict(hf.get("rope_scaling") or params)
+    if default_scaling is not None and hf.get("rope_scaling") is None and hf.get("rope_parameters") is None:
+        scaling = dict(default_scaling)
     theta = first_present(hf, ("rope_theta", "rotary_emb_base")) or params.get("rope_theta", default_theta)
     pct = first_present(hf, ("partial_rotary_factor", "rotary_pct")) or params.get("partial_rotary_factor",
                                                                                    default_pct)
@@ -134,7 +137,7 @@ class DecoderConfig(PretrainedConfig):
                                      "chatglm (2D rotary).")
     rotary_base: float = Field(10000.0, description="RoPE theta (HF rope_theta).")
     rotary_scaling: dict[str, Any] | None = Field(
-        None, description="HF rope scaling: linear or llama3 (None: default).")
+        None, description="HF rope scaling: linear, llama3 or yarn (None: default).")
     rotary_pct: float = Field(1.0, gt=0.0, le=1.0, description="Fraction of each head's dims rotated.")
     qkv_bias: bool = Field(False, description="Bias on the fused qkv projection.")
     dense_bias: bool = Field(False, description="Bias on the attention output projection.")
@@ -270,7 +273,7 @@ def hf_config_reader(
                        source: str = "config.json") -> ConfigT:
         check_hf_fields(hf, source)
         refuse_unsupported(hf, unsupported or {}, source)
-        rope = read_rope(hf, theta, pct, source)
+        rope = read_rope(hf, theta, pct, source, (defaults or {}).get("rotary_scaling"))
         refuse_rope_kind(rope, ROPE_KINDS if rope_kinds is None else rope_kinds, source)
         data = read_common(hf, defaults, source) | rope
         if hf.get("attention_bias") is not None:  # absent: the class's own defaults (GPT-2's are all true)

@@ -16,6 +16,15 @@ Falcon's bf16 ALiBi).
 With a logit soft-cap c (Gemma 2) the scores are capped before the bias: s = c tanh(q k^T * scale / c),
 computed in float32 (`capped_attention`: every device, no compiled kernel has the cap).
 
+With sink logits (gpt-oss: one learned logit a_h per query head) the softmax has one more term per
+head that takes probability mass and carries no value:
+
+    p_ij = exp(s_ij) / (exp(a_h) + sum_j' exp(s_ij'))          out_i = sum_j p_ij v_j
+
+also on `capped_attention`'s explicit float32 scores. These are not StreamingLLM's sink TOKENS (the first
+S cache positions a window keeps, meta.sinks / core.kernels.attention_window): a sink logit is a
+per-head parameter, no key position.
+
 `write_kv` stores a step's new keys and values in the pools first (INT8/FP8 pools get codes,
 core.kernels.kv_codes); `prefill_attention` / `decode_attention` then read them back.
 """
@@ -198,11 +207,12 @@ def windowed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
     key_bias: KeyBias | None, windows: list[int], sinks: list[int], softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """prefill_attention / decode_attention under per-sequence windows (core.kernels.attention_window):
-    q [T, H, D] -> [T, H*D]. Each sequence gathers only the keys its queries may see (sinks +
-    the rolling part: released blocks are never read) and masks the rest per query; `softcap`: see
-    capped_attention."""
+    q [T, H, D] -> [T, H*D]. Each sequence gathers only the keys its queries may see (sink tokens +
+    the rolling part: released blocks are never read) and masks the rest per query; `softcap` and
+    `sink_logits` [H] (per-head logits, not sink tokens): see capped_attention."""
     outs, start, bs = [], 0, meta.block_size
     for i, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens)):
         k_pos = visible_keys(ctx, ctx + n - 1, windows[i], sinks[i]).to(q.device)  # [K]
@@ -223,36 +233,48 @@ def windowed_attention(
             bias = bias + key_bias(k_pos)[:, None, :]  # [H, 1, K]
         qi = q[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
         ki, vi = ki.transpose(0, 1)[None].to(q.dtype), vi.transpose(0, 1)[None].to(q.dtype)  # [1, KVH, K, D]
-        o = _attend(qi, ki, vi, bias, scale, softcap)  # [1, H, n, D]
+        o = _attend(qi, ki, vi, bias, scale, softcap, sink_logits)  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1).reshape(n, -1))
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, bias: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
-    """softmax(s + bias) v, s = q k^T * scale, or c tanh(s / c) with softcap c (float32):
+            softcap: float | None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(s + bias) v, s = q k^T * scale, or c tanh(s / c) with softcap c (float32); with sink logits
+    a [H] the softmax's denominator gains exp(a_h), a term with no value (module doc):
     qi [1, H, n, D], ki / vi [1, KVH, K, D], bias [H or 1, n, K] -> [1, H, n, D]."""
-    if softcap is None:
+    if softcap is None and sink_logits is None:
         return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias.to(qi.dtype)[None], scale=scale,
                                               enable_gqa=True)
     group = qi.shape[1] // ki.shape[1]
     kf, vf = ki.float().repeat_interleave(group, 1), vi.float().repeat_interleave(group, 1)  # [1, H, K, D]
     s = torch.matmul(qi.float(), kf.transpose(-1, -2)) * scale  # [1, H, n, K]
-    s = torch.tanh(s / softcap) * softcap + bias.float()[None]
-    return torch.matmul(torch.softmax(s, dim=-1), vf).to(qi.dtype)  # [1, H, n, D]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s + bias.float()[None]
+    if sink_logits is None:
+        return torch.matmul(torch.softmax(s, dim=-1), vf).to(qi.dtype)  # [1, H, n, D]
+    sink = sink_logits.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)  # [1, H, n, 1]
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]  # [1, H, n, K]: the sink's share dropped
+    return torch.matmul(p, vf).to(qi.dtype)  # [1, H, n, D]
 
 
 def capped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
-    key_bias: KeyBias | None, bounds: tuple[list[int], list[int]] | None, softcap: float,
+    key_bias: KeyBias | None, bounds: tuple[list[int], list[int]] | None, softcap: float | None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention with soft-capped scores, any step (prefill, decode, windows `bounds` or none):
+    """Attention on explicit float32 scores, any step (prefill, decode, cached context, windows `bounds`
+    or none), with a soft-cap c and / or sink logits a [H] (this rank's heads):
 
-        out_i = sum_j softmax_j(c tanh(scale q_i . k_j / c) + bias_ij) v_j     q [T, H, D] -> [T, H*D]
+        s_ij = c tanh(scale q_i . k_j / c) + bias_ij      (scale q_i . k_j + bias_ij without a cap)
+        out_i = sum_j exp(s_ij) / (exp(a_h) + sum_j' exp(s_ij')) v_j      (no exp(a_h) without sinks)
 
-    bias: ALiBi / key bias, -inf on the keys query i does not see (causal, prefix, window)."""
+    q [T, H, D] -> [T, H*D]; bias: ALiBi / key bias, -inf on the keys query i does not see (causal,
+    prefix, window)."""
     b = len(meta.seq_lens)
     windows, sinks = bounds if bounds is not None else ([0] * b, [0] * b)  # 0: attention_window.FULL
-    return windowed_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias, windows, sinks, softcap)
+    return windowed_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias, windows, sinks, softcap,
+                              sink_logits)

@@ -204,18 +204,21 @@ def paged_attention(
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
     key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
     kv_scales: torch.Tensor | None = None, window: int = 0, softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this step's queries q [T, H, D] over the (already written) paged cache -> [T, H*D].
 
     `kv_scales` (s_k, s_v): the pools hold INT8/FP8 codes, only where `reads_kv_codes` said so.
     `window`: the layer's sliding window (0: none), narrowed per sequence by meta.windows / meta.sinks
     (core.kernels.attention_window). `softcap` c: scores capped as c tanh(s / c) before any bias; only
-    the torch path computes that (attention_ref.capped_attention, on every device)."""
+    the torch path computes that (attention_ref.capped_attention, on every device). `sink_logits` [H]:
+    one learned logit per query head in the softmax's denominator (gpt-oss; not the StreamingLLM sink
+    tokens of meta.sinks), the torch path too: neither the Triton kernels nor the compiled CPU ones have it."""
     m = family("attention")
     bounds = meta.window_bounds(window)  # None: plain causal attention
-    if softcap is not None:
+    if softcap is not None or sink_logits is not None:
         return family("attention_ref").capped_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias,
-                                                        bounds, softcap)
+                                                        bounds, softcap, sink_logits)
     if kv_scales is not None or (_cpu_decode_step(q, meta, key_bias) and use_cpu_kernels(k_pool)):
         kv_lens = meta.step_value("kv_lens", lambda: torch.tensor(meta.kv_lens, dtype=torch.int64))
         return cpu_ops().decode_attention(q, k_pool, v_pool, meta.block_tables, kv_lens, scale, slopes, kv_scales,

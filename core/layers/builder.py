@@ -46,7 +46,7 @@ def standard_layer(
     alibi: torch.Tensor | None = None, key_bias: KeyBias | None = None, scale: float | None = None,
     layout: Layout = "pre", parallel_norms: int = 1, norm: Callable[[Any, Any], nn.Module] | None = None,
     alpha: float = 1.0, qk_norm: bool | Callable[[int], nn.Module] = False, attn: PagedAttention | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sink_logits: bool = False, attention: nn.Module | None = None,
 ) -> nn.Module:
     """The layer of `model` (a DecoderLM whose config is a core.format.hf_config.DecoderConfig).
 
@@ -58,19 +58,26 @@ def standard_layer(
     parallel_norms: 1 (the MLP reads the attention's norm) or 2 (its own); alpha: the residual scale of
     the scaled layout; qk_norm: an RMSNorm over each q and k head before rotary (Exaone4), or `(D) -> norm`
     (Gemma 3's 1 + w); attn: the family's own attention op instead of PagedAttention (Qwen's logn scaling);
-    softcap: the attention-logit soft-cap c tanh(s / c) of PagedAttention (Gemma 2). norm: `(model, device) ->
-    module` of the layer norms (default: the model's final norm kind, model.make_final_norm)."""
+    attention: the family's whole attention block instead of SelfAttention (DeepSeek's latent attention,
+    core.layers.latent_attention; the attention arguments above are then unused);
+    softcap: the attention-logit soft-cap c tanh(s / c) of PagedAttention (Gemma 2); sink_logits: a learned
+    logit per query head in the attention softmax's denominator (PagedAttention.sink_logits, gpt-oss).
+    norm: `(model, device) -> module` of the layer norms (default: the model's final norm kind,
+    model.make_final_norm)."""
     if layout not in LAYOUTS:
         raise ValueError(f"standard_layer: layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     c, place = model.config, model.placement(device)
     head_norm = qk_norm if callable(qk_norm) else \
         partial(RMSNorm, eps=c.norm_epsilon, dtype=model.dtype, device=device) if qk_norm else None
-    if softcap is not None:
+    if softcap is not None or sink_logits:
         if attn is not None:
-            raise ValueError("standard_layer: softcap and a family's own attn op (give the op its softcap)")
-        attn = PagedAttention(c.head_size, scale, alibi, key_bias, softcap=softcap)
-    rope = rotary if isinstance(rotary, Rotary) else model.make_rotary() if rotary else None
-    attention = SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
+            named = "softcap" if softcap is not None else "sink_logits"
+            raise ValueError(f"standard_layer: {named} and a family's own attn op (give the op its {named})")
+        heads = c.num_attention_heads // place["tp_size"] if sink_logits else 0
+        attn = PagedAttention(c.head_size, scale, alibi, key_bias, softcap=softcap, sink_heads=heads,
+                              dtype=model.dtype, device=device)
+    rope = rotary if isinstance(rotary, Rotary) else model.make_rotary() if rotary and attention is None else None
+    attention = attention or SelfAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
                               qkv_bias=c.qkv_bias, dense_bias=c.dense_bias, scale=scale, rotary=rope, alibi=alibi,
                               key_bias=key_bias, qk_norm=head_norm, attn=attn, **place)
     if mlp is None:

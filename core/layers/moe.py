@@ -36,9 +36,19 @@ to be dispatched, and a sum over ranks is exactly one all-reduce; all-to-all dis
 off when tokens are partitioned across ranks (data-parallel attention), which bestiary does not do.
 
 The forward is the torch reference: a loop over the experts that received tokens.
+
+gpt-oss's experts (`glu=ClampedSwiGLU(alpha, limit)`, `expert_bias=True`): each expert linear has a
+bias and the activation is its clamped SwiGLU,
+
+    g = min(fc_e x + b, L),  u = clamp(gate_e x + b', -L, L),  h = (u + 1) * g * sigmoid(alpha g)
+
+These run the reference loop on every device: the fused kernels (core.kernels.moe.fused_moe, Triton)
+have neither biases nor this activation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,11 +62,15 @@ from bestiary.core.layers.mlp import GatedMLP
 
 
 class ExpertLinear(nn.Module):
-    """E stacked bias-free linear maps: weight [E_local, out_local, in_local]; y = x W_e^T for local expert e.
+    """E stacked linear maps: weight [E_local, out_local, in_local]; y = x W_e^T (+ b_e) for local expert e.
 
     Column-parallel splits out_features (tp_dim 1), row-parallel in_features (tp_dim 2), over
     (tp_rank, tp_size): the mapping's moe_tp rank and size. With ep_size > 1 the rank holds only
     experts first_expert .. first_expert + E / ep_size - 1 (E_local = E / ep_size).
+    With `bias` (gpt-oss): bias [E_local, out_local], cut with the out dim (column-parallel); a
+    row-parallel bias [E_local, out] is whole on every rank and added by moe_tp rank 0 only, so the
+    all-reduce of the partial outputs counts it once (and, under EP, the rank group holding the expert
+    adds it, weighted by the routing weight as the rest of the expert's output).
     """
 
     def __init__(
@@ -71,6 +85,7 @@ class ExpertLinear(nn.Module):
         device=None,
         ep_rank: int = 0,
         ep_size: int = 1,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.parallel = Parallel(parallel)
@@ -89,10 +104,15 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.num_local, out_local, in_local, dtype=dtype, device=device), requires_grad=False
         )
+        self.bias = nn.Parameter(torch.empty(self.num_local, out_local, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None  # [E_local, out_local]
         self.name = ""  # canonical module path, set by the model (LoRA selects experts by it)
 
     def tp_dim(self, param_name: str) -> int:
-        """Slicing dim of `weight` [E, out, in]: 1 (column), 2 (row), -1 (replicated)."""
+        """Slicing dim of `weight` [E, out, in]: 1 (column), 2 (row), -1 (replicated); of `bias` [E, out]:
+        1 (column), else -1 (whole)."""
+        if param_name == "bias":
+            return 1 if self.parallel == Parallel.COLUMN else -1
         return {Parallel.COLUMN: 1, Parallel.ROW: 2}.get(self.parallel, -1)
 
     def shard(self, param_name: str) -> dict:
@@ -103,8 +123,16 @@ class ExpertLinear(nn.Module):
         return {"tp_split": (self.tp_size, self.tp_rank), "experts": (self.ep_size, self.ep_rank)}
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x [N, in_local] -> [N, out_local] through local expert `expert` (row-parallel: partial sum)."""
-        return F.linear(x, self.weight[expert])
+        """x [N, in_local] -> [N, out_local] through local expert `expert` (row-parallel: partial sum, the
+        bias on moe_tp rank 0 only)."""
+        return F.linear(x, self.weight[expert], self.local_bias(expert))
+
+    def local_bias(self, expert: int) -> torch.Tensor | None:
+        """The bias this rank adds for local expert `expert` [out_local], or None (none, or row-parallel
+        on moe_tp rank > 0: rank 0 adds it once)."""
+        if self.bias is None or (self.parallel == Parallel.ROW and self.tp_rank > 0):
+            return None
+        return self.bias[expert]
 
     def extra_repr(self) -> str:
         return (
@@ -125,6 +153,23 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[t
         return torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
     top, experts = torch.topk(logits.float(), top_k, dim=-1)  # [T, K]
     return torch.softmax(top, dim=-1), experts
+
+
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: h = (clamp(u, -L, L) + 1) * g' sigmoid(alpha g'), g' = min(g, L)
+    (g = fc x, u = gate x; transformers' GptOssExperts._apply_gate: alpha swiglu_alpha, L swiglu_limit)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """g, u [N, I_local] -> h [N, I_local]."""
+        g = g.clamp(max=self.limit)
+        u = u.clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+    def __repr__(self) -> str:
+        return f"ClampedSwiGLU(alpha={self.alpha}, limit={self.limit})"
 
 
 class MoE(nn.Module):
@@ -152,7 +197,11 @@ class MoE(nn.Module):
         device=None,
         renormalize: bool = True,
         ep_size: int = 1,
+        glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        expert_bias: bool = False,
     ) -> None:
+        """glu: the expert's (fc x, gate x) -> h in place of act(fc x) * gate x (ClampedSwiGLU); expert_bias:
+        fc, gate and proj with biases (ExpertLinear)."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts ({num_experts})")
@@ -163,18 +212,28 @@ class MoE(nn.Module):
         tp = dict(tp_rank=tp_rank // ep_size, tp_size=tp_size // ep_size, dtype=dtype, device=device,
                   ep_rank=tp_rank % ep_size, ep_size=ep_size)  # the experts' moe_tp and ep placement
         self.router = Linear(hidden, num_experts, parallel=Parallel.REPLICATED, dtype=dtype, device=device)
-        self.fc = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
-        self.gate = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp)
-        self.proj = ExpertLinear(num_experts, inter, hidden, Parallel.ROW, **tp)
+        self.fc = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp, bias=expert_bias)
+        self.gate = ExpertLinear(num_experts, hidden, inter, Parallel.COLUMN, **tp, bias=expert_bias)
+        self.proj = ExpertLinear(num_experts, inter, hidden, Parallel.ROW, **tp, bias=expert_bias)
         self.act = activation(act)
         self.act_name = act
+        self.glu = glu  # (f, g) -> h, or None: act(f) * g
         self._fused: torch.Tensor | None = None  # [E, 2 I_local, H] once fused
+        self._fused_bias: torch.Tensor | None = None  # [E, 2 I_local] once fused, with expert biases
+
+    @property
+    def kernels_fit(self) -> bool:
+        """Whether the fused expert kernels (core.kernels.moe) compute this block: no expert biases, act(f) * g."""
+        return self.glu is None and self.fc.bias is None and self.proj.bias is None
 
     def fuse(self) -> None:
         """Pack fc and gate into one [E, 2 I_local, H] tensor; fc/gate become views of it."""
         inter = self.fc.weight.shape[1]
         self._fused = torch.cat([self.fc.weight, self.gate.weight], dim=1)
         self.fc.weight.data, self.gate.weight.data = self._fused[:, :inter], self._fused[:, inter:]
+        if self.fc.bias is not None and self.gate.bias is not None:
+            self._fused_bias = torch.cat([self.fc.bias, self.gate.bias], dim=1)  # [E, 2 I_local]
+            self.fc.bias.data, self.gate.bias.data = self._fused_bias[:, :inter], self._fused_bias[:, inter:]
 
     def expert(self, x: torch.Tensor, e: int, lora=None, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Expert e on its tokens: x [N, H] -> partial proj_e(act(fc_e x) * gate_e x) [N, H].
@@ -182,7 +241,8 @@ class MoE(nn.Module):
         With `lora` (a core.lora.batch.StepLora), `tokens` [N] are x's rows in the packed batch and
         each expert linear gets its adapters' delta (LoRA modules moe_h_to_4h, moe_gate, moe_4h_to_h)."""
         if self._fused is not None:
-            fg = F.linear(x, self._fused[e])  # [N, 2 I_local]
+            bias = None if self._fused_bias is None else self._fused_bias[e]  # [2 I_local]
+            fg = F.linear(x, self._fused[e], bias)  # [N, 2 I_local]
         else:
             fg = torch.cat([self.fc(x, e), self.gate(x, e)], dim=-1)
         if lora is not None:  # adapters are keyed by global expert ids
@@ -190,7 +250,7 @@ class MoE(nn.Module):
             if delta is not None:
                 fg = fg + delta
         f, g = fg.chunk(2, dim=-1)  # [N, I_local] each
-        h = self.act(f) * g
+        h = self.act(f) * g if self.glu is None else self.glu(f, g)
         y = self.proj(h, e)
         if lora is not None:
             delta = lora.expert((self.proj,), self.fc.first_expert + e, h, tokens)
@@ -198,15 +258,23 @@ class MoE(nn.Module):
                 y = y + delta
         return y
 
+    def select(self, x: torch.Tensor, lora=None, triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, K] float32, experts [T, K] int64 global ids): the router's logits through
+        `route` (kernels.moe's on the Triton path). A routing of another kind overrides this
+        (core.layers.moe_routing: DeepSeek's grouped top-k)."""
+        if triton:
+            return dispatch.moe_route(self.router(x), self.top_k, self.renormalize)
+        return route(self.router(x, lora), self.top_k, self.renormalize)
+
     def partial_forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """x [T, H] -> this rank's partial output [T, H] (its I slice of each of its local experts)."""
-        if dispatch.use_triton(x) and lora is None:  # routing + grouped expert GEMMs in kernels.moe
-            weights, experts = dispatch.moe_route(self.router(x), self.top_k, self.renormalize)
+        if dispatch.use_triton(x) and lora is None and self.kernels_fit:  # routing + grouped GEMMs in kernels.moe
+            weights, experts = self.select(x, None, triton=True)
             if self.ep_size > 1:
                 return self._fused_local(x, weights, experts)
             return dispatch.fused_moe(x, self.fc.weight, self.gate.weight, self.proj.weight, weights, experts,
                                       self.act_name)
-        weights, experts = route(self.router(x, lora), self.top_k, self.renormalize)  # [T, K], [T, K]
+        weights, experts = self.select(x, lora)  # [T, K], [T, K]
         local = experts - self.fc.first_expert  # [T, K] local ids; outside 0..E_local-1: another rank's
         out = torch.zeros_like(x)  # [T, H]
         for e in local.unique().tolist():

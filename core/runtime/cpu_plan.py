@@ -542,6 +542,8 @@ def layer_refusal(layer) -> str | None:
         return f"{' and '.join(sorted(norms))} norms (the plan runs RMSNorm)"
     if type(att) is not SelfAttention:
         return f"attention {type(att).__name__} (the plan runs SelfAttention)"
+    if getattr(att.attn, "sink_logits", None) is not None:
+        return "attention sink logits (a learned logit per head in the softmax; the plan's attention has none)"
     if type(mlp) is not GatedMLP:
         return f"{type(mlp).__name__} feed-forward block (the plan runs a gated MLP: proj(act(fc x) * gate x))"
     if att.attn.softcap is not None:

@@ -63,13 +63,15 @@ def model_refusal(model) -> str | None:
         from bestiary.core.runtime.model import DecoderLM
 
         keyed = any(m.key_bias is not None for m in model.modules() if isinstance(m, PagedAttention))
-        capped = any(m.softcap is not None for m in model.modules() if isinstance(m, PagedAttention))
+        capped = any(m.softcap is not None or m.sink_logits is not None  # both: the per-sequence torch path
+                     for m in model.modules() if isinstance(m, PagedAttention))
         model.__dict__["cuda_graph_refusal"] = (
             "tp or pp > 1" if model.tp_size > 1 or model.pp_size > 1
             else "a prefix-LM mask" if model.mask_kind != "causal"
             else "positions of the architecture's own" if type(model).position_ids is not DecoderLM.position_ids
             else "a key bias (its length is read from each step)" if keyed
-            else "an attention logit soft-cap (its torch path reads each step's lengths)" if capped else None)
+            else "an attention logit soft-cap or sink logits (their torch path reads each step's lengths)" if capped
+            else None)
     return model.__dict__["cuda_graph_refusal"]
 
 

@@ -1,6 +1,8 @@
 """The paged KV cache: per-layer pools of fixed-size blocks and the block allocator.
 
-Pools are [num_layers, num_blocks, tokens_per_block, KVH, D] for K and for V. A
+Pools are [num_layers, num_blocks, tokens_per_block, KVH, D_k] for K and [..., KVH, D_v] for V, in the
+geometry the model's config states (core.layers.kv_geometry: KVH kv heads of this rank and D_k = D_v =
+head_size, or a family's own, e.g. multi-head latent attention's one latent row and D_v = 0). A
 sequence owns a list of block indices (its block table); token p of the sequence lives
 in block table[p // tokens_per_block] at offset p % tokens_per_block.
 
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bestiary.core.format.errors import EnvironmentFault
 from bestiary.core.format.resources import Limit, allocation_failed, available_memory, size_text
+from bestiary.core.layers.kv_geometry import KVPoolGeometry, pool_geometry
 
 
 def blocks_for(tokens: int, tokens_per_block: int) -> int:
@@ -87,21 +90,24 @@ def check_pool_fits(tokens: int, bytes_per_token: int, device: torch.device | st
 
 
 class KVCache:
-    """K and V pools for the layers of one rank (allocated lazily by the OS: torch.empty)."""
+    """K and V pools for the layers of one rank (allocated lazily by the OS: torch.empty).
+
+    `head_dim` is K's last dim, `v_dim` V's (default: head_dim; 0: no V bytes, multi-head latent attention)."""
 
     def __init__(self, num_layers: int, num_blocks: int, tokens_per_block: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", v_dim: int | None = None) -> None:
         shape = (num_layers, num_blocks, tokens_per_block, kv_heads, head_dim)
+        v_shape = shape[:-1] + (head_dim if v_dim is None else v_dim,)
+        per_token = (math.prod(shape[:1] + shape[3:]) + math.prod(v_shape[:1] + v_shape[3:])) * dtype.itemsize
         if torch.device(device).type in ("cpu", "cuda"):  # the pool as allocated: whole blocks
-            check_pool_fits(num_blocks * tokens_per_block, 2 * math.prod(shape[:1] + shape[3:]) * dtype.itemsize,
-                            device)
+            check_pool_fits(num_blocks * tokens_per_block, per_token, device)
         try:
             self.k = torch.empty(shape, dtype=dtype, device=device)
-            self.v = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(v_shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as err:  # the check passed, the allocator still refused
             if not allocation_failed(err):
                 raise
-            need = 2 * math.prod(shape) * dtype.itemsize
+            need = num_blocks * tokens_per_block * per_token
             raise EnvironmentFault(f"allocating the KV cache of {num_blocks * tokens_per_block:,} tokens ({need:,} bytes, "
                                    f"{size_text(need)}) on {device} failed ({free_memory(device).gib()} available): "
                                    f"{FIX}") from None
@@ -119,19 +125,21 @@ class KVCache:
             self.pending_copies.append((dst, src))
 
     @staticmethod
-    def shape_for(model) -> tuple[int, int, int]:
-        """(local layers, kv heads of the rank, head dim) of `model`'s pools."""
-        from bestiary.core.layers.self_attention import kv_heads_of_rank
+    def geometry_for(model) -> KVPoolGeometry:
+        """The pools' per-token geometry on `model`'s tp rank (core.layers.kv_geometry.pool_geometry)."""
+        return pool_geometry(model.config, model.tp_size, model.tp_rank)
 
-        cfg = model.config
-        kv_heads = len(kv_heads_of_rank(cfg.num_attention_heads, cfg.num_key_value_heads, model.tp_size, model.tp_rank))
-        return len(model.transformer.layers), kv_heads, cfg.head_size
+    @classmethod
+    def shape_for(cls, model) -> tuple[int, int, int]:
+        """(local layers, kv heads of the rank, K head dim) of `model`'s pools."""
+        g = cls.geometry_for(model)
+        return len(model.transformer.layers), g.kv_heads, g.k_dim
 
     @classmethod
     def bytes_per_token_for(cls, model) -> int:
         """Bytes of K + V one token takes over all local layers of `model`."""
-        layers, kv_heads, head_dim = cls.shape_for(model)
-        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=cls.dtype_for(model)).element_size()
+        element = torch.empty((), dtype=cls.dtype_for(model)).element_size()
+        return len(model.transformer.layers) * cls.geometry_for(model).elements * element
 
     @staticmethod
     def dtype_for(model) -> torch.dtype:
@@ -142,15 +150,16 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, tokens_per_block: int) -> KVCache:
-        """Pools sized for `model`'s local layers and the kv heads its tp rank holds."""
-        layers, kv_heads, head_dim = cls.shape_for(model)
+        """Pools sized for `model`'s local layers in the geometry of its tp rank (geometry_for)."""
+        g = cls.geometry_for(model)
         device = next(model.parameters()).device
-        return cls(layers, num_blocks, tokens_per_block, kv_heads, head_dim, cls.dtype_for(model), device)
+        return cls(len(model.transformer.layers), num_blocks, tokens_per_block, g.kv_heads, g.k_dim,
+                   cls.dtype_for(model), device, v_dim=g.v_dim)
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes of K + V one block takes over all layers."""
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
+        return (self.k[:, 0].numel() + self.v[:, 0].numel()) * self.k.element_size()
 
     def commit(self) -> None:
         """Touch every page of the pools now (zeros), so their memory is resident from the start

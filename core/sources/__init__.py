@@ -110,8 +110,19 @@ def open_source(path: str | Path) -> ModelSource:
     check_hf_fields(hf_config, str(config_path))  # types and ranges, before any family reads a field
     files = files or _weight_files(directory)
     fmt, weights = _open_weights(files)
+    if _mxfp4(hf_config):  # OCP MXFP4 tensors (gpt-oss's experts): read dequantized, a float source
+        from bestiary.core.sources.mxfp4 import Mxfp4Weights
+
+        weights = Mxfp4Weights(weights)
+        hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     return ModelSource(path=path, format=fmt if path.is_file() else "hf_dir", weights=weights,
                        hf_config=hf_config, tokenizer=_tokenizer_files(directory, hf_config))
+
+
+def _mxfp4(hf_config: dict[str, Any]) -> bool:
+    """Whether the source config says its quantized tensors are MXFP4 (core.sources.mxfp4)."""
+    qc = hf_config.get("quantization_config")
+    return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
 def _tokenizer_files(directory: Path, hf_config: dict[str, Any]) -> TokenizerFiles | None:

@@ -20,6 +20,8 @@ from kernel_helpers import MISS
 from bestiary.core.format.config import validate_config
 from bestiary.core.kernels import dispatch
 from bestiary.core.kernels.metadata import AttentionMetadata
+from bestiary.core.layers.latent_attention import MultiHeadLatentAttention
+from bestiary.core.layers.mlp import MLP, GatedMLP
 from bestiary.core.layers.moe import MoE
 from bestiary.core.runtime.kv_cache import KVCache
 from bestiary.registry import default_registry, resolve
@@ -82,8 +84,7 @@ def _prompts(model) -> list[list[int]]:
 @torch.inference_mode()
 def run_steps(model) -> list[torch.Tensor]:
     """Logits [T, V] of every step of STEPS on a fresh paged cache."""
-    c = model.config
-    kv = KVCache(len(model.transformer.layers), 8, BLOCK_SIZE, c.num_key_value_heads, c.head_size, model.dtype)
+    kv = KVCache.for_model(model, 8, BLOCK_SIZE)  # the family's pool geometry (a latent cache: one row, no V)
     seqs: list[list[int]] = [[], []]
     out = []
     for step in [_prompts(model), *STEPS[1:]]:
@@ -121,10 +122,25 @@ def test_triton_path_matches_torch_path(name, fields, monkeypatch):
         ours = run_steps(model)
     diff, bound = _worst(ours, ref)
     assert diff <= bound, f"{name} {fields}: max |triton - torch| logits {diff:.3g} > {bound:.3g}"
-    experts_only = any(type(m) is MoE for m in model.modules())  # a shared expert's MLP runs activations
-    expected = {"norms", "attention", "moe" if experts_only else "activations"}
-    expected |= {"rotary"} if "rope" in model.config.position_embedding_type or "chatglm" in name.lower() else set()
-    assert expected <= used, f"{name}: kernels {sorted(expected - used)} never ran"
+    assert expected_kernels(model, name) <= used, f"{name}: kernels {sorted(expected_kernels(model, name) - used)} never ran"
+
+
+def expected_kernels(model, name: str) -> set[str]:
+    """The kernel families a model's step must run: norms; attention, unless every layer's is multi-head latent
+    attention (its torch path: core.layers.latent_attention); activations where a dense or shared-expert MLP
+    runs; moe where the experts fit the fused kernels (not with biases or gpt-oss's clamped SwiGLU); rotary."""
+    modules = list(model.modules())
+    expected = {"norms"}
+    if not any(isinstance(m, MultiHeadLatentAttention) for m in modules):
+        expected.add("attention")
+    if any(isinstance(m, (GatedMLP, MLP)) for m in modules):
+        expected.add("activations")
+    moes = [m for m in modules if isinstance(m, MoE)]
+    if moes and all(m.kernels_fit for m in moes):
+        expected.add("moe")
+    if "rope" in model.config.position_embedding_type or "chatglm" in name.lower():
+        expected.add("rotary")
+    return expected
 
 
 def test_broken_kernel_misses(monkeypatch):
