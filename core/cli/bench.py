@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,8 +42,8 @@ def add_bench_parser(sub: SubParsers) -> None:
     f = BenchConfig.model_fields
     p = sub.add_parser("bench", help="decode / prefill / mixed-workload (and rewrite) speed of engines, beside peers "
                                        "(docs/bench.md)")
-    p.add_argument("--engine_dir", nargs="+", type=path_arg, required=True,
-                   help="One or more engine dirs (a row each).")
+    p.add_argument("--engine_dir", nargs="+", type=path_arg, default=[],
+                   help="One or more engine dirs (a row each); required unless --shape is given.")
     p.add_argument("--compare", default="", metavar="PEERS",
                    help="Comma-separated peers run in the same process: hf, llama.cpp, fastllm (default: none).")
     p.add_argument("--reference", default=None, metavar="NAME",
@@ -74,6 +75,26 @@ def add_bench_parser(sub: SubParsers) -> None:
     add_speculative_flags(p)  # a second row per engine, decoding speculatively (docs/speculative.md)
     g.add_argument("--fastllm_dtypes", nargs="+", default=["float16", "int8", "int4"],
                    choices=["float32", "float16", "int8", "int4"], help="fastllm: the dtypes of its weights, a row each.")
+    add_shape_flags(p)
+
+
+def add_shape_flags(p: argparse.ArgumentParser) -> None:
+    """--shape and its flags: real-size synthetic models made once into a cache (core.bench.synthetic)."""
+    from bestiary.core.bench.synthetic import GGUF_TYPES, MODES, SHAPES
+
+    g = p.add_argument_group("real sizes (random weights, made once and cached; docs/bench.md#real-sizes)")
+    g.add_argument("--shape", default=None, metavar="NAME",
+                   help=f"Bench a synthetic model of a published shape: {', '.join(SHAPES)}; its engines are "
+                        "rows next to --engine_dir's, its GGUFs llama.cpp rows (default: no synthetic model).")
+    g.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE",
+                   help=f"--shape: the engines made and benched, some of {', '.join(MODES)} "
+                        f"(default: {' '.join(MODES)}).")
+    g.add_argument("--gguf_types", nargs="*", default=list(GGUF_TYPES), metavar="QTYPE",
+                   help=f"--shape: the llama.cpp GGUFs made (gguf-py) and benched with --compare llama.cpp, some of "
+                        f"{', '.join(GGUF_TYPES)}; the flag alone: none (default: {' '.join(GGUF_TYPES)}).")
+    g.add_argument("--cache_dir", type=path_arg, default=None, metavar="DIR",
+                   help="--shape: where the synthetic models are made and kept (default: the bestiary cache's "
+                        "synthetic/ folder, $BESTIARY_CACHE or ~/.cache/bestiary).")
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
@@ -146,11 +167,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     config = bench_config(args)
     compare = compare_names(args.compare)
+    if args.shape is not None and args.gguf_types and "llama.cpp" not in compare:
+        compare.append("llama.cpp")  # the GGUFs of --shape are llama.cpp rows
     if args.reference is not None and args.reference not in ("engine", *compare):
         raise BestiaryError(f"--reference {args.reference}: expected engine or a --compare peer "
                             f"({', '.join(compare) or 'none given'})")
+    if not args.engine_dir and args.shape is None:
+        raise BestiaryError("bench: give --engine_dir ENGINE ... or --shape NAME (a synthetic model)")
+    if args.shape is not None and "rewrite" in config.workloads:
+        raise BestiaryError(f"--workloads rewrite: the --shape {args.shape} engines have no tokenizer (random "
+                            "weights, token-id prompts); leave rewrite out")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    if args.shape is not None:
+        shape_engines, shape_ggufs = synthetic_models(args)
+        args.engine_dir = [*args.engine_dir, *shape_engines]
+        args.gguf = [*args.gguf, *shape_ggufs]
     for d in args.engine_dir:
         if not (Path(d) / "config.json").is_file():
             raise BestiaryError(f"--engine_dir {d}: no config.json (not an engine dir)")
@@ -188,3 +220,84 @@ def print_differing(report: BenchReport, err: Console) -> None:
         assert r.rewrite is not None  # BenchReport.differing: rows with a rewrite result that differs
         err.print(f"{r.label}: rewrite output differs from {r.rewrite.plain_label} at {r.rewrite.differs}",
                   style="red", markup=False, highlight=False, soft_wrap=True)
+
+
+def check_shape_flags(args: argparse.Namespace) -> None:
+    """--shape's one-line errors before anything is made: the shape and modes known, the disk holding
+    what is not made yet, gguf-py and llama-cpp-python importable when GGUFs are asked for."""
+    import importlib.util
+
+    from bestiary.core.bench.synthetic import (
+        GGUF_TYPES,
+        missing_bytes,
+        mode_quantization,
+        need_disk,
+        shape_dir,
+        shape_named,
+    )
+
+    shape = shape_named(args.shape)
+    for mode in args.modes:
+        mode_quantization(mode)
+    for qtype in args.gguf_types:
+        if qtype not in GGUF_TYPES:
+            raise BestiaryError(f"--gguf_types {qtype}: expected some of {', '.join(GGUF_TYPES)} "
+                                "(gguf-py has no K-quant quantizer)")
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    need_disk(shape_dir(shape, cache), missing_bytes(shape, args.modes, args.gguf_types, cache),
+              f"--shape {shape.name} (what is not made yet)")
+    if args.gguf_types:
+        for module, package in (("gguf", "gguf"), ("llama_cpp", "llama-cpp-python")):
+            if importlib.util.find_spec(module) is None:
+                raise BestiaryError(f"--gguf_types {' '.join(args.gguf_types)}: {package} is not installed "
+                                    f"(pip install {package}); or pass --gguf_types alone for no GGUF")
+
+
+def synthetic_models(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(engine dirs, GGUF files) of --shape, made or reused in --cache_dir: the source and GGUFs under
+    a rich progress bar (tensors written), the engines under convert's own bars; a line each on stderr
+    says what was made or reused, its size and time."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bestiary.core.bench import synthetic as syn
+
+    check_shape_flags(args)
+    shape = syn.shape_named(args.shape)
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    err = Console(stderr=True)
+    tty = sys.stderr.isatty()
+    err.print(f"--shape {shape.name} ({shape.like}, {shape.params() / 1e6:,.1f}M weights) in "
+              f"{syn.shape_dir(shape, cache)}", markup=False, highlight=False, soft_wrap=True)
+
+    def made(what: str, path: Path, seconds: float, existed: bool) -> None:
+        verb = "reused" if existed else "made"
+        err.print(f"  {what}: {verb}, {syn.artifact_bytes(path) / 2**20:,.0f} MiB, {seconds:.1f} s  {path}",
+                  markup=False, highlight=False, soft_wrap=True)
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not tty) as bar:
+        tasks: dict[str, object] = {}
+
+        def progress(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(f"{shape.name} {what}", total=total)
+            bar.update(tasks[what], completed=done)  # type: ignore[arg-type]
+
+        start, existed = time.perf_counter(), syn.source_path(shape, cache).exists()
+        source = syn.synthetic_source(shape, cache, progress)
+        made("source", source, time.perf_counter() - start, existed)
+    engines = []
+    for mode in args.modes:
+        start, existed = time.perf_counter(), syn.engine_path(shape, mode, cache).exists()
+        engines.append(syn.synthetic_engine(shape, mode, cache, show_progress=tty))
+        made(f"engine {mode}", engines[-1], time.perf_counter() - start, existed)
+    ggufs = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not tty) as bar:
+        tasks.clear()
+        for qtype in args.gguf_types:
+            start, existed = time.perf_counter(), syn.gguf_path(shape, qtype, cache).exists()
+            ggufs.append(syn.synthetic_gguf(shape, [qtype], cache, progress)[qtype])
+            made(f"gguf {qtype}", ggufs[-1], time.perf_counter() - start, existed)
+    return [str(e) for e in engines], [str(g) for g in ggufs]
