@@ -12,11 +12,16 @@ Settings, each by its environment only, so one engine serves all:
                busy-CPU issue)
   threads-1    BESTIARY_NUM_THREADS=1
   passive      OMP_WAIT_POLICY=PASSIVE with every usable CPU: idle OpenMP threads sleep at once
+  llama.cpp    the peer (llama-cpp-python, the bench extra) on the same model's shipped Q4_1 GGUF, with
+               llama-cpp-python's default threads (half the CPUs: 1 here) and with every usable CPU
+               (llama.cpp-all); compare each engine's drop from its own idle reading (a W4A16 engine,
+               `--dtype w4a16`, is llama.cpp's Q4_1 at equal bits)
 
 Rounds alternate the settings within each load; the table gives medians over rounds, and the
 ratio of each setting to the best one of its load. Usage:
 
-    python benchmarks/contention.py [--dtype bfloat16] [--rounds 3] [--loads 0,1,2,taskset,quota]
+    python benchmarks/contention.py [--dtype bfloat16|w4a16] [--rounds 3] [--loads 0,1,2,taskset,quota]
+        [--settings default,fixed-all,threads-1,passive,llama.cpp,llama.cpp-all]
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ SETTINGS = {
     "fixed-all": {"BESTIARY_NUM_THREADS": str(len(os.sched_getaffinity(0)))},
     "threads-1": {"BESTIARY_NUM_THREADS": "1"},
     "passive": {"BESTIARY_NUM_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "PASSIVE"},
+    "llama.cpp": {},
+    "llama.cpp-all": {},
 }
+PEER_THREADS = {"llama.cpp": None, "llama.cpp-all": len(os.sched_getaffinity(0))}  # None: llama-cpp-python's default
 CHILD = """
 import json, statistics, sys
 from bestiary.core.runtime.llm import LLM
@@ -51,6 +59,23 @@ for _ in range(3):
 import torch
 print(json.dumps({"rate": statistics.median(rates), "threads": torch.get_num_threads()}))
 """
+LLAMA_CPP_CHILD = """
+import json, statistics, sys, time
+import numpy as np
+from llama_cpp import Llama
+kwargs = {"n_threads": int(sys.argv[2])} if sys.argv[2] != "default" else {}
+llm = Llama(model_path=sys.argv[1], n_ctx=512, verbose=False, **kwargs)
+prompt = llm.tokenize(b"Tell me a story about a dragon.")
+def decode(n=32):
+    llm.reset()
+    llm.eval(prompt)
+    start = time.perf_counter()
+    for _ in range(n):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    return n / (time.perf_counter() - start)
+decode()  # warm-up
+print(json.dumps({"rate": statistics.median(decode() for _ in range(3)), "threads": llm.n_threads}))
+"""
 
 
 def engine(workdir: Path, dtype: str) -> Path:
@@ -61,7 +86,11 @@ def engine(workdir: Path, dtype: str) -> Path:
 
     out = workdir / f"smollm2-{dtype}-engine"
     if not (out / "config.json").is_file():
-        ckpt = convert(demo_model_path(), workdir / f"smollm2-{dtype}-ckpt", ConvertOptions(dtype=dtype))
+        from bestiary.core.format.config import QuantConfig
+
+        options = (ConvertOptions(dtype="bfloat16", quantization=QuantConfig(quant_algo="W4A16"),
+                                  weight_quantizer="rtn") if dtype == "w4a16" else ConvertOptions(dtype=dtype))
+        ckpt = convert(demo_model_path(), workdir / f"smollm2-{dtype}-ckpt", options)
         build_engine(ckpt, out, BuildConfig(max_batch_size=4, max_seq_len=512))
     return out
 
@@ -104,7 +133,14 @@ def run_case(engine_dir: Path, setting: str, load: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                                                             "BESTIARY_NUM_THREADS", "OMP_NUM_THREADS")}
     env.update({k: v for k, v in SETTINGS[setting].items() if v})
-    cmd = wrapped([sys.executable, "-c", CHILD, str(engine_dir)], load)
+    if setting in PEER_THREADS:  # the shipped GGUF, in llama.cpp
+        from bestiary.core.cli.demo import demo_model_path
+
+        threads = PEER_THREADS[setting]
+        child = [LLAMA_CPP_CHILD, str(demo_model_path()), "default" if threads is None else str(threads)]
+    else:
+        child = [CHILD, str(engine_dir)]
+    cmd = wrapped([sys.executable, "-c", *child], load)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if out.returncode:
         raise SystemExit(f"{setting}: {out.stderr[-2000:]}")
@@ -113,7 +149,9 @@ def run_case(engine_dir: Path, setting: str, load: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", help="Engine dtype (default: bfloat16).")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="Engine dtype, or w4a16 (int4 weights, bf16: llama.cpp's Q4_1 at equal bits; default: "
+                             "bfloat16).")
     parser.add_argument("--rounds", type=int, default=3, help="Alternated rounds per load (default: 3).")
     parser.add_argument("--loads", default="0,1,2,taskset,quota",
                         help="Busy processes per case, comma-separated; 'taskset': no busy process, bestiary pinned "

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from cli_errors import one_line  # noqa: E402
 from rich.console import Console  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from tiny_llama import make_tiny_llama, write_tiny_tokenizer  # noqa: E402
 
 from bestiary.core.cli.main import main  # noqa: E402
@@ -99,14 +100,18 @@ def test_well_formed_file_of_the_wrong_tensors_is_refused(ckpt: Path, tmp_path: 
         entry["shape"] = [entry["shape"][0] * entry["shape"][1]]
     elif case == "retyped":
         entry["dtype"] = "I32"
-    elif case == "missing":
-        del header[key]
     elif case == "renamed":
         header[key + "x"] = header.pop(key)
+    if case in ("missing", "extra"):  # written whole: a tensor's bytes go with it (no hole, no shared bytes)
+        tensors = load_file(str(ckpt / "rank0.safetensors"))
+        if case == "missing":
+            del tensors[key]
+        else:
+            tensors[key + ".copy"] = tensors[key].clone()
+        save_file(tensors, str(bad / "rank0.safetensors"))
     else:
-        header[key + ".copy"] = dict(entry)
-    blob = json.dumps(header).encode()
-    (bad / "rank0.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+        blob = json.dumps(header).encode()
+        (bad / "rank0.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data)
     out = tmp_path / "m.flm"
     one_line(capsys, ["export", "--checkpoint_dir", str(bad), "--output_file", str(out)], 2,
              f"{bad / 'rank0.safetensors'}: ", expect)
