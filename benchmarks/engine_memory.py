@@ -40,7 +40,7 @@ llm = LLM(sys.argv[1])
 load_s = time.perf_counter() - start
 loaded = status()
 llm.executor.kv.commit()
-llm.generate(["The quick brown fox"], SamplingConfig(max_new_tokens=4))
+llm.generate([[1, 450, 4996, 17354, 1701, 29916]], SamplingConfig(max_new_tokens=4))  # ids: engines without a tokenizer
 steady = status()
 kv = llm.executor.kv
 weights = sum(p.stat().st_size for p in Path(sys.argv[1]).glob("rank0.safetensors"))

@@ -21,7 +21,10 @@ def quant_algos(spec: ArchitectureSpec) -> tuple[str, ...]:
 
 
 def kv_cache_quant_algos(spec: ArchitectureSpec) -> tuple[str, ...]:
-    """KV cache quantization algorithms `spec` takes (all of bestiary's when it declares none)."""
+    """KV cache quantization algorithms `spec` takes (all of bestiary's when it declares none; none at all
+    with kv_cache_quantization False)."""
+    if not spec.supports.kv_cache_quantization:
+        return ()
     return spec.supports.kv_cache_quant_algos or ALL_KV_CACHE_QUANT_ALGOS
 
 
@@ -45,7 +48,8 @@ def refusal(spec: ArchitectureSpec, tp_size: int = 1, pp_size: int = 1, quant_al
     if quant_algo and quant_algo not in quant_algos(spec):
         return f"quantization {quant_algo}: {spec.name} supports {', '.join(quant_algos(spec))}"
     if kv_cache_quant_algo and kv_cache_quant_algo not in kv_cache_quant_algos(spec):
-        return f"KV cache quantization {kv_cache_quant_algo}: {spec.name} supports {', '.join(kv_cache_quant_algos(spec))}"
+        takes = ", ".join(kv_cache_quant_algos(spec)) or "none (its cache is not plain K / V)"
+        return f"KV cache quantization {kv_cache_quant_algo}: {spec.name} supports {takes}"
     return None
 
 
@@ -63,7 +67,7 @@ def columns(spec: ArchitectureSpec) -> dict[str, str]:
     yes = {True: "yes", False: "-"}
     out = {"TP": yes[s.tensor_parallel], "PP": yes[s.pipeline_parallel], "EP": yes[s.expert_parallel],
            "quant": "all" if not s.quant_algos else ", ".join(s.quant_algos),
-           "KV quant": "all" if not s.kv_cache_quant_algos else ", ".join(s.kv_cache_quant_algos),
+           "KV quant": "-" if not s.kv_cache_quantization else ", ".join(s.kv_cache_quant_algos) or "all",
            "sources": ", ".join(sources(spec))}
     if s.lora_modules:
         out["LoRA"] = ", ".join(s.lora_modules)

@@ -140,11 +140,14 @@ class Supports:
     """Capabilities an architecture declares, so bad combinations are refused before reading weights.
 
     quant_algos / kv_cache_quant_algos: the QuantAlgo / KVCacheQuantAlgo values it takes; empty means
-    every one bestiary implements. registry.capabilities checks a convert against them.
+    every one bestiary implements. kv_cache_quantization False: none (a cache that is not K / V of the
+    usual kind, e.g. multi-head latent attention's latent rows). registry.capabilities checks a convert
+    against them.
     """
 
     quant_algos: tuple[str, ...] = ()
     kv_cache_quant_algos: tuple[str, ...] = ()
+    kv_cache_quantization: bool = True
     lora_modules: tuple[str, ...] = ()  # TensorRT-LLM LoRA module names (attn_q, mlp_gate, ...): see `lora`
     tensor_parallel: bool = True
     pipeline_parallel: bool = True

@@ -30,7 +30,7 @@ EXPERTS_MAP = {
 STACK = "bestiary.core.layers.moe:stack_experts"
 POSTPROCESS = {f"*.mlp.experts.{name}.weight": STACK for name in ("fc", "gate", "proj")}
 SUPPORTS = Supports(quant_algos=("W8A16", "W4A16"), tensor_parallel=True, pipeline_parallel=True,
-                    expert_parallel=True)
+                    expert_parallel=True, kv_cache_quantization=False)  # the pool holds latent rows, not K / V
 
 
 def spec(version: int) -> ArchitectureSpec:
