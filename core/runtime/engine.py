@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bestiary.core.format.build_config import FORMAT_VERSION, BuildConfig, finalize_build_config
-from bestiary.core.format.checkpoint import load_rank_weights
+from bestiary.core.format.checkpoint import load_rank_weights, rank_file
 from bestiary.core.format.config import (
     PretrainedConfig,
     config_mapping,
@@ -17,10 +17,11 @@ from bestiary.core.format.config import (
     read_json,
     validate_config,
 )
-from bestiary.core.format.errors import BestiaryError, ConfigError, WeightsError
+from bestiary.core.format.errors import BestiaryError, ConfigError
 from bestiary.core.kernels.cpu.malloc import keep_freed_memory, release_freed_memory
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.pipeline import stage_tp_group
+from bestiary.core.runtime.rank_weights import assign, check_rank_tensors, load_by_layer
 from bestiary.core.runtime.tokenizer import Tokenizer
 from bestiary.registry import Registry, default_registry, resolve
 
@@ -114,35 +115,22 @@ class Engine:
         tokenizer = Tokenizer.from_dir(directory)
         if tokenizer is not None:
             tokenizer.check_vocab(config.vocab_size, source)
-        weights = load_rank_weights(directory, rank, allow_nonfinite)
-        check_rank_tensors(model.state_dict(), weights, f"{directory}/rank{rank}.safetensors")
-        try:
-            model.load_state_dict(weights, strict=True, assign=True)
-        except RuntimeError as err:
-            raise WeightsError(f"{directory}/rank{rank}.safetensors: {str(err).splitlines()[-1].strip()}") from None
-        del weights  # the parameters hold the tensors now: each repack below frees its source as it goes
         if tp_group is not None:
             model.use_tp_group(tp_group)
+        path = rank_file(directory, rank)
+        if device == "cpu":  # a layer at a time: the load holds the prepared model and about one layer
+            load_by_layer(model, path, allow_nonfinite)
+        else:
+            weights = load_rank_weights(directory, rank, allow_nonfinite)
+            check_rank_tensors(model.state_dict(), {k: t.dtype for k, t in weights.items()}, str(path))
+            assign(model, weights, str(path))
+            del weights
         model.to(device)
         model.eval()
         model.prepare_for_inference()
         if device == "cpu":
             release_freed_memory()  # the load's freed sources (core.kernels.cpu.malloc)
         return cls(directory, config, build, model, tokenizer)
-
-
-def check_rank_tensors(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], where: str) -> None:
-    """The rank file holds exactly the model's tensors, each a float where the model holds a float and an
-    integer where it holds codes (an int32 lm_head would fail in the first matmul): else one line."""
-    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
-    if missing or unexpected:
-        what = f"missing tensor {missing[0]!r}" if missing else f"unexpected tensor {unexpected[0]!r}"
-        raise WeightsError(f"{where}: {what}")
-    for name, want in expected.items():
-        got = weights[name]
-        if got.is_floating_point() != want.is_floating_point() or (got.dtype == torch.bool) != (want.dtype == torch.bool):
-            raise WeightsError(f"{where}: tensor {name!r} is {str(got.dtype).removeprefix('torch.')}, "
-                               f"expected {str(want.dtype).removeprefix('torch.')}")
 
 
 def engine_ranks(directory: str | Path) -> tuple[int, int]:

@@ -251,13 +251,19 @@ class DecoderLM(nn.Module):
             if hasattr(type(module), "tp_group"):
                 module.tp_group = group
 
-    def prepare_for_inference(self) -> None:
-        """Called once after the weights are loaded: fusions and packed layouts."""
-        for module in self.modules():
+    def prepare_for_inference(self, part: nn.Module | None = None) -> None:
+        """Fusions and packed layouts, once the weights are loaded. With `part` (a layer whose weights were
+        just assigned: Engine.load prepares each layer as it is read, so its sources are freed before the
+        next is read), that part's modules; without, every module not prepared yet, then the lm_head's
+        layout. Each module is fused once."""
+        done: set[int] = self.__dict__.setdefault("_prepared", set())
+        for module in (part if part is not None else self).modules():
             fuse = getattr(module, "fuse", None)
-            if module is not self and fuse is not None:
+            if module is not self and fuse is not None and id(module) not in done:
+                done.add(id(module))
                 fuse()
-        self._hold_lm_head()
+        if part is None:
+            self._hold_lm_head()
 
     _lm_head_t: torch.Tensor | None = None  # [H, V_local] contiguous, CPU float weights only
     _lm_head_tiles: torch.Tensor | None = None  # [V_local, H] in row tiles, CPU bf16 weights (cpu_matmul)

@@ -146,10 +146,10 @@ def test_an_allocation_that_fails_anyway_is_one_line_exit_1(tiny, monkeypatch, c
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
                            "memory: you tried to allocate 256000000000 bytes. Error code 12 (Cannot allocate memory)")
 
-    monkeypatch.setattr(engine_module, "load_rank_weights", allocator_refuses)
+    monkeypatch.setattr(engine_module, "load_by_layer", allocator_refuses)
     one_line(capsys, run(tiny / "engine"), 1, "out of memory: allocating 256,000,000,000 bytes (238.4 GiB) failed",
              "is available to this process", "--max_batch_size")
-    monkeypatch.setattr(engine_module, "load_rank_weights", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+    monkeypatch.setattr(engine_module, "load_by_layer", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
     one_line(capsys, run(tiny / "engine"), 1, "out of memory: an allocation failed", "available")
 
 

@@ -235,7 +235,7 @@ def test_a_wrapped_interrupt_says_interrupted(tiny, monkeypatch, capsys):
         failures._received.append(signal.SIGINT)  # what the handler records before raising
         raise BestiaryError("rank0.safetensors: cannot read tensor 'x' (UntypedStorage ...)")
 
-    monkeypatch.setattr(engine_module, "load_rank_weights", interrupted_then_wrapped)
+    monkeypatch.setattr(engine_module, "load_by_layer", interrupted_then_wrapped)
     assert main(run(tiny / "engine", "--input_ids", "1")) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
 
@@ -245,10 +245,10 @@ def test_os_errors_are_one_line_exit_1_and_debug_shows_the_traceback(tiny, monke
 
     from bestiary.core.runtime import engine as engine_module
 
-    def io_error(directory, *args, **kwargs):
-        raise OSError(errno.EIO, "Input/output error", str(directory / "rank0.safetensors"))
+    def io_error(model, path, *args, **kwargs):  # core.runtime.rank_weights.load_by_layer's reading
+        raise OSError(errno.EIO, "Input/output error", str(path))
 
-    monkeypatch.setattr(engine_module, "load_rank_weights", io_error)
+    monkeypatch.setattr(engine_module, "load_by_layer", io_error)
     one_line(capsys, run(tiny / "engine", "--input_ids", "1"), 1, "rank0.safetensors: Input/output error")
     monkeypatch.setenv("BESTIARY_DEBUG", "1")
     with pytest.raises(OSError, match="Input/output error"):
@@ -261,6 +261,6 @@ def test_an_unexpected_exception_is_one_line_exit_1(tiny, monkeypatch, capsys):
     def bug(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(engine_module, "load_rank_weights", bug)
+    monkeypatch.setattr(engine_module, "load_by_layer", bug)
     one_line(capsys, run(tiny / "engine", "--input_ids", "1"), 1, "internal error: ZeroDivisionError",
              "BESTIARY_DEBUG=1")

@@ -62,3 +62,45 @@ def test_layers_share_one_rotary_table():
     assert Rotary(64, 64, 500.0, None, 4096)._table(torch.device("cpu"), 16) is not tables[0]
     grown = layers[1]._table(torch.device("cpu"), 5000)  # past max_positions: grown once, then shared
     assert grown.shape[0] == 5000 and layers[2]._table(torch.device("cpu"), 5000) is grown
+
+
+def test_each_layer_is_prepared_before_the_next_is_read(tmp_path, monkeypatch):
+    """Engine.load on the CPU reads, assigns and prepares one layer at a time (core.runtime.rank_weights), so a
+    layer's sources are freed before the next layer's tensors are read; the embedding and lm_head come last;
+    the engine equals one loaded whole (every tensor read first)."""
+    import parity
+    import torch
+
+    from bestiary.core.format import safetensors_stream
+    from bestiary.core.runtime import model as model_module
+    from bestiary.core.runtime.engine import Engine
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2))
+    whole = parity.convert_and_load(parity.save_hf(hf, tmp_path), tmp_path, dtype="bfloat16")
+    events: list[str] = []
+    read = safetensors_stream.SafetensorsStream.get_tensor
+    prepare = model_module.DecoderLM.prepare_for_inference
+
+    def reading(self, key):
+        events.append(key.split(".weight")[0].split(".bias")[0])
+        return read(self, key)
+
+    def preparing(self, part=None):
+        events.append("prepare " + ("all" if part is None else str(list(self.transformer.layers).index(part))))
+        return prepare(self, part)
+
+    monkeypatch.setattr(safetensors_stream.SafetensorsStream, "get_tensor", reading)
+    monkeypatch.setattr(model_module.DecoderLM, "prepare_for_inference", preparing)
+    engine = Engine.load(tmp_path / "ckpt")
+    prepared = [events.index(f"prepare {i}") for i in range(3)]
+    for i, at in enumerate(prepared):
+        reads = [j for j, e in enumerate(events) if e.startswith(f"transformer.layers.{i}.")]
+        assert reads and max(reads) < at, f"layer {i}: read after it was prepared"
+        later = [j for j, e in enumerate(events) if e.startswith(f"transformer.layers.{i + 1}.")]
+        assert all(j > at for j in later), f"layer {i + 1} read before layer {i} was prepared"
+    assert events[-1] == "prepare all" and "transformer.vocab_embedding" in events[prepared[-1]:]
+    for (name, a), b in zip(whole.model.state_dict().items(), engine.model.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -46,13 +46,39 @@ def glibc_mallopt():
     return fn
 
 
-def release_freed_memory() -> bool:
-    """Return the heap's free memory to the system now (glibc malloc_trim(0)); True when it ran."""
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (2.33+): fordblks is the heap's free bytes."""
+
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_free_at_trim: list[int] = [0]  # the heap's free bytes right after the last release_freed_memory
+
+
+def heap_free_bytes() -> int | None:
+    """The heap's free bytes by glibc's account (mallinfo2), or None where it cannot say."""
+    fn = getattr(_glibc(), "mallinfo2", None)
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    return int(fn().fordblks)
+
+
+def release_freed_memory(min_new_free: int = 0) -> bool:
+    """Return the heap's free memory to the system now (glibc malloc_trim(0)); True when it ran. With
+    `min_new_free`, only once the heap's free bytes grew by that much since the last release (a trim
+    per call would make the next allocations fault their pages in again)."""
     fn = getattr(_glibc(), "malloc_trim", None)
     if fn is None:
         return False
+    if min_new_free:
+        free = heap_free_bytes()
+        if free is not None and free - _free_at_trim[0] < min_new_free:
+            return False
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     fn(0)
+    _free_at_trim[0] = heap_free_bytes() or 0
     return True
 
 
