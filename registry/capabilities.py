@@ -48,8 +48,10 @@ def refusal(spec: ArchitectureSpec, tp_size: int = 1, pp_size: int = 1, quant_al
     if quant_algo and quant_algo not in quant_algos(spec):
         return f"quantization {quant_algo}: {spec.name} supports {', '.join(quant_algos(spec))}"
     if kv_cache_quant_algo and kv_cache_quant_algo not in kv_cache_quant_algos(spec):
-        takes = ", ".join(kv_cache_quant_algos(spec)) or "none (its cache is not plain K / V)"
-        return f"KV cache quantization {kv_cache_quant_algo}: {spec.name} supports {takes}"
+        flag = f"--{kv_cache_quant_algo.lower()}_kv_cache"
+        if not kv_cache_quant_algos(spec):
+            return f"{flag}: {spec.name} takes no KV cache quantization (its cache is not plain K / V)"
+        return f"{flag}: {spec.name} supports KV cache quantization {', '.join(kv_cache_quant_algos(spec))}"
     return None
 
 

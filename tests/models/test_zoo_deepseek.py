@@ -364,7 +364,7 @@ def test_refusals_name_the_field_or_flag(tmp_path, loaded):
 
     _, source, _ = loaded("v2", "lite_yarn")
     options = ConvertOptions(quantization=QuantConfig(kv_cache_quant_algo="INT8"))
-    with pytest.raises(BestiaryError, match=r"^--int8_kv_cache: DeepseekV2ForCausalLM's latent KV cache"):
+    with pytest.raises(BestiaryError, match=r"^--int8_kv_cache: DeepseekV2ForCausalLM takes no KV cache quantization"):
         convert(source, tmp_path / "int8", options, show_progress=False)
     hf = {k: v for k, v in V2["lite_yarn"].items() if k != "model_type"}
     for field, value in (("norm_topk_prob", True), ("topk_method", "noaux_tc")):

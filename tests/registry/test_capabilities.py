@@ -14,9 +14,10 @@ def test_an_architecture_may_take_no_kv_cache_quantization():
     deepseek = default_registry().get("DeepseekV2ForCausalLM")
     assert not deepseek.supports.kv_cache_quantization
     assert refusal(deepseek, kv_cache_quant_algo="INT8") == (
-        "KV cache quantization INT8: DeepseekV2ForCausalLM supports none (its cache is not plain K / V)")
+        "--int8_kv_cache: DeepseekV2ForCausalLM takes no KV cache quantization (its cache is not plain K / V)")
     assert columns(deepseek)["KV quant"] == "-"
     llama = default_registry().get("LlamaForCausalLM")
     assert refusal(llama, kv_cache_quant_algo="FP8") is None and columns(llama)["KV quant"] == "all"
     only_int8 = dataclasses.replace(llama, supports=dataclasses.replace(llama.supports, kv_cache_quant_algos=("INT8",)))
-    assert columns(only_int8)["KV quant"] == "INT8" and "supports INT8" in str(refusal(only_int8, kv_cache_quant_algo="FP8"))
+    assert columns(only_int8)["KV quant"] == "INT8" and str(refusal(only_int8, kv_cache_quant_algo="FP8")) == (
+        "--fp8_kv_cache: LlamaForCausalLM supports KV cache quantization INT8")
