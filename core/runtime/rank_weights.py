@@ -45,13 +45,16 @@ def check_rank_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch
                                f"expected {str(want.dtype).removeprefix('torch.')}")
 
 
-def assign(module: nn.Module, tensors: dict[str, torch.Tensor], where: str, strict: bool = True) -> list[str]:
-    """module.load_state_dict(tensors, assign=True): a size mismatch is one WeightsError line naming the tensor;
-    returns the module's keys `tensors` left out (none when strict)."""
+def assign(module: nn.Module, tensors: dict[str, torch.Tensor], where: str, strict: bool = True,
+           prefix: str = "") -> list[str]:
+    """module.load_state_dict(tensors, assign=True): a size mismatch is one WeightsError line naming the tensor
+    by its key in the file (`prefix`: the module's path in the model); returns the module's keys `tensors`
+    left out (none when strict)."""
     try:
         return module.load_state_dict(tensors, strict=strict, assign=True).missing_keys
     except RuntimeError as err:
-        raise WeightsError(f"{where}: {str(err).splitlines()[-1].strip()}") from None
+        line = str(err).splitlines()[-1].strip().replace("size mismatch for ", f"size mismatch for {prefix}", 1)
+        raise WeightsError(f"{where}: {line}") from None
 
 
 def load_by_layer(model, path: Path, allow_nonfinite: bool = False) -> None:
@@ -79,7 +82,7 @@ def load_by_layer(model, path: Path, allow_nonfinite: bool = False) -> None:
         for layer in model.transformer.layers:
             prefix = by_id[id(layer)] + "."
             keys = [k for k in expected if k.startswith(prefix)]
-            assign(layer, read(keys, prefix), where)
+            assign(layer, read(keys, prefix), where, prefix=prefix)
             model.prepare_for_inference(layer)  # its sources go as its layouts are made
             read_since += sum(stream.entries[k].nbytes for k in keys)
             if read_since >= TRIM_AFTER:  # hand back freed heap the next layers did not take, past TRIM_AFTER

@@ -104,3 +104,29 @@ def test_each_layer_is_prepared_before_the_next_is_read(tmp_path, monkeypatch):
     assert events[-1] == "prepare all" and "transformer.vocab_embedding" in events[prepared[-1]:]
     for (name, a), b in zip(whole.model.state_dict().items(), engine.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_layer_tensor_of_the_wrong_shape_is_named_by_its_file_key(tmp_path):
+    """A rank file whose layer-1 dense weight has the wrong shape: one WeightsError line naming the tensor as the
+    file names it (transformer.layers.1....), not by its key inside the layer (the fuzzer's
+    'size mismatch for attention.dense.weight')."""
+    import parity
+    import pytest as _pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from bestiary.core.format.errors import WeightsError
+    from bestiary.core.runtime.engine import Engine
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+    parity.convert_and_load(parity.save_hf(hf, tmp_path), tmp_path)
+    rank0 = tmp_path / "ckpt" / "rank0.safetensors"
+    tensors = load_file(str(rank0))
+    key = "transformer.layers.1.attention.dense.weight"
+    tensors[key] = tensors[key][:, :32].contiguous()
+    save_file(tensors, str(rank0))
+    with _pytest.raises(WeightsError, match=rf"^{rank0}: size mismatch for {key}: copying a param with shape"):
+        Engine.load(tmp_path / "ckpt")
