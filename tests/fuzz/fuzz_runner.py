@@ -61,6 +61,17 @@ class Outcome:
     command: str = ""  # the step that broke a rule, as `bestiary ...` with {W} for the case's directory
 
 
+def hang_frames(outcome: Outcome, count: int = 8) -> list[str]:
+    """The innermost `count` frames of the thread that ran a hung step (faulthandler's "Current thread" block,
+    most recent first), or none."""
+    hung = [s for s in outcome.steps if s.hang and s.stderr]
+    if not hung:
+        return []
+    block = hung[0].stderr.split("Current thread", 1)[-1].split("\n\n", 1)[0]
+    frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File")][:count]
+    return [re.sub(r'File "[^"]*/(bestiary|tests|site-packages)/', r'File "\1/', f) for f in frames]
+
+
 def error_lines(stderr: str) -> list[str]:
     """stderr's non-empty lines (warnings and usage blocks count as lines)."""
     return [line for line in stderr.splitlines() if line.strip()]
@@ -143,6 +154,7 @@ class Worker:
             self.start()
         assert self.proc is not None
         request = {"argv": argv, "cwd": str(cwd), "stdin": stdin, "env": env}
+        logged = self.log.stat().st_size if self.log.exists() else 0
         try:
             self.requests.write(json.dumps(request) + "\n")
             self.requests.flush()
@@ -152,10 +164,24 @@ class Worker:
         if reply:
             return StepResult(argv, reply["code"], reply["stdout"], reply["stderr"], reply["seconds"])
         status = self.proc.poll()
+        stacks = self.stacks(logged) if reply is None else ""
         self.stop()
         if reply is None:
-            return StepResult(argv, None, seconds=budget, hang=True)
+            return StepResult(argv, None, stderr=stacks, seconds=budget, hang=True)
         return StepResult(argv, None, died=status)
+
+    def stacks(self, logged: int) -> str:
+        """Where a hung worker is: its threads' Python stacks (faulthandler on SIGUSR1, fuzz_worker.main), as
+        the log has them after `logged` bytes."""
+        assert self.proc is not None
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        time.sleep(1.0)
+        with open(self.log, "rb") as f:
+            f.seek(logged)
+            return f.read().decode(errors="replace")
 
     def stop(self) -> None:
         """Kill the worker and everything it started."""
@@ -263,6 +289,7 @@ class Report:
             first = members[0].case
             lines += [f"  [{len(members)}] {group}", f"      e.g. {first.label()}"[:300],
                       f"      $ {members[0].command}"[:300], f"      rerun: {self.rerun(first)}"]
+            lines += [f"      hung in: {frame}"[:300] for frame in hang_frames(members[0])]
         notes = Counter(o.group for o in self.outcomes if not o.failure and o.group)
         lines += [f"  note [{n}] {g}" for g, n in notes.most_common(10)]
         return "\n".join(lines)

@@ -17,10 +17,12 @@ AS_LIMIT_BYTES and says {"ready": ...}.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import json
 import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -137,6 +139,8 @@ def main() -> None:
     """Warm up, limit memory, then answer requests until the request pipe closes."""
     root, request_fd, reply_fd, extra = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
+    # a hang's stacks, into the log (Worker.run): fd 2 as started, before run_case points fd 2 at each case's file
+    faulthandler.register(signal.SIGUSR1, file=os.fdopen(os.dup(2), "w"), all_threads=True)
     warm_up(root)
     serve_stub()
     limit = _vsz() + extra

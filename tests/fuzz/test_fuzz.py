@@ -74,3 +74,19 @@ def test_fuzz_larger_run(tmp_path):
     print(report.text())
     assert not report.failures(), report.text()
     assert len(report.outcomes) >= SLOW_CASES // 2, report.text()
+
+
+def test_a_hang_reports_where_it_hung():
+    """A hung step carries the worker's stacks (faulthandler on SIGUSR1 before the kill); the report shows the
+    innermost frames of the thread that ran it, paths from the package on (CI's unexplained 30 s hang of one
+    `convert --fp8 --fp8_kv_cache` case said only "hang")."""
+    from fuzz_runner import Outcome, StepResult, hang_frames
+
+    stacks = ('Thread 0x00007f01 (most recent call first):\n  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+              '\nCurrent thread 0x00007f00 (most recent call first):\n'
+              '  File "/x/build/bestiary/core/convert/calibration.py", line 88 in collect\n'
+              '  File "/x/tests/fuzz/fuzz_worker.py", line 82 in run_case\n\n')
+    hung = Outcome(case=None, steps=[StepResult(["convert"], None, stderr=stacks, seconds=30.0, hang=True)])
+    assert hang_frames(hung) == ['File "bestiary/core/convert/calibration.py", line 88 in collect',
+                                 'File "tests/fuzz/fuzz_worker.py", line 82 in run_case']
+    assert hang_frames(Outcome(case=None, steps=[StepResult(["run"], 0)])) == []
