@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import transformers
 
     from bestiary.core.format.config import PretrainedConfig
+    from bestiary.testing.references import HFReference
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -127,6 +128,52 @@ def reference_diffs(engine: Engine, logits: Callable[[list[int]], torch.Tensor],
         worst = max(worst, (ours - ref[-1]).abs().max().item())
         scale = max(scale, ref[-1].abs().max().item())
     return worst, scale
+
+
+def mechanism_miss(reference: HFReference, engine: Engine, flip_hf: Callable[[bool], None],
+                   flip_ours: Callable[[bool], None], steps: int = 1) -> tuple[float, float, float]:
+    """(bound, max |HF with a mechanism off - HF|, max |ours with it off - HF|) over the kit's PROMPT (ours: its
+    prefill and `steps` decode steps): flip_hf(False) / flip_ours(False) switch the mechanism off, (True) back on,
+    whatever happens in between. A test of a mechanism (a window, a soft-cap, sink logits, a routing rule) asserts
+    both moves are far past the bound: transformers' logits depend on it, and ours implement it."""
+    from bestiary.testing.suite import PROMPT
+
+    ref = hf_logits(reference.model, PROMPT)
+    bound = tolerance(ref)
+    try:
+        flip_hf(False)
+        hf_moved = (hf_logits(reference.model, PROMPT) - ref).abs().max().item()
+    finally:
+        flip_hf(True)
+    try:
+        flip_ours(False)
+        ours_moved = reference_diffs(engine, reference.logits, PROMPT, steps)[0]
+    finally:
+        flip_ours(True)
+    return bound, hf_moved, ours_moved
+
+
+def assert_split_matches(reference: HFReference, source: Path, tp1: Engine, out: Path, steps: int,
+                         **layout: int) -> None:
+    """`source` converted to `out` with ConvertOptions(**layout) (tp_size, moe_ep_size): its ranks as asked,
+    within the kit's bound of `reference` over the kit's PROMPT prefill + `steps` decode steps, and greedy
+    tokens equal to the tp 1 engine `tp1`'s."""
+    from bestiary.core.runtime.llm import LLM
+    from bestiary.core.runtime.sampling import SamplingConfig
+    from bestiary.testing.suite import PROMPT
+
+    greedy = SamplingConfig(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    (alone,) = LLM(tp1.directory, num_threads=1).generate([PROMPT], greedy)
+    llm = LLM(convert(source, out, ConvertOptions(**layout), show_progress=False), num_threads=1)
+    try:
+        assert llm.engine.model.tp_size == layout.get("tp_size", 1)
+        assert llm.engine.config.mapping.moe_ep_size == layout.get("moe_ep_size", 1)
+        diff, scale = reference_diffs(llm.engine, reference.logits, PROMPT, steps)
+        (split,) = llm.generate([PROMPT], greedy)
+    finally:
+        llm.close()
+    assert diff <= 1e-4 * max(1.0, scale), f"{layout}: max|ours - HF| {diff:.3e}"
+    assert split.output_ids == alone.output_ids
 
 
 # --- greedy generation against HF ----------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from bestiary.testing import conformance  # noqa: E402
+from bestiary.testing.parity import assert_split_matches  # noqa: E402
 
 STEPS = 16
 TINY = dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
@@ -100,24 +101,8 @@ def test_attention_bias_sets_qkv_and_o():
 def test_tp2_engine_equals_tp1(gqa, tmp_path):
     """A tp 2 engine (two worker ranks) matches transformers over prefill + 16 decode steps within the kit's
     bound and generates tp 1's greedy tokens."""
-    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
-    from bestiary.core.runtime.llm import LLM
-    from bestiary.core.runtime.sampling import SamplingConfig
-    from bestiary.testing.parity import reference_diffs
-    from bestiary.testing.suite import PROMPT
-
     reference, source, engine = gqa
-    greedy = SamplingConfig(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    (tp1,) = LLM(engine.directory, num_threads=1).generate([PROMPT], greedy)
-    llm = LLM(convert(source, tmp_path / "tp2", ConvertOptions(tp_size=2), show_progress=False), num_threads=1)
-    try:
-        assert llm.engine.model.tp_size == 2
-        diff, scale = reference_diffs(llm.engine, reference.logits, PROMPT, STEPS)
-        (tp2,) = llm.generate([PROMPT], greedy)
-    finally:
-        llm.close()
-    assert diff <= 1e-4 * max(1.0, scale), f"tp 2 max|ours - HF| {diff:.3e}"
-    assert tp2.output_ids == tp1.output_ids
+    assert_split_matches(reference, source, engine, tmp_path / "tp2", STEPS, tp_size=2)
 
 
 @pytest.mark.parametrize("module,case", [("test_qwen3", "gqa_window"), ("test_qwen3_moe", "window_tied")])

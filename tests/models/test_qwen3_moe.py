@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from bestiary.testing import conformance  # noqa: E402
+from bestiary.testing.parity import assert_split_matches, mechanism_miss  # noqa: E402
 
 STEPS = 16
 TINY = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
@@ -37,27 +38,6 @@ def normed(tmp_path_factory):
     return reference, source, Engine.load(convert(source, root / "tp1", show_progress=False))
 
 
-def _miss(reference, engine, flip_hf, flip_ours) -> tuple[float, float, float]:
-    """(bound, max|HF flipped - HF|, max|ours flipped - HF|): each flip(on) switches a mechanism off (False) and
-    back on (True)."""
-    from bestiary.testing.parity import hf_logits, reference_diffs
-    from bestiary.testing.suite import PROMPT
-
-    ref = hf_logits(reference.model, PROMPT)
-    bound = 1e-4 * max(1.0, ref.abs().max().item())
-    try:
-        flip_hf(False)
-        hf_moved = (hf_logits(reference.model, PROMPT) - ref).abs().max().item()
-    finally:
-        flip_hf(True)
-    try:
-        flip_ours(False)
-        ours_moved = reference_diffs(engine, reference.logits, PROMPT, 1)[0]
-    finally:
-        flip_ours(True)
-    return bound, hf_moved, ours_moved
-
-
 def test_norm_topk_prob_is_exercised(normed):
     """Routing weights renormalised over the top-k (norm_topk_prob) vs the softmax over all experts: turning it
     off in transformers moves its logits by > 100x the bound, and off in bestiary misses transformers by as much."""
@@ -76,7 +56,7 @@ def test_norm_topk_prob_is_exercised(normed):
         for m in moes:
             m.renormalize = on
 
-    bound, hf_moved, ours_moved = _miss(reference, engine, flip_hf, flip_ours)
+    bound, hf_moved, ours_moved = mechanism_miss(reference, engine, flip_hf, flip_ours)
     assert hf_moved > 100 * bound and ours_moved > 100 * bound, (bound, hf_moved, ours_moved)
 
 
@@ -100,7 +80,7 @@ def test_qk_norm_is_exercised(normed):
         for a, (q, k) in zip(attns, norms, strict=True):
             a.q_norm, a.k_norm = (q, k) if on else (None, None)
 
-    bound, hf_moved, ours_moved = _miss(reference, engine, flip_hf, flip_ours)
+    bound, hf_moved, ours_moved = mechanism_miss(reference, engine, flip_hf, flip_ours)
     assert hf_moved > 100 * bound and ours_moved > 100 * bound, (bound, hf_moved, ours_moved)
 
 
@@ -127,22 +107,5 @@ def test_config_reads_published_names():
 def test_tp2_and_ep2_engines_equal_tp1(normed, layout, tmp_path):
     """A tp 2 engine (experts split along their FFN dim) and an ep 2 one (two whole experts per rank) match
     transformers over prefill + 16 decode steps within the kit's bound and generate tp 1's greedy tokens."""
-    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
-    from bestiary.core.runtime.llm import LLM
-    from bestiary.core.runtime.sampling import SamplingConfig
-    from bestiary.testing.parity import reference_diffs
-    from bestiary.testing.suite import PROMPT
-
     reference, source, engine = normed
-    greedy = SamplingConfig(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    (tp1,) = LLM(engine.directory, num_threads=1).generate([PROMPT], greedy)
-    llm = LLM(convert(source, tmp_path / "split", ConvertOptions(**layout), show_progress=False), num_threads=1)
-    try:
-        assert llm.engine.model.tp_size == 2
-        assert llm.engine.config.mapping.moe_ep_size == layout.get("moe_ep_size", 1)
-        diff, scale = reference_diffs(llm.engine, reference.logits, PROMPT, STEPS)
-        (split,) = llm.generate([PROMPT], greedy)
-    finally:
-        llm.close()
-    assert diff <= 1e-4 * max(1.0, scale), f"{layout}: max|ours - HF| {diff:.3e}"
-    assert split.output_ids == tp1.output_ids
+    assert_split_matches(reference, source, engine, tmp_path / "split", STEPS, **layout)

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from bestiary.testing import conformance  # noqa: E402
+from bestiary.testing.parity import assert_split_matches, mechanism_miss  # noqa: E402
 from bestiary.testing.references import HFReference  # noqa: E402
 
 STEPS = 16
@@ -88,23 +89,11 @@ def loaded(tmp_path_factory):
 
 
 def _moved(reference, engine, flip_hf, flip_ours) -> tuple[float, float, float]:
-    """(bound, max|HF flipped - HF|, max|ours flipped - HF|) over the prefill + 2 decode steps; flip(False)
-    switches a mechanism off, flip(True) back on."""
-    from bestiary.testing.parity import hf_logits, reference_diffs
+    """mechanism_miss over the prefill + 2 decode steps, and ours back within the bound once switched on again."""
+    from bestiary.testing.parity import reference_diffs
     from bestiary.testing.suite import PROMPT
 
-    ref = hf_logits(reference.model, PROMPT)
-    bound = 1e-4 * max(1.0, ref.abs().max().item())
-    try:
-        flip_hf(False)
-        hf_moved = (hf_logits(reference.model, PROMPT) - ref).abs().max().item()
-    finally:
-        flip_hf(True)
-    try:
-        flip_ours(False)
-        ours_moved = reference_diffs(engine, reference.logits, PROMPT, 2)[0]
-    finally:
-        flip_ours(True)
+    bound, hf_moved, ours_moved = mechanism_miss(reference, engine, flip_hf, flip_ours, steps=2)
     assert reference_diffs(engine, reference.logits, PROMPT, 2)[0] <= bound  # back on: within the bound
     return bound, hf_moved, ours_moved
 
@@ -284,24 +273,8 @@ def test_executor_reuse_and_batched_decode_equal_alone(loaded):
 def test_tp2_and_ep2_engines_equal_tp1(loaded, arch, case, layout, tmp_path):
     """A tp 2 engine (heads split, the latent replicated, experts split along their FFN dim) and a tp 2 = ep 2 one
     (four whole experts per rank) match transformers over prefill + 16 decode steps and generate tp 1's tokens."""
-    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
-    from bestiary.core.runtime.llm import LLM
-    from bestiary.core.runtime.sampling import SamplingConfig
-    from bestiary.testing.parity import reference_diffs
-    from bestiary.testing.suite import PROMPT
-
     reference, source, engine = loaded(arch, case)
-    greedy = SamplingConfig(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    (tp1,) = LLM(engine.directory, num_threads=1).generate([PROMPT], greedy)
-    llm = LLM(convert(source, tmp_path / "split", ConvertOptions(**layout), show_progress=False), num_threads=1)
-    try:
-        assert llm.engine.model.tp_size == 2
-        diff, scale = reference_diffs(llm.engine, reference.logits, PROMPT, STEPS)
-        (split,) = llm.generate([PROMPT], greedy)
-    finally:
-        llm.close()
-    assert diff <= 1e-4 * max(1.0, scale), f"{layout}: max|ours - HF| {diff:.3e}"
-    assert split.output_ids == tp1.output_ids
+    assert_split_matches(reference, source, engine, tmp_path / "split", STEPS, **layout)
 
 
 CASES = {f"v2-{name}": ("v2", name) for name in V2} | {f"v3-{name}": ("v3", name) for name in V3}

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 from bestiary.testing import conformance  # noqa: E402
+from bestiary.testing.parity import assert_split_matches, mechanism_miss  # noqa: E402
 
 STEPS = 16
 TINY = dict(model_type="gpt_oss", vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -46,27 +47,6 @@ def built(tmp_path_factory):
     return reference, source, Engine.load(convert(source, root / "tp1", show_progress=False))
 
 
-def _miss(reference, engine, flip_hf, flip_ours) -> tuple[float, float, float]:
-    """(bound, max|HF flipped - HF|, max|ours flipped - HF|): each flip(on) switches a mechanism off (False) and
-    back on (True)."""
-    from bestiary.testing.parity import hf_logits, reference_diffs
-    from bestiary.testing.suite import PROMPT
-
-    ref = hf_logits(reference.model, PROMPT)
-    bound = 1e-4 * max(1.0, ref.abs().max().item())
-    try:
-        flip_hf(False)
-        hf_moved = (hf_logits(reference.model, PROMPT) - ref).abs().max().item()
-    finally:
-        flip_hf(True)
-    try:
-        flip_ours(False)
-        ours_moved = reference_diffs(engine, reference.logits, PROMPT, 1)[0]
-    finally:
-        flip_ours(True)
-    return bound, hf_moved, ours_moved
-
-
 def _modules(engine, cls) -> list:
     return [m for m in engine.model.modules() if isinstance(m, cls)]
 
@@ -90,7 +70,7 @@ def test_sink_logits_are_exercised(built):
         for a, s in zip(ours, logits, strict=True):
             a.sink_logits = s if on else None
 
-    bound, hf_moved, ours_moved = _miss(reference, engine, flip_hf, flip_ours)
+    bound, hf_moved, ours_moved = mechanism_miss(reference, engine, flip_hf, flip_ours)
     assert hf_moved > 100 * bound and ours_moved > 100 * bound, (bound, hf_moved, ours_moved)
 
 
@@ -112,7 +92,7 @@ def test_banded_layers_are_exercised(built):
     def flip_ours(on: bool) -> None:
         ours[0].window = 4 if on else 0
 
-    bound, hf_moved, ours_moved = _miss(reference, engine, flip_hf, flip_ours)
+    bound, hf_moved, ours_moved = mechanism_miss(reference, engine, flip_hf, flip_ours)
     assert hf_moved > 100 * bound and ours_moved > 100 * bound, (bound, hf_moved, ours_moved)
 
 
@@ -153,7 +133,7 @@ def test_swiglu_clamp_is_exercised(built):
         for m in moes:
             m.glu.limit = 1.0 if on else float("inf")
 
-    bound, hf_moved, ours_moved = _miss(reference, engine, flip_hf, flip_ours)
+    bound, hf_moved, ours_moved = mechanism_miss(reference, engine, flip_hf, flip_ours)
     assert hf_moved > 100 * bound and ours_moved > 100 * bound, (bound, hf_moved, ours_moved)
 
 
@@ -268,25 +248,8 @@ def test_tp2_and_ep2_engines_equal_tp1(built, layout, tmp_path):
     """tp 2 (heads and their sink logits split, experts along their FFN dim, the down bias added once) and ep 2
     (two whole experts per rank): within the kit's bound of transformers over prefill + 16 steps, tp 1's greedy
     tokens."""
-    from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
-    from bestiary.core.runtime.llm import LLM
-    from bestiary.core.runtime.sampling import SamplingConfig
-    from bestiary.testing.parity import reference_diffs
-    from bestiary.testing.suite import PROMPT
-
     reference, source, engine = built
-    greedy = SamplingConfig(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    (tp1,) = LLM(engine.directory, num_threads=1).generate([PROMPT], greedy)
-    llm = LLM(convert(source, tmp_path / "split", ConvertOptions(**layout), show_progress=False), num_threads=1)
-    try:
-        assert llm.engine.model.tp_size == 2
-        assert llm.engine.config.mapping.moe_ep_size == layout.get("moe_ep_size", 1)
-        diff, scale = reference_diffs(llm.engine, reference.logits, PROMPT, STEPS)
-        (split,) = llm.generate([PROMPT], greedy)
-    finally:
-        llm.close()
-    assert diff <= 1e-4 * max(1.0, scale), f"{layout}: max|ours - HF| {diff:.3e}"
-    assert split.output_ids == tp1.output_ids
+    assert_split_matches(reference, source, engine, tmp_path / "split", STEPS, **layout)
 
 
 def test_config_reads_published_fields():
