@@ -75,8 +75,7 @@ def load_by_layer(model, path: Path, allow_nonfinite: bool = False) -> None:
                     check_finite(tensor, f"{where}: tensor {name!r}")
             return out
 
-        names = dict(model.named_modules())
-        by_id = {id(module): name for name, module in names.items()}
+        by_id = {id(module): name for name, module in model.named_modules()}  # a layer's path in the model
         placed: set[str] = set()
         read_since = 0  # bytes read since freed heap was last looked at (glibc's account costs ~4 ms)
         for layer in model.transformer.layers:
