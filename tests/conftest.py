@@ -9,9 +9,9 @@ import pytest
 import sys_path
 import torch
 
-from bestiary.core.format.resources import usable_cpus
-
 sys_path.add()  # tests/helpers and the test folders: `import parity`, `from test_zoo_remote import ...`
+import thread_share  # noqa: E402 - from tests/helpers, on the path from the line above
+
 # The Triton kernel tests (tests/kernels) run compiled on a GPU where there is one, else under the
 # interpreter on the CPU; BESTIARY_KERNEL_TEST_DEVICE=cpu|cuda chooses. @triton.jit reads
 # TRITON_INTERPRET when a kernel module is imported, so it is set here, before any test module (of any
@@ -20,11 +20,10 @@ if os.environ.setdefault("BESTIARY_KERNEL_TEST_DEVICE", "cuda" if torch.cuda.is_
     os.environ["TRITON_INTERPRET"] = "1"
 
 # Each pytest-xdist worker runs on its share of the usable CPUs (`make test`: 2 workers on 2 cores, 1 thread
-# each): more threads than CPUs spin at OpenMP barriers for CPUs they do not get, and a busy machine made the
-# suite 3x slower (docs/testing.md). A BESTIARY_NUM_THREADS already set is kept; subprocesses inherit it.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-os.environ.setdefault("BESTIARY_NUM_THREADS", str(max(1, usable_cpus().amount // _WORKERS)))
-torch.set_num_threads(int(os.environ["BESTIARY_NUM_THREADS"]))
+# each), and so do the processes it starts (BESTIARY_NUM_THREADS, OMP_NUM_THREADS): more threads than CPUs
+# spin at OpenMP barriers for CPUs they do not get (docs/testing.md). A BESTIARY_NUM_THREADS the user set is
+# kept (tests/helpers/thread_share.py).
+thread_share.take_share(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -49,13 +49,6 @@ def stdout_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=240)
 
 
-def _threads(n: int | None) -> None:
-    """--num_threads, else the CPUs this process may use (core.runtime.threads)."""
-    from bestiary.core.runtime.threads import set_threads
-
-    set_threads(n)
-
-
 def add_convert_parser(sub: SubParsers) -> None:
     """`bestiary convert`'s flags: the source, layout and dtype, LoRA adapters, quantization."""
     p = sub.add_parser("convert", help="HF dir / .safetensors / .bin / .pth / .gguf / .flm -> checkpoint dir",
@@ -439,7 +432,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from bestiary.core.runtime.evaluate import perplexity
     from bestiary.core.runtime.worker_group import check_device
 
-    _threads(args.num_threads)
     check_device(args.device)
     if args.task == "summarize":
         args.engine_dir, args.model = str(resolve_model(args)), None  # run_summarize loads --engine_dir
@@ -628,5 +620,4 @@ def add_demo_parser(sub: SubParsers) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from bestiary.core.cli.demo import run_demo
 
-    _threads(args.num_threads)
     return run_demo(args.prompt, args.max_output_len, args.dtype, args.workdir, device=args.device)

@@ -86,7 +86,8 @@ def add_model_flags(parser: argparse.ArgumentParser, model) -> None:
                             help=f"{text} (default: {field.default})" if shown else text)
 
 
-THREADS_HELP = "torch CPU threads, 1 to 1024 (default: torch's own count, one per physical core)."
+THREADS_HELP = ("torch CPU threads, 1 to 1024 (default: BESTIARY_NUM_THREADS, else the CPUs this process may use, "
+                "fewer while other processes keep them busy; docs/runtime.md).")
 ENGINE_HELP = ("Engine or checkpoint directory (any other source, e.g. an HF dir or a .gguf, is converted and "
                "built into the cache on first use).")
 SEED_HELP = "Seed of each request's generator; the same seed repeats a sampled run (default: unseeded)."
@@ -202,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.command not in TORCH_FREE:
                 with interrupts.deferred():  # a Ctrl-C inside torch's import is swallowed or aborts: raised after it
                     import torch  # noqa: F401
+                from bestiary.core.runtime.threads import start_command
+
+                start_command(getattr(args, "num_threads", None))  # the CPUs it may use (core.runtime.threads)
             check_text_args(args)
             if args.command in OWN_CTRL_C:
                 with interrupts.not_remembered():

@@ -14,7 +14,10 @@ the affinity mask) minus this process's own time (/proc/self/stat), and runs
 
     threads = clamp(floor(usable - others + 0.25), 1, usable)
 
-(others: CPUs' worth of other processes' work over the interval). docs/runtime.md has the
+(others: CPUs' worth of other processes' work over the interval). OpenMP counts are per thread, so
+the governor steers the thread that steps an executor; every `bestiary` command also takes its count
+at start (`start_command`: on a loaded machine the CPUs others leave, sampled once), so converting,
+building and loading do not spin for CPUs they do not get either. docs/runtime.md has the
 measurements (benchmarks/contention.py).
 """
 
@@ -32,6 +35,7 @@ from bestiary.core.format.resources import usable_cpus
 
 ENV = "BESTIARY_NUM_THREADS"
 _TORCH_DEFAULT = torch.get_num_threads()  # before anything here changes it: torch's choice for this host
+_OURS: set[int] = set()  # counts bestiary set without being asked (defaults, the governor): not the program's own
 
 
 def env_threads() -> int | None:
@@ -52,21 +56,61 @@ def default_threads(ranks: int = 1) -> int:
     return max(1, min(_TORCH_DEFAULT, usable_cpus().amount) // ranks)
 
 
+def _programs_own() -> bool:
+    """Whether this thread's torch count was set by the program: neither torch's start-up default nor a count
+    bestiary chose by itself."""
+    count = torch.get_num_threads()
+    return count != _TORCH_DEFAULT and count not in _OURS
+
+
+def _choose(threads: int) -> None:
+    """Set torch's count to one bestiary chose (remembered as such: a later default may replace it)."""
+    _OURS.add(threads)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def bestiary_chooses(num_threads: int | None) -> bool:
     """True when nobody asked for a count: no num_threads, no BESTIARY_NUM_THREADS, and torch's count not set by
     the program (call before `set_threads`)."""
-    return not num_threads and env_threads() is None and torch.get_num_threads() == _TORCH_DEFAULT
+    return not num_threads and env_threads() is None and not _programs_own()
 
 
 def set_threads(num_threads: int | None = None, ranks: int = 1) -> int:
     """Set torch's (and so the compiled kernels') thread count: `num_threads`, else the default, unless the
     program set its own with torch.set_num_threads (kept). Returns the count."""
-    if not num_threads and torch.get_num_threads() != _TORCH_DEFAULT and env_threads() is None:
+    if not num_threads and _programs_own() and env_threads() is None:
         return torch.get_num_threads()
-    threads = num_threads or default_threads(ranks)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+    asked = num_threads or env_threads()
+    if asked:  # the caller's or BESTIARY_NUM_THREADS: kept as asked
+        if torch.get_num_threads() != asked:
+            torch.set_num_threads(asked)
+        return asked
+    threads = default_threads(ranks)
+    _choose(threads)
     return threads
+
+
+def start_command(num_threads: int | None = None) -> int:
+    """A command's threads, set once torch is imported (core.cli.main, every command that runs torch):
+    `set_threads(num_threads)`, and when bestiary chooses the count, on a loaded machine the CPUs the other
+    processes leave now (`ThreadGovernor.settle`), so that converting, building and loading run on them too,
+    not only decode steps. Returns the count."""
+    governed = bestiary_chooses(num_threads)
+    threads = set_threads(num_threads)
+    governor = ThreadGovernor.for_this_process(threads) if governed else None
+    return threads if governor is None else governor.settle()
+
+
+def process_share(processes: int) -> int:
+    """Threads for each of `processes` processes started together on this process's CPUs (pytest-xdist's
+    workers): min(torch's default, the usable CPUs) // processes, at least 1. One process alone takes, on a
+    loaded machine, the CPUs the other processes leave now (as `start_command`)."""
+    usable = max(1, min(_TORCH_DEFAULT, usable_cpus().amount))
+    if processes > 1 or usable == 1:
+        return max(1, usable // processes)
+    governor = ThreadGovernor.for_this_process(usable)
+    return usable if governor is None else governor.settle()
 
 
 INTERVAL_S = 0.5  # how often the governor looks (a /proc read of ~50 us)
@@ -153,6 +197,6 @@ class ThreadGovernor:
         others = max(0.0, (busy - own) / (self.hz * seconds))  # CPUs' worth of other processes' work
         threads = max(1, min(self.usable, math.floor(self.usable - others + 0.25)))
         if threads != self.threads:
-            torch.set_num_threads(threads)
+            _choose(threads)
             self.threads = threads
         return threads
