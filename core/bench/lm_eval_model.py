@@ -8,14 +8,18 @@ models by `register_model` at import only: no entry points), so from Python:
 
 model_args: engine_dir (or pretrained: any source `LLM` takes: engine dir, checkpoint, HF dir,
 GGUF), dtype (of a source converted on the fly), lora_dir (an HF PEFT adapter every request runs
-with), max_batch_size (requests in flight, at most the engine's; default the engine's), device,
-num_threads, add_bos_token (as `hf`'s: encode with the tokenizer's special tokens), max_length (the
-longest input; default the engine's), max_gen_toks (default 256, as `hf`). lm-eval's --batch_size is
-not used: all requests of a call go to the executor at once and in-flight batching runs
-max_batch_size of them per step.
+with), max_batch_size (the batch: see below), device, num_threads, add_bos_token (as `hf`'s: encode
+with the tokenizer's special tokens), max_length (the longest input; default the engine's),
+max_gen_toks (default 256, as `hf`).
 
-loglikelihood / loglikelihood_rolling: core.bench.loglikelihood (batched, prefix reuse);
-generate_until: one `LLM.generate` call for all requests with the same generation kwargs.
+The batch is what lm-eval's `hf` batches: loglikelihood inputs scored per wave (core.bench.loglikelihood:
+plus their shared contexts, each computed once) and prompts generated at once. It is max_batch_size
+if given, else lm-eval's --batch_size when that is a number, else ("auto") the engine's
+max_batch_size; the engine's max_batch_size bounds the sequences of each executor step.
+
+loglikelihood / loglikelihood_rolling: core.bench.loglikelihood (each context computed once, its
+continuations forked from it, batched through in-flight batching); generate_until: `LLM.generate` for
+the requests with the same generation kwargs, a batch at a time.
 Tokenization follows lm-eval's `hf` model (TemplateLM._encode_pair, no special tokens by default).
 """
 
@@ -51,6 +55,12 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes")
 
 
+def _batch(batch_size: Any) -> int | None:
+    """lm-eval's --batch_size as a number of inputs, None for "auto" / "auto:N" (the engine's batch)."""
+    text = str(batch_size).strip() if batch_size is not None else ""
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 def _positive(value: Any, name: str) -> int | None:
     if value is None:
         return None
@@ -78,7 +88,7 @@ class BestiaryLM(TemplateLM):
         source = engine_dir or pretrained
         if llm is None and not source:
             raise BestiaryError("--model_args: engine_dir=PATH is required (an engine dir, checkpoint, HF dir or GGUF)")
-        self.max_in_flight = _positive(max_batch_size, "max_batch_size")  # checked before the engine loads
+        self.max_in_flight = _positive(max_batch_size, "max_batch_size") or _batch(batch_size)  # before loading
         threads, longest = _positive(num_threads, "num_threads"), _positive(max_length, "max_length")
         self.max_gen_toks = _positive(max_gen_toks, "max_gen_toks") or DEFAULT_MAX_GEN_TOKS
         device = "cpu" if device in (None, "", "auto") else device

@@ -14,6 +14,8 @@ Each `step()`:
 n > 1 samples of one prompt: the request computes the prompt once; its n - 1 siblings wait,
 parked, until the prompt is in the cache, then fork its block table (full blocks shared,
 the partial last block copied) and sample their first tokens from the same logits row.
+Followers (`add(after=...)`, requests whose prompts extend a queued request's: the continuations
+of one context) wait the same way, fork the same table, then compute the rest of their own prompts.
 
 Speculative decoding (core.runtime.speculative, Executor(speculative=...)): in an all-decode
 step, step 2 follows each plain decoding row with its k draft tokens as one-token rows over
@@ -108,6 +110,7 @@ class Request:
     lora_held: bool = False  # this sequence holds its adapter in the LoRA cache until it ends
     index: int = 0  # which of the prompt's n samples this is
     siblings: list[Request] = field(default_factory=list)  # samples 1..n-1 (on sample 0 only)
+    followers: list[Request] = field(default_factory=list)  # requests extending this prompt (Executor.add(after=))
     forked: bool = False  # the siblings have taken the prompt's blocks
     window: int = 0  # attention window and sinks (core.runtime.kv_window; 0: none)
     sinks: int = 0
@@ -119,8 +122,8 @@ class Request:
 
     @property
     def group(self) -> list[Request]:
-        """Every sample of this prompt: this request and its siblings."""
-        return [self, *self.siblings]
+        """Every sequence that starts from this prompt: this request, its siblings and its followers."""
+        return [self, *self.siblings, *self.followers]
 
     @property
     def tokens(self) -> list[int]:
@@ -154,6 +157,7 @@ class Executor:
         # Reuse needs K/V that depend on the prefix only: causal masks and positions 0, 1, ...
         self.switch = longrope_switch(model)  # LongRoPE: a sequence crossing it is recomputed (_recomputes)
         self.reuse = kv_config.enable_block_reuse and supports_block_reuse(model) and self.switch is None
+        self.can_fork = supports_block_reuse(model) and self.switch is None  # followers (add(after=)) may fork a prompt
         self.allocator = BlockAllocator(num_blocks, build.tokens_per_block, enable_reuse=self.reuse)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -169,14 +173,20 @@ class Executor:
     # --- requests ----------------------------------------------------------------------
     def add(self, prompt: list[int], sampling: SamplingConfig, stop_ids: set[int] | None = None,
             lora: LoraAdapter | None = None, pooling: Pooling | None = None,
-            reuse_prefix: bool | None = None) -> Request:
+            reuse_prefix: bool | None = None, after: Request | None = None) -> Request:
         """Queue a request (with a LoRA adapter, or None: the base model); prompt and length limits are checked here.
 
         With `pooling`, an embedding request: its prompt is computed (batched with the other requests'
         work) and pooled; it ends "embedded" with `pooled` = the pooled hidden state [H] (not normalised),
         generating nothing. `reuse_prefix` overrides whether the request may start from cached prefix blocks
         (context logits and mean pooling turn it off): True with context logits gives the logits of the
-        computed rows only, [P - s, V] after s reused tokens (scoring a continuation: core.bench.loglikelihood)."""
+        computed rows only, [P - s, V] after s reused tokens (scoring a continuation: core.bench.loglikelihood).
+
+        `after`: a queued request whose prompt this one's extends (n 1, no beams or pooling). This request
+        waits, parked, until that prompt is computed, then forks its blocks (full blocks shared, the partial
+        last one copied) and computes the rest of its own prompt; it takes room in `after`'s batch and KV
+        reservation and ends with `after` if that ends first (core.bench.loglikelihood: the continuations of
+        one context)."""
         b = self.build
         if pooling is not None and (self.model.pp_size > 1 or sampling.n > 1 or sampling.is_beam_search):
             raise BestiaryError("embeddings need pp_size 1 (the last stage holds the hidden states), n 1, no beams")
@@ -214,7 +224,9 @@ class Executor:
             member.lora = lora
             member.window, member.sinks = window, sinks
             member.release_window = released if self._width(req) == 1 else 0  # beams / samples keep their blocks
-        if self._need_blocks(req) > self.allocator.num_blocks:
+        if after is not None:
+            self._attach(after, req)
+        elif self._need_blocks(req) > self.allocator.num_blocks:
             raise BestiaryError(f"request of {self._max_len(req)} tokens x {self._width(req)} sequences "
                                 "does not fit the KV cache")
         if lora is not None and self.lora_cache is not None:  # the caller took one hold; one per sample
@@ -222,8 +234,36 @@ class Executor:
                 member.lora_held = True
             for _ in group[1:]:
                 self.lora_cache.acquire(lora)
-        self.waiting.append(req)
+        if after is None:
+            self.waiting.append(req)
         return req
+
+    def _attach(self, after: Request, req: Request) -> None:
+        """Park `req` as a follower of the queued request `after` (add(after=...)): it forks `after`'s
+        computed prompt (`_fork_samples`), so that prompt's K/V must not depend on what follows it."""
+        n = len(after.prompt)
+        if not self.can_fork:
+            raise BestiaryError("after=: this model's prompt K/V depend on the tokens after them (a prefix-LM mask, "
+                                "2D or LongRoPE positions): a follower cannot fork them")
+        if not any(r is after for r in self.waiting):
+            raise BestiaryError("after=: that request is no longer queued (its prompt is computing or computed)")
+        if len(req.prompt) <= n or req.prompt[:n] != after.prompt:
+            raise BestiaryError(f"after=: the prompt must extend that request's prompt of {n} tokens")
+        if (req.siblings or req.search is not None or req.pooling is not None or after.search is not None
+                or after.pooling is not None or req.lora is not after.lora
+                or (req.window, req.sinks) != (after.window, after.sinks)):
+            raise BestiaryError("after=: expected n 1, no beams or pooling, and the LoRA adapter and attention "
+                                "window of that request")
+        if len(after.group) >= self.build.max_batch_size:
+            raise BestiaryError(f"after=: that request already starts {len(after.group)} sequences, the engine's "
+                                f"max_batch_size {self.build.max_batch_size}")
+        after.followers.append(req)
+        if self._need_blocks(after) > self.allocator.num_blocks:
+            after.followers.pop()
+            raise BestiaryError(f"request of {len(req.prompt)} tokens with {len(after.group)} sequences sharing "
+                                f"its first {n} does not fit the KV cache")
+        for member in after.group:
+            member.release_window = 0  # forked blocks: none is released
 
     def _prepare_sampling(self, req: Request, vocab: int) -> None:
         """Stop words, processors and the chooser / beam search a request asked for."""
@@ -267,17 +307,19 @@ class Executor:
         """Sequences the request may run at once: its beams or its n samples."""
         return max(req.sampling.beam_width, req.sampling.n)
 
-    def _own_blocks(self, req: Request) -> int:
-        """Blocks one sequence of `req` holds at most beyond the prompt's full (shared) blocks."""
+    def _own_blocks(self, req: Request, member: Request | None = None) -> int:
+        """Blocks one sequence of `req` (or `member`, a sample or follower of it) holds at most beyond
+        the prompt's full (shared) blocks."""
         bs = self.build.tokens_per_block
-        return blocks_for(self._max_len(req), bs) - len(req.prompt) // bs
+        return blocks_for(self._max_len(member or req), bs) - len(req.prompt) // bs
 
     def _need_blocks(self, req: Request) -> int:
         """Most blocks `req` can hold at once: beams (or samples) share the prompt's full
         blocks and hold at most the rest of the length each. Under a window whose blocks are
         released (core.runtime.kv_window), at most the window's blocks for the largest step."""
         bs = self.build.tokens_per_block
-        whole = len(req.prompt) // bs + self._width(req) * self._own_blocks(req)
+        whole = (len(req.prompt) // bs + self._width(req) * self._own_blocks(req)
+                 + sum(self._own_blocks(req, f) for f in req.followers))
         if not req.release_window:
             return whole
         speculator = getattr(self, "speculator", None)
@@ -305,7 +347,7 @@ class Executor:
             self.lora_cache.release(req.lora)
         if not req.forked:  # parked siblings end with the request that would have forked them
             req.forked = True
-            for sibling in req.siblings:
+            for sibling in req.siblings + req.followers:
                 self._finish(sibling, reason)
         if req in self.running:
             self.running.remove(req)
@@ -426,10 +468,10 @@ class Executor:
         self.allocator.reserved += released
 
     def _fork_samples(self, req: Request) -> None:
-        """Start req's parked siblings from its computed prompt: each shares the full blocks,
-        copies the partial last one and takes its own part of req's reservation."""
-        own = self._own_blocks(req)
-        for sib in req.siblings:
+        """Start req's parked siblings and followers from its computed prompt: each shares the full
+        blocks, copies the partial last one and takes its own part of req's reservation."""
+        for sib in req.siblings + req.followers:
+            own = self._own_blocks(req, sib)
             sib.blocks, copied = fork_table(self.allocator, self.kv, req.blocks, req.num_cached,
                                             self.build.tokens_per_block)
             req.reserved -= own
@@ -522,13 +564,13 @@ class Executor:
             if seq is req and req.release_window and not req.finished:
                 self._release_outside_window(req)
         ready = self._finish_embeddings(work, ready)
-        forks = [i for i in ready if work[i][0].siblings and not work[i][0].forked]
-        for i in forks:  # the siblings sample their first tokens from their request's row
+        forks = [i for i in ready if len(work[i][0].group) > 1 and not work[i][0].forked]
+        for i in forks:  # the siblings sample their first tokens from their request's row (followers compute on)
             self._fork_samples(work[i][0])
             ready += range(len(work), len(work) + len(work[i][0].siblings))
             work += [(sib, sib, 0) for sib in work[i][0].siblings]
-        if forks:
-            rows = [i for i in forks for _ in work[i][0].siblings]
+        rows = [i for i in forks for _ in work[i][0].siblings]
+        if rows:
             logits = torch.cat([logits, logits[rows]])  # [B + forked siblings, V]
         return produced + (self._choose(work, ready, logits, self._masks_of(masks)) if ready else [])
 

@@ -1,5 +1,7 @@
 """Local lm-eval tasks written by the tests (nothing downloads): a multiple-choice arithmetic task of
-number words and a short-answer generate_until task, as jsonl files with lm-eval YAMLs
+number words, the same questions in MMLU's format (lettered options, one-token answers " A".." D",
+few-shot examples from a dev split, the same first ones for every question: lm-eval's MMLU
+`fewshot_config`) and a short-answer generate_until task, as jsonl files with lm-eval YAMLs
 (`dataset_path: json`, local `data_files`)."""
 
 from __future__ import annotations
@@ -66,14 +68,47 @@ metric_list:
 """
 
 
-def write_tasks(directory: Path, mc_count: int = 48, gen_count: int = 12, max_gen_toks: int = 12) -> Path:
-    """directory/tasks: bestiary_mc and bestiary_gen (YAML + jsonl); returns the folder for --include_path."""
+MMLU_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+    dev: {dev}
+test_split: test
+fewshot_split: dev
+fewshot_config:
+  sampler: first_n
+output_type: multiple_choice
+description: "The following are multiple choice questions (with answers) about arithmetic.\\n\\n"
+doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choices[0]}}}}\\nB. {{{{choices[1]}}}}\\nC. {{{{choices[2]}}}}\\nD. {{{{choices[3]}}}}\\nAnswer:"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+def mmlu_docs(count: int, offset: int = 0) -> list[dict]:
+    """mc_docs' questions (from question `offset` on) with bare options ("seven apples") for MMLU_YAML."""
+    docs = mc_docs(count + offset)[offset:]
+    return [dict(d, choices=[c.strip() for c in d["choices"]]) for d in docs]
+
+
+def write_tasks(directory: Path, mc_count: int = 48, gen_count: int = 12, max_gen_toks: int = 12,
+                mmlu_count: int = 0) -> Path:
+    """directory/tasks: bestiary_mc and bestiary_gen (YAML + jsonl), and with mmlu_count > 0 bestiary_mmlu
+    (mmlu_count test questions, 8 dev ones for the few-shot examples); returns the folder for --include_path."""
     tasks = directory / "tasks"
     tasks.mkdir(parents=True, exist_ok=True)
     for name, docs, yaml in (("bestiary_mc", mc_docs(mc_count), MC_YAML), ("bestiary_gen", gen_docs(gen_count), GEN_YAML)):
         data = tasks / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         (tasks / f"{name}.yaml").write_text(yaml.format(name=name, data=data, max_gen_toks=max_gen_toks))
+    if mmlu_count:
+        data, dev = tasks / "bestiary_mmlu.jsonl", tasks / "bestiary_mmlu_dev.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in mmlu_docs(mmlu_count, offset=8)))
+        dev.write_text("".join(json.dumps(d) + "\n" for d in mmlu_docs(8)))
+        (tasks / "bestiary_mmlu.yaml").write_text(MMLU_YAML.format(name="bestiary_mmlu", data=data, dev=dev))
     return tasks
 
 

@@ -1,6 +1,6 @@
 """bestiary as an lm-eval model on a tiny random LLaMA (fast): loglikelihood, loglikelihood_rolling and
-generate_until against HF transformers on the same weights; prefix reuse of shared contexts (and its
-fallback when reuse reaches a continuation); the `bestiary lm-eval` command. The real-model parity
+generate_until against HF transformers on the same weights; each shared context computed once (its
+continuations fork it: core.bench.loglikelihood), equal to standalone scoring; the `bestiary lm-eval` command. The real-model parity
 with lm-eval's own `hf` model is tests/bench/test_lm_eval_smollm2.py (slow)."""
 
 from __future__ import annotations
@@ -55,37 +55,63 @@ def _hf_score(tok, model, context: str, continuation: str) -> tuple[float, bool]
     return float(logp.gather(1, cont[:, None]).sum()), bool((logp.argmax(-1) == cont).all())
 
 
-def test_loglikelihood_matches_transformers_and_reuses_shared_contexts(tiny, lm, monkeypatch):
-    from bestiary.core.bench import loglikelihood
+def _computed_tokens(executor, monkeypatch) -> list[int]:
+    """The tokens each step of `executor` computes, recorded as it runs."""
+    counts: list[int] = []
+    schedule = executor._schedule
+    monkeypatch.setattr(executor, "_schedule", lambda: (lambda w: counts.append(sum(n for *_, n in w)) or w)(schedule()))
+    return counts
 
-    starts: list[int] = []
-    score = loglikelihood._score
-    monkeypatch.setattr(loglikelihood, "_score", lambda item, logits, start: starts.append(start) or score(item, logits, start))
-    pairs = [(c, k) for c in CONTEXTS for k in CONTINUATIONS]
-    got = lm.loglikelihood(_instances("loglikelihood", pairs))
+
+def test_loglikelihood_matches_transformers_and_computes_each_context_once(tiny, lm, monkeypatch):
+    """Every pair as transformers scores it; each context computed once (less what earlier contexts left
+    cached), each distinct continuation only past its context, one-token continuations not at all."""
+    pairs = [(c, k) for c in CONTEXTS for k in CONTINUATIONS[:3] + CONTINUATIONS[4:]]  # 3 followers per context
+    requests = _instances("loglikelihood", pairs)
+    encoded = [lm._encode_pair(c, k) for c, k in pairs]
+    lengths = [len(lm.tok_encode(c)) for c in CONTEXTS]
+    assert any(n > 8 and n % 8 for n in lengths), "a context must end in a partial block (tokens_per_block 8)"
+    executor = lm.llm.executor
+    counts, hits = _computed_tokens(executor, monkeypatch), executor.allocator.stats.hit_tokens
+    got = lm.loglikelihood(requests)
     for (c, k), (logp, greedy) in zip(pairs, got):
         ref = _hf_score(tiny[1], tiny[2], c, k)
         assert logp == pytest.approx(ref[0], abs=1e-4) and greedy == ref[1], (c, k)
-    assert sum(s > 0 for s in starts) >= 8, f"shared contexts were not reused: starts {starts}"
+    contexts = {tuple(ctx) for ctx, _ in encoded}
+    suffixes = {(tuple(ctx), tuple(cont[:-1])) for ctx, cont in encoded}
+    reused = executor.allocator.stats.hit_tokens - hits
+    assert sum(counts) + reused == sum(map(len, contexts)) + sum(len(s) for _, s in suffixes)
+    assert sum(counts) < sum(len(ctx) + len(cont) - 1 for ctx, cont in encoded) / 2
 
 
-def test_reuse_reaching_into_a_continuation_is_computed_again(tiny, lm, monkeypatch):
-    """Two continuations sharing 2 blocks past the context: the second's cached blocks would skip rows
-    it needs, so it runs again without reuse, and both still match."""
+def test_shared_context_scoring_equals_standalone_requests(tiny, lm, monkeypatch):
+    """Leaders and followers give the scores of one standalone request per pair (the path of models whose
+    prompt K/V cannot be forked), in waves of 2 sequences (several leaders of one context) as of 4."""
     from bestiary.core.bench import loglikelihood
 
-    ids = lm.tok_encode("The quick brown fox jumps over the lazy dog. A journey of a thousand miles")
-    assert len(ids) >= 3 + 16, "the continuation must span two blocks of 8 tokens"
-    pairs = [(ids[:3], ids[3:] + tail) for tail in ([5, 7], [6, 7])]  # two inputs, one context
-    calls: list[int] = []
-    finish = loglikelihood._finish
-    monkeypatch.setattr(loglikelihood, "_finish", lambda req, item, s, r: calls.append(item.reuse) or finish(req, item, s, r))
-    got = loglikelihood.score_continuations(lm.llm, pairs)
-    assert calls.count(False) >= 1, f"no request ran again without reuse ({calls})"
-    for (context, continuation), (logp, _) in zip(pairs, got):
-        with torch.no_grad():
-            ref = tiny[2](torch.tensor([(context + continuation)[:-1]])).logits[0].log_softmax(-1)[-len(continuation):]
-        assert logp == pytest.approx(float(ref.gather(1, torch.tensor(continuation)[:, None]).sum()), abs=1e-4)
+    pairs = [(lm.tok_encode(c), lm.tok_encode(k)) for c in CONTEXTS for k in CONTINUATIONS]
+    shared = loglikelihood.score_continuations(lm.llm, pairs)
+    narrow = loglikelihood.score_continuations(lm.llm, pairs, max_in_flight=2)
+    monkeypatch.setattr(lm.llm.executor, "can_fork", False)
+    alone = loglikelihood.score_continuations(lm.llm, pairs)
+    for a, b, c in zip(shared, narrow, alone):
+        assert a[0] == pytest.approx(c[0], abs=1e-4) and b[0] == pytest.approx(c[0], abs=1e-4)
+        assert a[1] == b[1] == c[1]
+    lm.llm.executor.allocator.check_whole()
+
+
+def test_continuation_longer_than_the_input_is_scored_alone(tiny, lm):
+    """A continuation that fills the whole truncated input leaves no context to share: one standalone
+    request, scored on its last max_length tokens as `hf` truncates."""
+    from bestiary.core.bench import loglikelihood
+
+    longest = loglikelihood.max_score_length(lm.llm)
+    continuation = [(7 * i) % 90 + 3 for i in range(longest + 5)]
+    ((logp, _),) = loglikelihood.score_continuations(lm.llm, [([1], continuation)])
+    whole = continuation[-(longest + 1):]
+    with torch.no_grad():
+        ref = tiny[2](torch.tensor([whole[:-1]])).logits[0].log_softmax(-1)  # [longest, V]
+    assert logp == pytest.approx(float(ref.gather(1, torch.tensor(whole[1:])[:, None]).sum()), abs=1e-3)
 
 
 def test_loglikelihood_rolling_sums_every_token(tiny, lm):
