@@ -35,6 +35,7 @@ rejected draft is never emitted) and advances the matcher by the tokens emitted.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +48,7 @@ from bestiary.core.kernels.sampling_ref import filter_logits
 from bestiary.core.runtime.cpu_plan import MAX_BATCH
 from bestiary.core.runtime.guided import apply_bitmask
 from bestiary.core.runtime.sampling import SamplingConfig, draw
+from bestiary.core.runtime.speculative_adaptive import AdaptiveK
 from bestiary.core.runtime.speculative_config import SpeculativeConfig, speculative_config  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
@@ -177,7 +179,11 @@ class DraftRow:
 
 
 class Drafter:
-    """Proposes draft tokens for decoding sequences; `release` when a sequence ends."""
+    """Proposes draft tokens for decoding sequences; `release` when a sequence ends. `step_seconds`:
+    the mean seconds of the last `propose`'s draft steps, where a drafter times them itself (a draft
+    engine: without the prefill-like catch-up of a new prompt); None: the whole call's time / k."""
+
+    step_seconds: float | None = None
 
     def propose(self, seqs: list[tuple[object, list[int], int]]) -> list[list[int]]:
         """For each (key, tokens, k): at most k draft tokens continuing `tokens`."""
@@ -198,7 +204,8 @@ class NgramDrafter(Drafter):
         return [ngram_draft(tokens, k, c.ngram_max, c.ngram_min) if k > 0 else [] for _, tokens, k in seqs]
 
 
-SHORT_CATCH_UP = 8  # a draft model's catch-up of at most this many tokens runs as one-token decode rows
+SHORT_CATCH_UP = 16  # a draft model's catch-up of at most this many tokens runs as one-token decode rows
+# (a sequence back from k = 0 after probe_interval plain steps catches up ~probe_interval + 2 tokens)
 
 
 @dataclass
@@ -303,17 +310,22 @@ class DraftModel(Drafter):
             seq.blocks += self.allocator.allocate(max(extra, 0))
             live.append((i, seq, list(tokens), k))
         new = [tokens[len(seq.cached) :] for _, seq, tokens, _ in live]  # catch-up chunks, then 1 token each
+        timed: list[float] = []  # seconds of the steps that were draft steps (short catch-ups at most)
         for step in range(max((k for *_, k in live), default=0)):
             run = [(x, n) for x, n in zip(live, new) if step < x[3]]
             if not run:
                 break
+            started = time.perf_counter()
             best = self._last_argmax([len(x[1].cached) for x, _ in run], [n for _, n in run],
                                       [x[1].blocks for x, _ in run])
+            if max(map(len, new)) <= SHORT_CATCH_UP:  # a prompt's catch-up is a prefill, not a draft step's cost
+                timed.append(time.perf_counter() - started)
             for (x, n), token in zip(run, best):
                 i, seq, _, _ = x
                 seq.cached += n
                 out[i].append(token)
             new = [[out[x[0]][-1]] for x in live]
+        self.step_seconds = sum(timed) / len(timed) if timed else None
         return out
 
 
@@ -338,6 +350,10 @@ class Speculator:
         self.config = config
         self.drafter = drafter
         self.stats = AcceptanceStats()  # every request so far
+        self.adaptive = AdaptiveK(config.num_draft_tokens, config.probe_interval) if config.adaptive else None
+        self.steps = 0  # all-decode steps seen
+        # the previous step: (start, rows, drafting seconds, max k, the drafter's own seconds per draft step)
+        self._last: tuple[float, int, float, int, float | None] | None = None
 
     @classmethod
     def for_executor(cls, config: SpeculativeConfig, executor: Executor) -> Speculator:
@@ -356,22 +372,54 @@ class Speculator:
         plain = req.chooser is None or req.sampling.guided_only  # a guided request drafts too (its grammar checks)
         return plain and req.search is None and bool(req.output) and req.num_cached == len(req.tokens) - 1
 
-    def draft(self, executor: Executor, work: list[Row]) -> list[Row]:
-        """`work` (request, sequence, new tokens) with each eligible decode row followed by its drafts
-        as `DraftRow`s (req.draft holds them); k <= the budget left and the request's length."""
-        if any(n != 1 for *_, n in work):
-            return work  # a step with a prompt chunk runs eagerly: drafts only in all-decode steps
+    def _measure(self, now: float, decode_only: bool) -> None:
+        """Book the previous step's cost (adaptive k): F(R) = its draft-to-draft seconds less its
+        drafting, d = the drafter's mean draft step (a draft engine's, without a new prompt's catch-up;
+        otherwise the drafting seconds / k). Only steps that were all-decode and are followed by one
+        count (a prompt chunk or an idle executor between them is not a step's cost)."""
+        last, self._last = self._last, None
+        if self.adaptive is None or last is None or not decode_only:
+            return
+        start, rows, drafting, steps, per_step = last
+        self.adaptive.costs.add_step(rows, now - start - drafting)
+        if steps and (per_step is not None or not isinstance(self.drafter, DraftModel)):
+            self.adaptive.costs.add_draft(per_step if per_step is not None else drafting / steps)
+
+    def _ks(self, executor: Executor, work: list[Row]) -> list[tuple[int, Request, int]]:
+        """(row index, request, k) of the rows that draft this step: k <= num_draft_tokens, the request's
+        length left and the verification budget (rows earlier in the batch first); adaptive: its k."""
         rows = self.config.max_verify_rows or MAX_BATCH
         budget = min(executor.build.max_num_tokens, max(rows, len(work))) - len(work)
+        adaptive = self.adaptive
+        if adaptive is not None:
+            adaptive.forget({r.id for r in executor.running})
+            costs = adaptive.costs
+            calibrate = costs.ready and costs.rows.get(len(work), (0.0, 0))[1] < 2 and self.steps % self.config.probe_interval == 0
         asks = []
         for i, (req, seq, n) in enumerate(work):
             if seq is req and n == 1 and self.eligible(req):
                 k = min(self.config.num_draft_tokens, executor._max_len(req) - len(req.tokens) - 1, budget)
+                if adaptive is not None:
+                    k = 0 if calibrate else adaptive.choose(req.id, len(work), k)  # calibrate: F(B) unmeasured
                 if k > 0:
                     asks.append((i, req, k))
                     budget -= k
+        return asks
+
+    def draft(self, executor: Executor, work: list[Row]) -> list[Row]:
+        """`work` (request, sequence, new tokens) with each eligible decode row followed by its drafts
+        as `DraftRow`s (req.draft holds them); k from `_ks`."""
+        now = time.perf_counter()
+        decode_only = all(n == 1 for *_, n in work)
+        self._measure(now, decode_only)
+        if not decode_only:
+            return work  # a step with a prompt chunk runs eagerly: drafts only in all-decode steps
+        self.steps += 1
+        asks = self._ks(executor, work)
         if not asks:
+            self._last = (now, len(work), 0.0, 0, None)
             return work
+        self.drafter.step_seconds = None
         proposed = self.drafter.propose([(r.id, r.tokens, k) for _, r, k in asks])
         drafts = {i: grammar_prefix(r, list(tokens[:k])) for (i, r, k), tokens in zip(asks, proposed)}
         out: list[Row] = []
@@ -381,6 +429,7 @@ class Speculator:
             if req.draft:
                 tokens, start = req.tokens + req.draft, req.num_cached
                 out += [(req, DraftRow(tokens, start + j, req.blocks, req.prompt), 1) for j in range(1, len(req.draft) + 1)]
+        self._last = (now, len(out), time.perf_counter() - now, max(k for *_, k in asks), self.drafter.step_seconds)
         return out
 
     def verify(self, executor: Executor, work: list[Row],
@@ -407,6 +456,8 @@ class Speculator:
                 tokens = accept_drafts(rows, req.draft, req.sampling, req.generator)  # _accept advances a grammar
                 for s in (req.spec, self.stats):
                     s.add(AcceptanceStats(1, len(req.draft), len(tokens) - 1))
+                if self.adaptive is not None:
+                    self.adaptive.observe(req.id, len(req.draft), len(tokens) - 1)
                 req.draft = []
                 executor._accept(req, tokens, produced)
                 out.append((req, req, 0))

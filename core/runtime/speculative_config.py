@@ -20,6 +20,11 @@ class SpeculativeConfig(BaseModel):
     draft_engine_dir: str | None = Field(None, description="The draft engine (method draft): same vocabulary.")
     ngram_max: int = Field(3, ge=1, description="Longest suffix n-gram prompt lookup matches.")
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram prompt lookup matches.")
+    adaptive: bool = Field(True, description="Choose k per sequence (num_draft_tokens at most, 0: plain decoding) "
+                           "from its measured acceptance and the measured costs of draft and verification steps "
+                           "(core.runtime.speculative_adaptive); off: always num_draft_tokens.")
+    probe_interval: int = Field(8, ge=1, description="Plain steps after which a sequence at k = 0 drafts again "
+                                "to measure its acceptance (adaptive).")
     max_verify_rows: int | None = Field(
         None, ge=1, description="Most rows (sequences + drafts) a verification step grows to. Default: the "
         "compiled CPU decode plan's batch limit (core.runtime.cpu_plan.MAX_BATCH), whose rows compute exactly as batch-1 "

@@ -172,7 +172,7 @@ def test_speculative_rows_report_acceptance(tiny, capsys):
     workloads' drafted / accepted counts in --json and a line each under the tables."""
     from bestiary.core.cli.main import main
 
-    spec = ["--speculative", "ngram", "--num_draft_tokens", "3"]
+    spec = ["--speculative", "ngram", "--num_draft_tokens", "3", "--fixed_draft_tokens"]  # counts: tokens only
     argv = ["--engine_dir", str(tiny / "engine"), "--workloads", "decode", "mixed", *SMALL, *spec]
     report = bench_json(capsys, *argv)
     plain, fast = report["rows"]
@@ -248,7 +248,8 @@ def test_rewrite_workload_plain_and_prompt_lookup(chat_engine, capsys):
     from bestiary.core.cli.main import main
     from bestiary.core.runtime.tokenizer import Tokenizer
 
-    argv = ["--engine_dir", str(chat_engine), *REWRITE, "--speculative", "ngram", "--num_draft_tokens", "4"]
+    argv = ["--engine_dir", str(chat_engine), *REWRITE, "--speculative", "ngram", "--num_draft_tokens", "4",
+            "--fixed_draft_tokens"]  # the same counts in both runs (the adaptive k follows step timings)
     report = bench_json(capsys, *argv)
     plain, fast = report["rows"]
     assert report["config"]["workloads"] == ["rewrite"] and plain["decode_tokens_per_second"] is None

@@ -56,12 +56,15 @@ def make_executor(engine, spec: SpeculativeConfig | None = None, **limits) -> Ex
 
 def methods(dirs, dtype: str) -> dict[str, SpeculativeConfig]:
     """Prompt lookup, and a draft engine: the same weights in the other dtype (accepts most drafts,
-    not all) and an unrelated model (rejects most)."""
+    not all) and an unrelated model (rejects most). A fixed k (adaptive off): every step drafts, so
+    verification and rollback run on every step (the adaptive k has its own tests below)."""
     other_dtype = DTYPES[1 - DTYPES.index(dtype)]
     return {
-        "ngram": SpeculativeConfig(method="ngram", num_draft_tokens=5),
-        "draft": SpeculativeConfig(method="draft", num_draft_tokens=3, draft_engine_dir=str(dirs[other_dtype])),
-        "draft-other": SpeculativeConfig(method="draft", num_draft_tokens=4, draft_engine_dir=str(dirs["other"])),
+        "ngram": SpeculativeConfig(method="ngram", num_draft_tokens=5, adaptive=False),
+        "draft": SpeculativeConfig(method="draft", num_draft_tokens=3, draft_engine_dir=str(dirs[other_dtype]),
+                                   adaptive=False),
+        "draft-other": SpeculativeConfig(method="draft", num_draft_tokens=4, draft_engine_dir=str(dirs["other"]),
+                                         adaptive=False),
     }
 
 
@@ -233,7 +236,7 @@ def test_sampled_tokens_match_plain_sampling(engines, dirs):
         return SamplingConfig(max_new_tokens=3, temperature=1.0, top_k=12, random_seed=seed0 + i, ignore_eos=True)
 
     spec = SpeculativeConfig(method="draft", num_draft_tokens=2, draft_engine_dir=str(dirs["other"]),
-                             max_verify_rows=1000)
+                             max_verify_rows=1000, adaptive=False)
     samples = {}
     for name, config, seed0 in (("plain", None, 0), ("spec", spec, 100_000)):
         ex = make_executor(engines["float32"], config, max_batch_size=500, max_num_tokens=4000)
@@ -292,7 +295,7 @@ def test_llm_reports_acceptance(dirs):
     the steps, drafted and accepted counts that replaying the drafter over the plain output gives."""
     from bestiary.core.runtime.llm import LLM
 
-    llm = LLM(dirs["float32"], speculative={"method": "ngram", "num_draft_tokens": 4})
+    llm = LLM(dirs["float32"], speculative={"method": "ngram", "num_draft_tokens": 4, "adaptive": False})
     plain_llm = LLM(dirs["float32"])
     sampling = SamplingConfig(max_new_tokens=20, **GREEDY)
     total = AcceptanceStats()
@@ -319,14 +322,31 @@ def test_cli_run_flags(dirs, capsys):
             "--max_output_len", "12"]
     assert main(base + ["--num_draft_tokens", "3"]) == 2
     assert "--num_draft_tokens needs --speculative ngram|draft" in capsys.readouterr().err
+    assert main(base + ["--fixed_draft_tokens"]) == 2
+    assert "--fixed_draft_tokens needs --speculative ngram|draft" in capsys.readouterr().err
     assert main(base + ["--speculative", "draft"]) == 2
     assert "--speculative: method draft needs draft_engine_dir" in capsys.readouterr().err
     assert main(base) == 0
     plain = capsys.readouterr().out
-    assert main(base + ["--speculative", "ngram", "--num_draft_tokens", "3"]) == 0
-    out = capsys.readouterr()
-    assert out.out == plain
-    assert "[bestiary] input 0: ngram accepted " in out.err and "tokens per verification step" in out.err
+    for fixed in ([], ["--fixed_draft_tokens"]):
+        assert main(base + ["--speculative", "ngram", "--num_draft_tokens", "3", *fixed]) == 0
+        out = capsys.readouterr()
+        assert out.out == plain
+        assert "[bestiary] input 0: ngram accepted " in out.err and "tokens per verification step" in out.err
+
+
+def test_fixed_draft_tokens_flag_turns_the_adaptive_k_off():
+    import argparse
+
+    from bestiary.core.cli.speculative_flags import add_speculative_flags, speculative_from_args
+
+    parser = argparse.ArgumentParser()
+    add_speculative_flags(parser)
+    assert speculative_from_args(parser.parse_args(["--speculative", "ngram"])).adaptive
+    fixed = speculative_from_args(parser.parse_args(["--speculative", "ngram", "--fixed_draft_tokens"]))
+    assert not fixed.adaptive and fixed.num_draft_tokens == 4
+    with pytest.raises(BestiaryError, match="probe_interval"):
+        speculative_config({"method": "ngram", "probe_interval": 0})
 
 
 def test_serve_metrics_count_drafts(engines, dirs):
@@ -381,8 +401,10 @@ def test_smollm2_greedy_identical(smol, dtype):
     (the model in the other dtype), 32 new tokens: every token equals plain greedy decoding."""
     work = [(p, SamplingConfig(max_new_tokens=32, temperature=0.0)) for p in smol["prompts"]]
     engine = smol["engines"][dtype]
-    specs = [SpeculativeConfig(method="ngram", num_draft_tokens=6),
-             SpeculativeConfig(method="draft", num_draft_tokens=4, draft_engine_dir=str(smol[DTYPES[1 - DTYPES.index(dtype)]]))]
+    other = str(smol[DTYPES[1 - DTYPES.index(dtype)]])
+    specs = [SpeculativeConfig(method="ngram", num_draft_tokens=6, adaptive=False),
+             SpeculativeConfig(method="ngram", num_draft_tokens=6),
+             SpeculativeConfig(method="draft", num_draft_tokens=4, draft_engine_dir=other, adaptive=False)]
     plain = [r.output for r in run_all(make_executor(engine, max_batch_size=20, max_seq_len=512), work)]
     if dtype == "bfloat16":
         plain_1 = [r.output for r in one_by_one(make_executor(engine, max_batch_size=1, max_seq_len=512), work)]
@@ -393,3 +415,93 @@ def test_smollm2_greedy_identical(smol, dtype):
         if dtype == "bfloat16":
             ex = make_executor(engine, spec, max_batch_size=1, max_seq_len=512)
             assert [r.output for r in one_by_one(ex, work)] == plain_1, spec.method
+
+
+# --- the adaptive k (core.runtime.speculative_adaptive) ---------------------------------------
+def fake_costs(ak, plain: float = 1.0, per_row: float = 0.05, draft: float = 0.0) -> None:
+    """Deterministic costs: F(R) = plain (1 + per_row (R - 1)) for R = 1..9, d = draft."""
+    for rows in range(1, 10):
+        ak.costs.add_step(rows, plain * (1 + per_row * (rows - 1)))
+    ak.costs.add_draft(draft)
+
+
+def test_expected_tokens_and_step_costs():
+    from bestiary.core.runtime.speculative_adaptive import AdaptiveK, StepCosts, expected_tokens
+
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+    costs = StepCosts()
+    costs.add_step(1, 2.0)
+    assert costs.step(3) == pytest.approx(2.0 * (1 + 2 * 0.05))  # one row count: the prior slope
+    costs.add_step(5, 3.0)
+    assert costs.step(3) == pytest.approx(2.5) and costs.step(9) == pytest.approx(4.0)  # interpolated, extrapolated
+    costs.add_step(1, 100.0)  # an outlier moves the EMA by at most 2x the old value's share
+    assert costs.step(1) == pytest.approx(0.8 * 2.0 + 0.2 * 4.0)
+    ak = AdaptiveK(max_k=4)
+    fake_costs(ak, per_row=0.05, draft=0.1)
+    # speedup(k) = E(k) F(1) / (F(1 + k) + k d): a = 0.9 pays for k = 4; a = 0.1 does not pay for any k
+    assert ak.best_k(0.9, 1, 4) == 4 and ak.best_k(0.1, 1, 4) == 0
+    assert ak.best_k(0.9, 1, 2) == 2  # capped (length left, verification budget)
+    # the rate of a batch: B - 1 + E(k) tokens in F(B + k) + k d
+    assert ak.costs.rate(3, 2, 0.5) == pytest.approx((2 + 1.75) / (1.2 + 0.2))
+
+
+def test_adaptive_k_goes_to_zero_when_drafts_never_accept_and_returns_when_they_do():
+    """Fake costs (verification rows cheap, drafts free): a sequence whose drafts are never accepted
+    drops to k = 0 and re-probes with K drafts after 5 plain steps, then 10, 20, 40, 40 (each failed
+    probe doubles the wait, up to 8x); once a probe's drafts are accepted, k goes back up to K and stays."""
+    from bestiary.core.runtime.speculative_adaptive import AdaptiveK
+
+    ak = AdaptiveK(max_k=4, probe_interval=5)
+    fake_costs(ak)
+    ks = []
+    for _ in range(200):
+        k = ak.choose("seq", 1, 4)
+        ks.append(k)
+        ak.observe("seq", k, 0)  # every draft rejected
+    assert ks[0] == 3 and 0 in ks[:10]  # a = 0.5 (the prior): E(3) / F(4) = 1.875 / 1.15 is the best
+    first_zero = ks.index(0)
+    probes = [i for i, k in enumerate(ks) if k and i > first_zero]
+    assert all(ks[i] == 4 for i in probes)
+    assert [b - a for a, b in zip(probes, probes[1:])][:5] == [11, 21, 41, 41, 41]  # after the first: 6
+    assert ak.probes == len(probes) and ak.acceptance("seq") < 0.05
+    back = []
+    for _ in range(60):
+        k = ak.choose("seq", 1, 4)
+        back.append(k)
+        ak.observe("seq", k, k)  # every draft accepted
+    first = next(i for i, k in enumerate(back) if k)
+    assert first <= 41 and all(k == 4 for k in back[first + 3 :]), back
+    assert ak.acceptance("seq") > 0.5 and ak.seqs["seq"].failed_probes == 0
+    ak.forget(set())
+    assert not ak.seqs and ak.acceptance("seq") > 0.1  # a new sequence starts from the running average
+
+
+class FakeClock:
+    """time.perf_counter for the speculator: every call advances by `tick` seconds (deterministic costs)."""
+
+    def __init__(self, tick: float = 1.0) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft-other"])
+def test_adaptive_greedy_identical(engines, dirs, plain_batch_1, monkeypatch, method):
+    """Adaptive k on (deterministic costs: a fake clock): every output equals plain greedy decoding,
+    batch 1, both drafters; k goes to 0 where drafts are rejected (an unrelated draft model) and stays
+    above 0 where they are accepted (prompt lookup on repeated phrases, the same weights in bf16)."""
+    from bestiary.core.runtime import speculative
+
+    monkeypatch.setattr(speculative, "time", FakeClock())
+    spec = methods(dirs, "float32")[method].model_copy(update={"adaptive": True, "probe_interval": 4})
+    ex = make_executor(engines["float32"], spec, max_batch_size=1)
+    assert [r.output for r in one_by_one(ex, BATCH_1)] == plain_batch_1["float32"]
+    choices = ex.speculator.adaptive.choices
+    assert ex.speculator.stats.drafted > 0 and sum(choices.values()) > 40
+    if method == "draft-other":
+        assert choices.get(0, 0) > sum(n for k, n in choices.items() if k) and ex.speculator.adaptive.probes > 0
+    else:
+        assert ex.speculator.stats.accepted > 0 and sum(n for k, n in choices.items() if k) > 0

@@ -42,8 +42,9 @@ def plain(engine):
 @pytest.fixture(scope="module")
 def server(engine, tmp_path_factory):
     log = tmp_path_factory.mktemp("spec-serve-log") / "server.log"
+    # a fixed k: the counts of a request then depend on its tokens only (adaptive k also follows step timings)
     with ServerProcess(engine, "--served_model_name", MODEL, "--speculative", "ngram", "--num_draft_tokens", "4",
-                       log=log) as s:
+                       "--fixed_draft_tokens", log=log) as s:
         yield s
 
 
