@@ -11,6 +11,9 @@ ROUGE-1 of the engine's summaries against HF's.
 
 check_accuracy: pass when rouge1(engine) >= rouge1(HF) - rouge1_threshold (the issue's rule: the
 engine may fall at most that far below HF on the same articles and prompt).
+
+lora_dir: an HF PEFT adapter both models run with (the engine as a LoRA request on every article,
+transformers through peft), so an adapter is checked against its reference the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bestiary.core.format.errors import BestiaryError
+from bestiary.core.lora.request import LoraRequest
 from bestiary.core.runtime.llm import LLM
 from bestiary.core.runtime.sampling import SamplingConfig
 
@@ -73,18 +77,25 @@ def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
     return {k: 100 * sum(s[k].fmeasure for s in scores) / len(scores) for k in ROUGE_KEYS}
 
 
-def engine_summaries(llm: LLM, prompts: list[list[int]], max_output_len: int) -> list[str]:
-    """Greedy summaries of every prompt, in one in-flight batch."""
+def engine_summaries(llm: LLM, prompts: list[list[int]], max_output_len: int, lora_dir: Path | None = None) -> list[str]:
+    """Greedy summaries of every prompt, in one in-flight batch (with the PEFT adapter `lora_dir`, if given)."""
     sampling = SamplingConfig(max_new_tokens=max_output_len, temperature=0.0)
-    return [(c.text or "").strip() for c in llm.generate(prompts, sampling)]
+    lora = LoraRequest(Path(lora_dir).name, str(lora_dir)) if lora_dir else None
+    return [(c.text or "").strip() for c in llm.generate(prompts, sampling, lora=lora)]
 
 
-def hf_summaries(hf_model_dir: Path, prompts: list[list[int]], max_output_len: int, eos: set[int]) -> list[str]:
-    """Greedy summaries by transformers (float32), one prompt at a time."""
+def hf_summaries(hf_model_dir: Path, prompts: list[list[int]], max_output_len: int, eos: set[int],
+                 lora_dir: Path | None = None) -> list[str]:
+    """Greedy summaries by transformers (float32), one prompt at a time (with the PEFT adapter `lora_dir`,
+    applied by peft, if given)."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
+    if lora_dir is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(lora_dir)).eval()
     out = []
     with torch.inference_mode():
         for ids in prompts:
@@ -96,14 +107,15 @@ def hf_summaries(hf_model_dir: Path, prompts: list[list[int]], max_output_len: i
 
 
 def summarize(llm: LLM, dataset: Path, hf_model_dir: Path, max_output_len: int = 100, max_input_len: int = 923,
-              max_articles: int | None = None, rouge1_threshold: float | None = None) -> SummarizeReport:
+              max_articles: int | None = None, rouge1_threshold: float | None = None,
+              lora_dir: Path | None = None) -> SummarizeReport:
     """Both models on the same articles and prompt; with rouge1_threshold, the check (module docstring)."""
     if llm.tokenizer is None:
         raise BestiaryError(f"{llm.engine.directory}: engine has no tokenizer; summarize needs one")
     records = read_articles(dataset, max_articles)
     prompts = [llm.tokenizer.encode(prompt_text(r["article"]))[:max_input_len] for r in records]
-    ours = engine_summaries(llm, prompts, max_output_len)
-    theirs = hf_summaries(hf_model_dir, prompts, max_output_len, llm.tokenizer.stop_ids)
+    ours = engine_summaries(llm, prompts, max_output_len, lora_dir)
+    theirs = hf_summaries(hf_model_dir, prompts, max_output_len, llm.tokenizer.stop_ids, lora_dir)
     references = [r["highlights"] for r in records]
     report = SummarizeReport(len(records), rouge(ours, references), rouge(theirs, references),
                              sum(a == b for a, b in zip(ours, theirs)), rouge(ours, theirs)["rouge1"],

@@ -78,3 +78,22 @@ def test_bad_dataset_and_missing_flags_are_one_line(setup, tmp_path, capsys):
         assert words in capsys.readouterr().err
     assert main(["eval", "--engine_dir", str(base / "engine")]) == 2
     assert "--task perplexity needs --text_file" in capsys.readouterr().err
+
+
+def test_lora_dir_runs_both_models_with_the_adapter(setup, tmp_path, capsys):
+    """--lora_dir: the engine (a LoRA request per article) and HF (through peft) summarize with the same PEFT
+    adapter: the same summaries, and different ones from the base models'."""
+    import torch
+    import transformers
+    from lora_helpers import peft_adapter
+
+    base, _, data = setup
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base / "hf", dtype=torch.float32)
+    adapter = tmp_path / "adapter"
+    peft_adapter(hf, adapter, seed=5, r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    code, with_adapter = run(capsys, base / "engine", data, base / "hf", "--lora_dir", str(adapter),
+                             "--check_accuracy", "--rouge1_threshold", "1")
+    assert code == 0 and with_adapter["check_accuracy"] is True, with_adapter
+    assert with_adapter["identical_to_hf"] == len(ARTICLES), with_adapter
+    _, plain = run(capsys, base / "engine", data, base / "hf")
+    assert with_adapter["engine"] != pytest.approx(plain["engine"]), "the adapter changed no summary"
