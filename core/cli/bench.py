@@ -122,7 +122,8 @@ def engine_candidates(dirs: list[str], threads: int | None,
 
     rows = [Candidate("engine", f"bestiary {Path(d).name}", functools.partial(EngineSystem, d, threads)) for d in dirs]
     if speculative is not None:
-        tag = f"{speculative.method} k={speculative.num_draft_tokens}"
+        k = f"k<={speculative.num_draft_tokens}" if speculative.adaptive else f"k={speculative.num_draft_tokens}"
+        tag = f"{speculative.method} {k}"
         rows += [Candidate("engine", f"bestiary {Path(d).name} + {tag}",
                            functools.partial(EngineSystem, d, threads, speculative), plain=plain)
                  for d, plain in zip(dirs, rows, strict=True)]

@@ -295,7 +295,8 @@ def test_rewrite_output_check_can_fail(chat_engine, capsys, monkeypatch):
     captured = capsys.readouterr()
     fast = json.loads(captured.out)["rows"][1]["rewrite"]
     assert fast["output_equals_plain"] is False and fast["first_difference"] == "text 0, token 4"
-    assert "bestiary engine + ngram k=4: rewrite output differs from bestiary engine at text 0, token 4" in captured.err
+    # adaptive k (the default): the label says k is at most --num_draft_tokens
+    assert "bestiary engine + ngram k<=4: rewrite output differs from bestiary engine at text 0, token 4" in captured.err
 
 
 def test_rewrite_needs_a_tokenizer(tiny, capsys):
