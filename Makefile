@@ -43,10 +43,11 @@ test: $(INSTALLED)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 # The slow suite in two workers too, a file per worker (--dist loadfile keeps a file's module fixtures
-# on one worker): the quantization gates (tests/conftest.py runs that file first) beside the rest.
+# on one worker): the quantization gates (tests/conftest.py runs that file first) beside the rest. The 30
+# slowest tests are listed at the end (where CI's time goes).
 test-slow: $(INSTALLED)
 	$(SAY_VENV)
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow --durations=30 tests
 
 # The lm-evaluation-harness model and `eval --task summarize` (the eval extra: lm-eval pins some of the test
 # extra's dependencies, so it is installed last, only here): their fast tests, against transformers and PEFT.
