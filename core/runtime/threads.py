@@ -104,7 +104,8 @@ def start_command(num_threads: int | None = None) -> int:
 
 def process_share(processes: int) -> int:
     """Threads for each of `processes` processes started together on this process's CPUs (pytest-xdist's
-    workers): min(torch's default, the usable CPUs) // processes, at least 1. One process alone takes, on a
+    workers): min(torch's default, the usable CPUs) // processes, at least 1 (default_threads without its
+    BESTIARY_NUM_THREADS: this share is what the caller exports there). One process alone takes, on a
     loaded machine, the CPUs the other processes leave now (as `start_command`)."""
     usable = max(1, min(_TORCH_DEFAULT, usable_cpus().amount))
     if processes > 1 or usable == 1:
