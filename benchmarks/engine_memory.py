@@ -15,6 +15,7 @@ ratios are over the engine's rank-0 .safetensors bytes + its KV pool bytes (K + 
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -51,7 +52,11 @@ print(json.dumps({"base": base, "loaded": loaded, "steady": steady, "load_s": lo
 
 def measure(engine: str) -> dict:
     """The child's figures for one engine (a fresh process)."""
-    out = subprocess.run([sys.executable, "-c", CHILD, engine], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, engine], capture_output=True, text=True)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        print(f"engine_memory.py: {engine}: could not load: {last}", file=sys.stderr)
+        sys.exit(2)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -75,5 +80,13 @@ def main(engines: list[str]) -> None:
         print(row(engine, measure(engine)), flush=True)
 
 
+def parse(argv: list[str]) -> list[str]:
+    """The engine directories to measure, from the command line."""
+    parser = argparse.ArgumentParser(description="Resident memory of loaded engines against weights + KV pool.")
+    parser.add_argument("engines", nargs="+", metavar="ENGINE_DIR", help="engine directories, each loaded in a "
+                        "fresh process (no default)")
+    return parser.parse_args(argv).engines
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(parse(sys.argv[1:]))

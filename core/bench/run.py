@@ -38,6 +38,7 @@ from bestiary.core.bench.workload import (
     mixed_workload,
     prompt_ids,
 )
+from bestiary.core.kernels.cpu.malloc import release_freed_memory
 from bestiary.core.runtime.speculative import AcceptanceStats
 
 T = TypeVar("T")
@@ -179,6 +180,8 @@ def measure_round(config: BenchConfig, systems: list[Candidate], vocab: int,
             measure(system, row, config, vocab, on_step)
         finally:
             system.close()
+            del system  # dropped before the next system opens: two 3B engines at once do not fit 24 GB
+            release_freed_memory()  # and its freed heap handed back (glibc keeps up to 512 MiB otherwise)
     return rows
 
 

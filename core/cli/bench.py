@@ -285,9 +285,15 @@ def synthetic_models(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                 tasks[what] = bar.add_task(f"{shape.name} {what}", total=total)
             bar.update(tasks[what], completed=done)  # type: ignore[arg-type]
 
-        start, existed = time.perf_counter(), syn.source_path(shape, cache).exists()
-        source = syn.synthetic_source(shape, cache, progress)
-        made("source", source, time.perf_counter() - start, existed)
+        missing = [m for m in args.modes if not (syn.engine_path(shape, m, cache) / "config.json").is_file()]
+        missing += [q for q in args.gguf_types if not syn.gguf_path(shape, q, cache).is_file()]
+        if missing:  # the source is only read to make what is missing; once all is made it may be deleted
+            start, existed = time.perf_counter(), syn.source_path(shape, cache).exists()
+            source = syn.synthetic_source(shape, cache, progress)
+            made("source", source, time.perf_counter() - start, existed)
+        else:
+            err.print("  source: not needed (every engine and GGUF asked for is made)", markup=False,
+                      highlight=False)
     engines = []
     for mode in args.modes:
         start, existed = time.perf_counter(), syn.engine_path(shape, mode, cache).exists()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -150,7 +151,8 @@ class DecodePlan:
     def __init__(self, model, batch: int, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> None:
         from bestiary.core.runtime.model import torch_dtype
 
-        self.batch, self.model = batch, model
+        self.batch = batch
+        self._model = weakref.ref(model)  # the model caches its plans: a strong reference would keep it alive
         self.pool_ptrs = _pool_ptrs(k_pools) + _pool_ptrs(v_pools)
         cfg = model.config
         self.first, self.last = model.is_first_stage, model.is_last_stage  # pipeline stage (both at pp 1)
@@ -381,6 +383,14 @@ class DecodePlan:
                     record.dt[1], record.i[2] = _dt(rows.a), rows.adapters
             self._lora_stack = lora.stack
         self.lora_slots.copy_(lora.token_slot)
+
+    @property
+    def model(self):
+        """The model this plan runs (held weakly: the model holds its plans, and a cycle would keep an engine's
+        weights alive after its LLM is dropped until the cycle collector runs)."""
+        model = self._model()
+        assert model is not None, "a decode plan outlived its model"
+        return model
 
     def _lm_head(self) -> Op:
         model = self.model

@@ -251,15 +251,23 @@ def test_cli_missing_llama_cpp_is_one_line(capsys, tmp_path, monkeypatch):
 
 
 def test_cli_shape_benches_the_made_engines(made, capsys):
-    """--shape tiny (no GGUF) makes nothing new in a warm cache and benches its three engines."""
-    cache, _, engines, _ = made
-    code = main(["bench", "--shape", "tiny", "--cache_dir", str(cache), "--gguf_types", "--workloads", "decode",
-                 "--new_tokens", "2", "--repeats", "1", "--bandwidth_mib", "0", "--json"])
+    """--shape tiny (no GGUF) makes nothing new in a warm cache and benches its three engines; with every
+    artifact made, a deleted source stays deleted (it was made again, 6 GiB at 3B, before each run)."""
+    cache, source, engines, _ = made
+    argv = ["bench", "--shape", "tiny", "--cache_dir", str(cache), "--gguf_types", "--workloads", "decode",
+            "--new_tokens", "2", "--repeats", "1", "--bandwidth_mib", "0", "--json"]
+    aside = source.with_name("source.aside")
+    source.rename(aside)
+    try:
+        code = main(argv)
+        assert not source.exists()
+    finally:
+        aside.rename(source)
     out, err = capsys.readouterr()
     assert code == 0, err
     rows = [r["label"] for r in json.loads(out)["rows"]]
     assert rows == [f"bestiary {e.name}" for e in engines.values()]
-    assert err.count(": reused,") == 4 and ": made," not in err
+    assert err.count(": reused,") == 3 and ": made," not in err and "source: not needed" in err
 
 
 SHARP_STD = 0.1  # weights large enough that attention is far from uniform: RoPE and the q / k order decide
