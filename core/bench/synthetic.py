@@ -174,14 +174,15 @@ def need_disk(where: Path, nbytes: int, what: str) -> None:
 
 
 def estimated_bytes(shape: Shape, what: str) -> int:
-    """Bytes an artifact takes: bf16 source / engine 2 per weight; w8a16 1 per linear weight, w4a16 1/2 (+ scales),
-    embeddings and norms bf16; GGUF Q8_0 34 bytes per 32 weights, Q4_1 20 per 32 (its output Q8_0)."""
-    n = shape.params()
-    embed = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    linear = n - embed
-    per = {"source": 2 * n, "bf16": 2 * n, "w8a16": linear + 2 * embed + 4 * linear // shape.hidden_size,
-           "w4a16": linear // 2 + 2 * embed + 2 * linear // 128, "Q8_0": n * 34 // 32,
-           "Q4_1": (n - shape.vocab_size * shape.hidden_size) * 20 // 32 + shape.vocab_size * shape.hidden_size * 34 // 32}
+    """Bytes an artifact takes: bf16 source / engine 2 per weight; w8a16 1 per linear weight (the lm_head one too,
+    tied or not: the engine holds it quantized beside the bf16 embedding), w4a16 1/2 (+ scales), the embedding
+    and norms bf16; GGUF Q8_0 34 bytes per 32 weights, Q4_1 20 per 32 (its output Q8_0). Within 0.2% of the
+    made files at 1.1B, 3B and 7B (tests/bench/test_synthetic_shapes.py)."""
+    n, vh = shape.params(), shape.vocab_size * shape.hidden_size
+    quantized = n - vh * (1 if shape.tie_word_embeddings else 2) + vh  # every linear, the lm_head included
+    per = {"source": 2 * n, "bf16": 2 * n, "w8a16": quantized + 2 * vh + 4 * quantized // shape.hidden_size,
+           "w4a16": quantized // 2 + 2 * vh + 2 * quantized // 128, "Q8_0": n * 34 // 32,
+           "Q4_1": (n - vh) * 20 // 32 + vh * 34 // 32}
     return per[what]
 
 
