@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -71,7 +71,8 @@ class Machine:
     torch: str
     load_before: str
     load_after: str = ""
-    read_gbps: float | None = None
+    read_gbps: float | None = None  # the best probe of the run (read_bandwidth_gbps before it and each later round)
+    read_gbps_probes: list[float] = field(default_factory=list)  # every probe, in order
     cpu_isa: str = ""  # the CPU kernel build the engines run (cpu_kernels), "off" for none
     cpu_kernels: str = ""  # why that build: "best the CPU runs", "forced by BESTIARY_CPU_ISA", why off
 

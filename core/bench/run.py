@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from bestiary.core.bench.config import BenchConfig
-from bestiary.core.bench.machine import Machine, load_average
+from bestiary.core.bench.machine import Machine, load_average, read_bandwidth_gbps
 from bestiary.core.bench.peers import Candidate, PeerSkipped
 from bestiary.core.bench.rewrite import RewriteResult, compare_to_plain, measure_rewrite
 from bestiary.core.bench.systems import RewriteSystem, System
@@ -218,8 +218,12 @@ def run_bench(config: BenchConfig, systems: list[Candidate], vocab: int,
               on_step: Callable[[str], None] = lambda _: None) -> BenchReport:
     """Every system measured in turn, --rounds times; `on_step` hears what is being measured."""
     machine = Machine.now(config.bandwidth_mib)
+    machine.read_gbps_probes = [machine.read_gbps] if machine.read_gbps else []
     rounds = []
     for r in range(config.rounds):
+        if r and config.bandwidth_mib:  # a probe before each round: the best is the one least slowed by others
+            machine.read_gbps_probes.append(read_bandwidth_gbps(config.bandwidth_mib))
+            machine.read_gbps = max(machine.read_gbps_probes)
         say = on_step if config.rounds == 1 else (lambda what, r=r: on_step(f"round {r + 1}/{config.rounds}: {what}"))
         rounds.append(measure_round(config, systems, vocab, say))
     rows = [merge_rounds([rows[i] for rows in rounds]) for i in range(len(systems))]

@@ -50,7 +50,9 @@ def prompt_rate(row: Row, n: int | None) -> float | None:
 def decode_table(report: BenchReport, ref_name: str | None) -> Table:
     c, gbps = report.config, report.machine.read_gbps
     ref = reference_row(report.rows, ref_name, lambda r: r.decode_tps)
-    bw = f"read bandwidth {gbps:.1f} GB/s" if gbps else "bandwidth not measured"
+    probes = report.machine.read_gbps_probes
+    spread = f" (best of {len(probes)} probes, {min(probes):.1f}-{max(probes):.1f})" if len(probes) > 1 else ""
+    bw = f"read bandwidth {gbps:.1f} GB/s{spread}" if gbps else "bandwidth not measured"
     table = Table(title=f"batch-1 decode: {c.new_tokens} new tokens after {c.decode_prompt_len}, greedy, "
                         f"median of {c.repeats}{rounds_note(c)}; {bw}")
     for col in ("system", "tok/s", vs_column(ref), "MB read / token", "% of bandwidth limit"):

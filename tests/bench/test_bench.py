@@ -109,6 +109,22 @@ def test_rounds_measure_every_system_in_turn_and_report_the_median_round():
     assert not phases  # one open per system and round
 
 
+def test_bandwidth_is_the_best_probe_of_the_run(monkeypatch):
+    """A probe before the run and before each later round; the limit is the best (a busy phase slows a probe)."""
+    from bestiary.core.bench import machine as machine_mod
+    from bestiary.core.bench import run as run_mod
+    from bestiary.core.bench.peers import Candidate
+    from bestiary.core.bench.run import run_bench
+
+    probes = iter([30.0, 45.0, 38.0])
+    monkeypatch.setattr(machine_mod, "read_bandwidth_gbps", lambda mib: next(probes))
+    monkeypatch.setattr(run_mod, "read_bandwidth_gbps", lambda mib: next(probes))
+    cands = [Candidate("A", "A", open=lambda: DriftingSystem("A", 10.0, [1.0] * 3, []))]
+    config = BenchConfig(rounds=3, repeats=1, new_tokens=4, prompt_lens=[8], mixed_requests=2, bandwidth_mib=8)
+    report = run_bench(config, cands, vocab=96)
+    assert report.machine.read_gbps_probes == [30.0, 45.0, 38.0] and report.machine.read_gbps == 45.0
+
+
 def test_rounds_flag_reaches_the_tables(tiny, capsys):
     from bestiary.core.cli.main import main
 
