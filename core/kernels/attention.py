@@ -32,7 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from bestiary.core.kernels.attention_ref import decode_attention, prefill_attention, windowed_attention
+from bestiary.core.kernels.attention_ref import (
+    decode_attention,
+    decode_rows_apart,
+    prefill_attention,
+    windowed_attention,
+)
 from bestiary.core.kernels.metadata import AttentionMetadata
 
 Bounds = tuple[list[int], list[int]]  # per-sequence (windows, sinks) of one layer, AttentionMetadata.window_bounds
@@ -45,7 +50,12 @@ def paged_attention_ref(
     k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
     key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None, bounds: Bounds | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] (k, v [T, KVH, D] already in the pools) -> [T, H*D] with torch ops."""
+    """q [T, H, D] (k, v [T, KVH, D] already in the pools) -> [T, H*D] with torch ops.
+
+    On the CPU a step mixing one-token rows (decodes) with longer ones attends the one-token rows
+    as a decode step would (`attention_ref.decode_rows_apart`: batch invariance)."""
+    if not meta.is_decode and q.device.type == "cpu" and 1 in meta.seq_lens:
+        return decode_rows_apart(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias, bounds, paged_attention_ref)
     if bounds is not None:
         return windowed_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias, *bounds)
     if meta.is_decode:  # one query at the last position sees every key under any mask

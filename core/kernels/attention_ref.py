@@ -31,11 +31,13 @@ core.kernels.kv_codes); `prefill_attention` / `decode_attention` then read them 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from bestiary.core.kernels import dispatch
-from bestiary.core.kernels.attention_window import visible_keys, window_visible
+from bestiary.core.kernels.attention_window import first_key, visible_keys, window_visible
 from bestiary.core.kernels.kv_codes import as_bytes, quantize_kv
 from bestiary.core.kernels.metadata import AttentionMetadata, KeyBias
 
@@ -193,14 +195,56 @@ def prefill_attention(
             start += n
             continue
         ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, KVH, L, D]
-        if simple and ctx == 0:
+        if simple and ctx == 0 and not half_on_cpu(q):
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            bias = _mask_bias(n, ctx, meta.mask, prefix, slopes, q.dtype, q.device, key_bias)[None]
+            bias = _mask_bias(n, ctx, meta.mask, prefix, slopes, q.dtype, q.device, key_bias)[None]  # [1, H|1, n, L]
+            ki, vi, bias = whole_key_blocks(ki, vi, bias)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale, enable_gqa=True)
         outs.append(o[0].transpose(0, 1).reshape(n, -1))
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+SDPA_KV_BLOCK = 512  # keys per block of torch's CPU flash attention (its kvSplitSize): blocks start at key 0
+
+
+def half_on_cpu(q: torch.Tensor) -> bool:
+    """True for bfloat16 / float16 queries on the CPU: their SDPA runs on whole key blocks (whole_key_blocks)."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def whole_key_blocks(
+    ki: torch.Tensor, vi: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Half-precision CPU queries (half_on_cpu): keys and values [1, KVH, L, D] padded with zeros to
+    L' = SDPA_KV_BLOCK ceil(L / SDPA_KV_BLOCK), the additive mask [..., n, L] with -inf over the padding.
+    torch's CPU flash attention then sums every key block of a query row over SDPA_KV_BLOCK keys (its
+    GEMM's reduction length), whatever the step's L: a row comes out the same whether its prompt is
+    computed whole, in chunks or after a reused prefix (measured: not so on L keys). Other inputs: as given."""
+    length = ki.shape[2]
+    padded = -(-length // SDPA_KV_BLOCK) * SDPA_KV_BLOCK
+    if padded == length or ki.device.type != "cpu" or ki.dtype not in (torch.bfloat16, torch.float16):
+        return ki, vi, bias
+    extra = padded - length
+    return (F.pad(ki, (0, 0, 0, extra)), F.pad(vi, (0, 0, 0, extra)),
+            F.pad(bias, (0, extra), value=float("-inf")))  # [1, KVH, L', D] x2, [..., n, L']
+
+
+def aligned_keys(q_first: int, q_last: int, window: int, sinks: int) -> tuple[torch.Tensor, slice]:
+    """The keys windowed_attention gathers for queries q_first..q_last: cache positions [K] ascending, the
+    sinks s = min(S, lo) then a .. q_last, lo = first_key(q_first) (visible_keys: the sinks, then lo ..),
+    with a = s + SDPA_KV_BLOCK floor((lo - s) / SDPA_KV_BLOCK) <= lo; and the slice of the keys a .. lo - 1,
+    which no query of these sees. Key j then sits at index j mod SDPA_KV_BLOCK of an SDPA key block
+    whatever q_first, so a query's sums run in the same order whether its prompt is computed whole, in
+    chunks or after a reused prefix (batch invariance)."""
+    keys = visible_keys(q_first, q_last, window, sinks)  # [K]: the sinks s, then lo .. q_last
+    lo = first_key(q_first, window, sinks)
+    s = keys.numel() - (q_last + 1 - lo)  # sinks gathered before the rolling part
+    a = s + (lo - s) // SDPA_KV_BLOCK * SDPA_KV_BLOCK
+    if a == lo:
+        return keys, slice(s, s)
+    return torch.cat([keys[:s], torch.arange(a, q_last + 1)]), slice(s, s + lo - a)
 
 
 def windowed_attention(
@@ -215,13 +259,15 @@ def windowed_attention(
     `sink_logits` [H] (per-head logits, not sink tokens): see capped_attention."""
     outs, start, bs = [], 0, meta.block_size
     for i, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens)):
-        k_pos = visible_keys(ctx, ctx + n - 1, windows[i], sinks[i]).to(q.device)  # [K]
+        k_pos, dead = aligned_keys(ctx, ctx + n - 1, windows[i], sinks[i])  # [K]
+        k_pos = k_pos.to(q.device)
         if ctx == 0:  # a fresh prompt: its keys are this step's
             ki, vi = k[start : start + n][k_pos], v[start : start + n][k_pos]  # [K, KVH, D]
         else:
             slots = meta.block_tables[i, k_pos // bs] * bs + k_pos % bs  # [K]
             ki = k_pool.view(-1, *k_pool.shape[2:]).index_select(0, slots)
             vi = v_pool.view(-1, *v_pool.shape[2:]).index_select(0, slots)
+            ki[dead], vi[dead] = 0, 0  # keys no query here sees, maybe in released blocks: finite, masked
         q_pos = torch.arange(ctx, ctx + n, device=q.device)  # [n]
         prefix = meta.prefix_lens[i] if meta.prefix_lens and meta.mask == "prefix_lm" else 0
         visible = window_visible(q_pos, k_pos, windows[i], sinks[i], prefix)  # [n, K]
@@ -245,8 +291,8 @@ def _attend(qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, bias: torch.Te
     a [H] the softmax's denominator gains exp(a_h), a term with no value (module doc):
     qi [1, H, n, D], ki / vi [1, KVH, K, D], bias [H or 1, n, K] -> [1, H, n, D]."""
     if softcap is None and sink_logits is None:
-        return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias.to(qi.dtype)[None], scale=scale,
-                                              enable_gqa=True)
+        ki, vi, mask = whole_key_blocks(ki, vi, bias.to(qi.dtype)[None])  # [1, KVH, K', D] x2, [1, H|1, n, K']
+        return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
     group = qi.shape[1] // ki.shape[1]
     kf, vf = ki.float().repeat_interleave(group, 1), vi.float().repeat_interleave(group, 1)  # [1, H, K, D]
     s = torch.matmul(qi.float(), kf.transpose(-1, -2)) * scale  # [1, H, n, K]
@@ -278,3 +324,45 @@ def capped_attention(
     windows, sinks = bounds if bounds is not None else ([0] * b, [0] * b)  # 0: attention_window.FULL
     return windowed_attention(q, k, v, meta, k_pool, v_pool, scale, slopes, key_bias, windows, sinks, softcap,
                               sink_logits)
+
+
+def sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The metadata of sequences `seqs` of this step alone, and their tokens' indices [T'] in the step."""
+    starts = [0, *torch.tensor(meta.seq_lens).cumsum(0).tolist()]
+    tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(meta.slot_mapping.device)
+
+    def pick(xs):  # a per-sequence list's entries of seqs (None / [] as they are)
+        return [xs[i] for i in seqs] if xs else xs
+
+    sub = AttentionMetadata(
+        positions=meta.positions[..., tokens], seq_lens=pick(meta.seq_lens), context_lens=pick(meta.context_lens),
+        block_tables=meta.block_tables[seqs], slot_mapping=meta.slot_mapping[tokens], block_size=meta.block_size,
+        mask=meta.mask, prefix_lens=pick(meta.prefix_lens), windows=pick(meta.windows), sinks=pick(meta.sinks),
+        contiguous_from=pick(meta.contiguous_from))
+    return sub, tokens
+
+
+def decode_rows_apart(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float, slopes: torch.Tensor | None,
+    key_bias: KeyBias | None, bounds: tuple[list[int], list[int]] | None, attend: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """A step mixing sequences with one new token and longer ones, q [T, H, D] -> [T, H*D]: the one-token
+    rows attended as a decode step of them alone would (the compiled decode kernel where
+    dispatch.paged_attention would take it, else `attend`, core.kernels.attention.paged_attention_ref, on a
+    decode step), the others by `attend` on a step of them alone. Each kernel sums a row's keys in an order
+    fixed by the row's sequence, so a decode row's result is the same whatever shares its step."""
+    ones = [i for i, n in enumerate(meta.seq_lens) if n == 1]
+    rest = [i for i, n in enumerate(meta.seq_lens) if n != 1]
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)  # [T, H*D]
+    for seqs in (ones, rest):
+        sub, tokens = sequences(meta, seqs)
+        part = None if bounds is None else ([bounds[0][i] for i in seqs], [bounds[1][i] for i in seqs])
+        if seqs is ones and dispatch._cpu_decode_step(q, sub, key_bias) and dispatch.use_cpu_kernels(k_pool):
+            kv_lens = torch.tensor(sub.kv_lens, dtype=torch.int64)
+            rows = dispatch.cpu_ops().decode_attention(q[tokens], k_pool, v_pool, sub.block_tables, kv_lens, scale,
+                                                       slopes, None, part)  # [B1, H*D]
+        else:
+            rows = attend(q[tokens], k[tokens], v[tokens], sub, k_pool, v_pool, scale, slopes, key_bias, part)
+        out[tokens] = rows.to(out.dtype)
+    return out

@@ -6,10 +6,14 @@ A Linear's weight W is [N, K] (out, in). On the CPU:
   built: `hold_tiled` repacks the parameter in place into row tiles (core.format.packing.pack_float_tiled:
   per 8 rows, per 64 bytes of features, the rows' blocks in turn), which the compiled GEMV reads as one
   sequential stream per tile: cache-cold, 2 threads, 29-37 GB/s against 22-24 for W^T (SmolLM2
-  shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it up to
-  tiled_kernel_max_tokens(dtype) rows; above, a block of rows at a time is put back in order into a scratch
-  tensor for torch's GEMM (the copy ~2% of a 512-token GEMM; torch's bf16 GEMM itself runs ~15%
-  slower on a weight whose contents changed since its last call). The parameter keeps its shape, the
+  shapes, benchmarks/gemv_stream.py). `matmul_tiled(x, tiles)` runs it for every row count: each
+  output row y[i, n] is summed in one order fixed by K alone (per lane in k order, then the lanes'
+  tree), whatever the step's other rows, so a row's result does not depend on the batch, on chunking
+  or on prefix reuse (batch invariance, docs/runtime.md); up to issue 54 steps past
+  TILED_KERNEL_MAX_TOKENS rows ran torch's GEMM (oneDNN), which sums in another order, and the
+  kernel measured as fast or faster there (benchmarks/tiled_crossover.py at 256 / 512 rows). Without
+  the compiled kernels a block of rows at a time is put back in order into a scratch tensor for
+  torch's GEMM (`untiled_rows`). The parameter keeps its shape, the
   module's state_dict its values (`untile_state_dict`), and an embedding that shares it looks
   its rows up in the tiles (`tiled_rows`).
 - other float weights: `hold_transposed` keeps the same parameter (shape, values, state_dict)
@@ -40,8 +44,9 @@ from bestiary.core.kernels.cpu.build import cpu_flags, isa_name, library
 
 HALF_GEMV_MAX_TOKENS = 8
 KERNEL_MAX_TOKENS = 32  # rows up to which bf16 transposed matmuls run the compiled GEMV
-# rows up to which weights in row tiles run the compiled kernel, by the kernels' ISA: it reads the
-# tiles as they lie, where torch's GEMM needs them put back in order first. torch / kernel time
+# rows up to which weights in row tiles ran the compiled kernel before issue 54 (batch invariance: it now
+# runs every row count; benchmarks/determinism.py --cost times these bounds against it), by the kernels'
+# ISA: it reads the tiles as they lie, where torch's GEMM needs them put back in order first. torch / kernel time
 # over 16 weights of each SmolLM2 shape in turn, 2 threads, one AVX-512 BF16 machine with each
 # build forced, torch in fp32 for bf16 on the builds without native bf16 (benchmarks/tiled_crossover.py):
 #   avx512bf16  bf16 1.13-1.31 at 128 rows, 0.98-1.18 at 256;  fp32 1.07-1.99 at 64, 0.90-1.47 at 128
@@ -58,8 +63,16 @@ NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("av
 
 
 def tiled_kernel_max_tokens(dtype: torch.dtype) -> int:
-    """Rows of `dtype` up to which matmul_tiled runs the compiled kernel on this build."""
+    """Rows of `dtype` up to which matmul_tiled ran the compiled kernel on this build before issue 54
+    (torch's GEMM above); matmul_tiled now runs it for any number of rows (`tiled_torch_from`)."""
     return TILED_KERNEL_MAX_TOKENS.get(isa_name(library()), {}).get(dtype, KERNEL_MAX_TOKENS)
+
+
+def tiled_torch_from(dtype: torch.dtype) -> int | None:
+    """Rows of `dtype` from which matmul_tiled runs torch's GEMM where the compiled kernels run: None,
+    never (one reduction order per row whatever the step's rows). benchmarks/determinism.py --cost
+    patches it to time tiled_kernel_max_tokens(dtype) + 1, the bound before issue 54."""
+    return None
 
 
 def native_half_gemm(dtype: torch.dtype) -> bool:
@@ -134,27 +147,32 @@ def untiled_rows(tiles: torch.Tensor, start: int, stop: int, dtype: torch.dtype)
     return packing.row_tiles(tiles[start:stop], packing.TILE_ROWS, packing.float_tile_k(tiles.dtype), False, out=out)
 
 
-def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b for W held in row tiles [N, K]: x [..., K] -> [..., N] in x's dtype.
+def matmul_tiled(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x W^T + b for W held in row tiles [N, K]: x [..., K] -> [..., N] in out_dtype (default x's),
+    rounded once: the kernel adds b to the float32 sums before it stores y, as a decode plan's linear does.
 
-    Up to tiled_kernel_max_tokens(dtype) rows: the compiled kernel on the tiles. Above: a block of UPCAST_CHUNK
+    Where the compiled kernels run: the kernel on the tiles, any number of rows (row i's sums in an
+    order fixed by K: batch-invariant). Else (or from tiled_torch_from(dtype) rows): a block of UPCAST_CHUNK
     weights at a time back in order (`untiled_rows`) for torch's GEMM, in float32 where the CPU
     has no native bf16 GEMM (as matmul_t)."""
     x2 = x.reshape(-1, x.shape[-1])
     n, k = tiles.shape
-    if x2.shape[0] <= tiled_kernel_max_tokens(x2.dtype) and dispatch.use_cpu_kernels(x2, tiles):
+    torch_from = tiled_torch_from(x2.dtype)
+    if (torch_from is None or x2.shape[0] < torch_from) and dispatch.use_cpu_kernels(x2, tiles):
         ops = dispatch.cpu_ops()
-        y = ops.linear(x2, ops.PackedWeight.tiled(tiles))
-    else:
-        upcast = x2.dtype != torch.float32 and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype)
-        xc = x2.float() if upcast or x2.dtype == torch.float32 else x2
-        step = max(packing.TILE_ROWS, UPCAST_CHUNK // k // packing.TILE_ROWS * packing.TILE_ROWS)
-        parts = [torch.nn.functional.linear(xc, untiled_rows(tiles, r, min(r + step, n), xc.dtype))
-                 for r in range(0, n, step)]  # [T, step] each
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [T, N] (a cat of one copies it)
+        b = None if bias is None else bias.float()  # [N] float32, added before the rounding
+        y = ops.linear(x2, ops.PackedWeight.tiled(tiles), b, out_dtype or x.dtype)
+        return y.view(*x.shape[:-1], n)
+    upcast = x2.dtype != torch.float32 and x2.shape[0] > HALF_GEMV_MAX_TOKENS and not native_half_gemm(x2.dtype)
+    xc = x2.float() if upcast or x2.dtype == torch.float32 else x2
+    step = max(packing.TILE_ROWS, UPCAST_CHUNK // k // packing.TILE_ROWS * packing.TILE_ROWS)
+    parts = [torch.nn.functional.linear(xc, untiled_rows(tiles, r, min(r + step, n), xc.dtype))
+             for r in range(0, n, step)]  # [T, step] each
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [T, N] (a cat of one copies it)
     if bias is not None:
         y += bias
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    return y.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
 
 
 def upcast_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:

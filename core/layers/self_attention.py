@@ -104,7 +104,11 @@ class SelfAttention(nn.Module):
             qkv[:, :h] = self.q_norm(qkv[:, :h].reshape(t * h, d)).view(t, h, d)
             qkv[:, h : h + kvh] = self.k_norm(qkv[:, h : h + kvh].reshape(t * kvh, d)).view(t, kvh, d)
         if self.rotary is not None:
-            cos, sin = self.rotary.step_cos_sin(meta, qkv.dtype)  # shared by all layers of a step
+            # shared by all layers of a step; for bf16 on the CPU float32, as a compiled decode plan rotates: a row
+            # comes out the same in an eager step and a plan's (batch invariance, docs/runtime.md). float16 keeps
+            # its own tables: FastLLM's float16 CPU models rotate so (tests/sources/test_flm_fastllm.py)
+            table = torch.float32 if qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16 else qkv.dtype
+            cos, sin = self.rotary.step_cos_sin(meta, table)
             self.rotary.rotate(qkv[:, : h + kvh], cos, sin)  # q and k heads in one go
         q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
         out = self.attn(q, k, v, meta, k_pool, v_pool)  # [T, H*D]

@@ -392,7 +392,9 @@ class Executor:
         """Admit FCFS while the batch has room and the pool can promise each request's whole length.
 
         A request reuses the cached blocks of its prompt's longest computed prefix, but never
-        its last prompt token (whose logits are needed). Already-referenced hits cost no pool
+        its last two prompt tokens (the last one's logits are needed; a lone prompt token would run as
+        a decode row, which sums differently from a prefill: batch invariance, docs/runtime.md).
+        Already-referenced hits cost no pool
         space; hits on evictable blocks and the blocks still to compute are reserved, so every
         admitted request can finish: free + evictable - reserved >= 0 holds at all times.
         """
@@ -402,7 +404,7 @@ class Executor:
             if self.running and len(self.running) + len(req.group) > self.build.max_batch_size:
                 break  # its n samples need room in the batch
             need = self._need_blocks(req)
-            queried = (len(req.prompt) - 1) // bs if self.reuse and req.reuse_prefix else 0
+            queried = max(0, len(req.prompt) - 2) // bs if self.reuse and req.reuse_prefix else 0
             keys, hits = self.allocator.lookup(req.prompt, queried, self._lora_root(req))
             outside = releasable_blocks(len(hits) * bs, req.release_window, req.sinks, bs)  # hits past the window
             kept = [h for i, h in enumerate(hits) if i not in outside]

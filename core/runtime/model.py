@@ -297,7 +297,8 @@ class DecoderLM(nn.Module):
         if project_out is not None:
             hidden = project_out(hidden)  # [N, E]
         if self._lm_head_tiles is not None:
-            out = cpu_matmul.matmul_tiled(hidden, self._lm_head_tiles)  # [N, H] x [V, H]^T
+            # [N, H] x [V, H]^T, the float32 sums stored in logits_dtype as a decode plan's lm_head does
+            out = cpu_matmul.matmul_tiled(hidden, self._lm_head_tiles, out_dtype=torch_dtype(self.config.logits_dtype))
         elif self._lm_head_t is not None:
             out = cpu_matmul.matmul_t(hidden, self._lm_head_t)  # [N, H] @ [H, V]
         elif self.shares_embedding:

@@ -73,6 +73,8 @@ def test_linear_in_row_tiles_equals_linear(dtype, past_bound, native, monkeypatc
     F.linear to a rounding of the output dtype."""
     bound = cpu_matmul.tiled_kernel_max_tokens(dtype)
     tokens = max(1, bound + past_bound)
+    # the kernel runs every row count now (batch invariance); torch's side, as without the kernels, from bound + 1
+    monkeypatch.setattr(cpu_matmul, "tiled_torch_from", lambda _dtype: bound + 1)
     # the CPU's flags decide (not a patched native_half_gemm: its dtype argument counts too)
     monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"} if native else {"avx2"}))
     calls, gemm_dtypes = [], []
@@ -121,6 +123,7 @@ def test_tiled_prefill_scratch_works_in_and_out_of_inference_mode(monkeypatch):
     """The reused scratch of matmul_tiled's long steps, first made under torch.inference_mode (the
     executor's), is written again outside it (a script, a test) and the other way round."""
     monkeypatch.setattr(cpu_matmul, "_scratch", type(cpu_matmul._scratch)())  # a fresh, empty scratch
+    monkeypatch.setattr(cpu_matmul, "tiled_torch_from", lambda _dtype: 1)  # torch's side (as without the kernels)
     lin = Linear(96, 136, dtype=torch.bfloat16)
     torch.nn.init.normal_(lin.weight)
     before = lin.weight.detach().clone()
