@@ -1,6 +1,6 @@
 """Speculative decoding speed on input-grounded and open prompts: SmolLM2-135M-Instruct, batch 1, greedy;
-plain vs prompt lookup (ngram) vs a draft engine (the W4A16 or W8A16 build of the same model), each with
-the adaptive k (core.runtime.speculative_adaptive) and, with --fixed, with a fixed k as well.
+plain vs prompt lookup (ngram) vs draft engines (the W4A16 and / or W8A16 builds of the same model, all in
+the same rounds), each with the adaptive k (core.runtime.speculative_adaptive) and, with --fixed, with a fixed k as well.
 
 Prompts (chat template, 6 of each by default):
   grounded: rewrite / repeat word for word / summarise quoting ~150-token passages of the built-in
@@ -14,7 +14,8 @@ and `x plain` is that median over plain's. Every method's outputs are compared w
 decoding's, token for token (the script exits 1 if any differs). Acceptance = accepted / drafted over
 all rounds; `k chosen` counts the adaptive k's choices per step and sequence (0: a plain step).
 
-    python benchmarks/speculative.py [--dtype float32] [--draft_quant W4A16|W8A16] [--new_tokens 96]
+    python benchmarks/speculative.py [--dtype float32] [--draft_quant W4A16 [W8A16]] [--draft_dtype bfloat16]
+        [--new_tokens 96]
         [--rounds 3] [--prompts 6] [--ngram_k 8] [--draft_k 4] [--fixed] [--no_ngram] [--workdir DIR]
         [--json FILE]
 """
@@ -42,18 +43,21 @@ OPEN = ["Write a short story about a lighthouse keeper who finds a message in a 
         "Tell me a story about two friends lost in a forest."]
 
 
-def engines(workdir: Path, dtype: str, draft_quant: str) -> tuple[Path, Path]:
-    """The target engine (dtype) and its draft engine (draft_quant, RTN, group 64), built once under workdir."""
+def engines(workdir: Path, dtype: str, draft_quant: str, draft_dtype: str | None = None) -> tuple[Path, Path]:
+    """The target engine (dtype) and its draft engine (draft_quant, RTN, group 64, activations in draft_dtype,
+    default dtype), built once under workdir."""
     from bestiary.core.cli.demo import demo_model_path
     from bestiary.core.convert.checkpoint_to_engine import BuildConfig, build_engine
     from bestiary.core.convert.source_to_checkpoint import ConvertOptions, convert
     from bestiary.core.format.config import QuantConfig
 
     gguf, out = demo_model_path(), []
-    for name, quant in ((dtype, None), (f"{dtype}-{draft_quant.lower()}", QuantConfig(quant_algo=draft_quant))):
+    draft_dtype = draft_dtype or dtype
+    for name, dt, quant in ((dtype, dtype, None),
+                            (f"{draft_dtype}-{draft_quant.lower()}", draft_dtype, QuantConfig(quant_algo=draft_quant))):
         ckpt, engine = workdir / f"{name}-ckpt", workdir / f"{name}-engine"
         if not (engine / "config.json").is_file():
-            convert(gguf, ckpt, ConvertOptions(dtype=dtype, quantization=quant, weight_quantizer="rtn" if quant else None),
+            convert(gguf, ckpt, ConvertOptions(dtype=dt, quantization=quant, weight_quantizer="rtn" if quant else None),
                     show_progress=False)  # RTN: a draft needs speed, not the last bit
             build_engine(ckpt, engine, BuildConfig(max_batch_size=4, max_input_len=1024, max_seq_len=2048))
         out.append(engine)
@@ -105,23 +109,23 @@ def run_set(llm, prompts: list[list[int]], sampling, tally: Tally) -> None:
             tally.k_chosen[k] = tally.k_chosen.get(k, 0) + n - before.get(k, 0)
 
 
-def methods(args, draft: Path) -> dict[str, object]:
-    """name -> SpeculativeConfig (None: plain)."""
+def methods(args, drafts: dict[str, Path]) -> dict[str, object]:
+    """name -> SpeculativeConfig (None: plain); drafts: quant -> draft engine."""
     from bestiary.core.runtime.speculative import SpeculativeConfig
 
-    quant = args.draft_quant
-    out: dict[str, object] = {"plain": None,
-                              f"ngram k<={args.ngram_k}": SpeculativeConfig(method="ngram", num_draft_tokens=args.ngram_k),
-                              f"draft {quant} k<={args.draft_k}": SpeculativeConfig(
-                                  method="draft", num_draft_tokens=args.draft_k, draft_engine_dir=str(draft))}
-    if args.no_ngram:
-        del out[f"ngram k<={args.ngram_k}"]
+    out: dict[str, object] = {"plain": None}
+    if not args.no_ngram:
+        out[f"ngram k<={args.ngram_k}"] = SpeculativeConfig(method="ngram", num_draft_tokens=args.ngram_k)
+    for quant, draft in drafts.items():
+        out[f"draft {quant} k<={args.draft_k}"] = SpeculativeConfig(
+            method="draft", num_draft_tokens=args.draft_k, draft_engine_dir=str(draft))
     if args.fixed:
         if not args.no_ngram:
             out[f"ngram k={args.ngram_k} fixed"] = SpeculativeConfig(method="ngram", num_draft_tokens=args.ngram_k,
                                                                      adaptive=False)
-        out[f"draft {quant} k={args.draft_k} fixed"] = SpeculativeConfig(
-            method="draft", num_draft_tokens=args.draft_k, draft_engine_dir=str(draft), adaptive=False)
+        for quant, draft in drafts.items():
+            out[f"draft {quant} k={args.draft_k} fixed"] = SpeculativeConfig(
+                method="draft", num_draft_tokens=args.draft_k, draft_engine_dir=str(draft), adaptive=False)
     return out
 
 
@@ -130,8 +134,9 @@ def measure(args) -> tuple[dict, dict[str, list[list[int]]]]:
     from bestiary.core.runtime.llm import LLM
     from bestiary.core.runtime.sampling import SamplingConfig
 
-    target, draft = engines(Path(args.workdir), args.dtype, args.draft_quant)
-    configs = methods(args, draft)
+    built = {quant: engines(Path(args.workdir), args.dtype, quant, args.draft_dtype) for quant in args.draft_quant}
+    target = next(iter(built.values()))[0]
+    configs = methods(args, {quant: pair[1] for quant, pair in built.items()})
     llms = {name: LLM(target, speculative=spec) for name, spec in configs.items()}
     sets = prompt_sets(llms["plain"], args.prompts)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.0)
@@ -183,7 +188,10 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--draft_quant", default="W4A16", choices=["W4A16", "W8A16"])
+    parser.add_argument("--draft_quant", nargs="+", default=["W4A16"], choices=["W4A16", "W8A16"],
+                        help="the draft engines (each its own rows, in the same rounds)")
+    parser.add_argument("--draft_dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the draft engines' activations (default: --dtype)")
     parser.add_argument("--ngram_k", type=int, default=8, help="k (most drafts per step) of prompt lookup")
     parser.add_argument("--draft_k", type=int, default=4, help="k (most drafts per step) of the draft engine")
     parser.add_argument("--new_tokens", type=int, default=96)

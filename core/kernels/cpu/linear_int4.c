@@ -350,8 +350,9 @@ INLINE void group_terms4(const float *st, const float *szt, const float *xsum, i
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
-/* DT_I4D rows [r_begin, r_end) of y for all m inputs: whole 4-row tiles with int4d_tile4_bf16 per
- * input (bfloat16 inputs; the tile stays in L1 for the next input) or int4d_tile_f32 (4 rows x up
+/* DT_I4D rows [r_begin, r_end) of y for all m inputs: tile by tile, every input against a tile while
+ * it is in L1 (the weight streams once for any m: a verification step of a few rows reads it once),
+ * whole 4-row tiles with int4d_tile4_bf16 per input (bfloat16 inputs) or int4d_tile_f32 (4 rows x up
  * to 4 inputs), the short last tile row by row. Each row's sums run in the same order whatever m
  * is (batch-invariant). xb: the bfloat16 inputs (or NULL: xf, float32), xsum [m, groups] the
  * inputs' group sums. */
@@ -362,11 +363,12 @@ static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, i
     int32_t *cg = (int32_t *)malloc(sizeof(int32_t) * (size_t)(k / 32));
     for (int64_t c = 0; c < k / 32; c++) cg[c] = (int32_t)(c * 32 / group);
     const float offset = xb ? 16.f : 0.f; /* the codes' bfloat16 offset (16 + q) */
-    for (int64_t i0 = 0; i0 < m; i0 += MT) {
-        int M = m - i0 >= MT ? MT : (int)(m - i0);
-        uint32_t *xq[MT] = {NULL}; /* the inputs as int4d_tile4_bf16 reads them */
-        for (int64_t row0 = r_begin; row0 < r_end;) {
-            int R = r_end - row0 >= I4D_ROWS ? I4D_ROWS : 1; /* a whole tile, or a row of the short one */
+    uint32_t **xqs = (uint32_t **)calloc((size_t)m, sizeof(uint32_t *)); /* the inputs as int4d_tile4_bf16 reads them */
+    for (int64_t row0 = r_begin; row0 < r_end;) {
+        int R = r_end - row0 >= I4D_ROWS ? I4D_ROWS : 1; /* a whole tile, or a row of the short one */
+        for (int64_t i0 = 0; i0 < m; i0 += MT) {
+            int M = m - i0 >= MT ? MT : (int)(m - i0);
+            uint32_t **xq = xqs + i0;
             float res[4][MT], terms[MT][4];
             if (xb && R == 4) {
                 for (int i = 0; i < M; i++)
@@ -401,10 +403,11 @@ static void int4d_rows(const float *xf, const uint16_t *xb, const float *xsum, i
                 for (int r = 0; r < R; r++)
                     store_f(y, ydt, (i0 + i) * n + row0 + r, res[r][i] - terms[i][r] + (bias ? bias[row0 + r] : 0.f));
             }
-            row0 += R;
         }
-        for (int i = 0; i < MT; i++) free(xq[i]);
+        row0 += R;
     }
+    for (int64_t i = 0; i < m; i++) free(xqs[i]);
+    free(xqs);
     free(cg);
 }
 #endif

@@ -152,11 +152,118 @@ static void tile_any(tile_inputs in, int64_t k, const void *w, int wdt, int64_t 
     }
 }
 
+#if BST_AVX512
+/* Several inputs on the row tiles (AVX-512: 32 registers): a tile's 8 rows x up to WIDE_M inputs
+ * make 24 accumulators, and up to WIDE_PASSES such groups of inputs run over each chunk of
+ * WIDE_KC features of the tile while it is in L1 (their accumulators kept between chunks), so the
+ * weight streams from memory once for m <= 12 and every weight vector is loaded once per group:
+ * a step of a few rows costs about one row's (memory-bound) time. */
+#define WIDE_M 3
+#define WIDE_PASSES 4
+#define WIDE_KC 256
+#ifndef WIDE_AHEAD
+#define WIDE_AHEAD 384
+#endif
+
+/* acc[r][i] += sum_{k0 <= kk < k1} W[row0 + r, kk] x[i, kk] for the tile's 8 rows and M inputs
+ * (x: the group's first input row), each lane summed in kk order as dense_block sums it, so every
+ * row's result is the same bit for bit whatever the batch. *pf: a cursor ahead in the weight
+ * stream, prefetched and moved on `adv` bytes a vector step (wide_rows: a chunk's passes together
+ * move it one chunk, so memory keeps streaming while the later groups compute from L1). */
+INLINE void wide_span(const float *x, int64_t k, int64_t k0, int64_t k1, const void *w, int dt, int64_t row0, int M,
+                      const char **pf, int64_t adv, vf acc[ROWS][MT]) {
+    vf a[ROWS][WIDE_M];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < M; i++) a[r][i] = acc[r][i];
+    const int ldt = elem_dt(dt);
+    const char *p = *pf;
+    int64_t kk = k0;
+    for (; kk + VW <= k1; kk += VW) {
+        for (int64_t b = 0; b < adv; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        p += adv;
+        vf xv[WIDE_M];
+        for (int i = 0; i < M; i++) xv[i] = vloadu(x + i * k + kk);
+        for (int r = 0; r < ROWS; r++) {
+            vf wv = vload_any(w, ldt, w_off(dt, row0 + r, kk, k));
+            for (int i = 0; i < M; i++) a[r][i] = vfmadd(wv, xv[i], a[r][i]);
+        }
+    }
+    if (kk < k1) { /* (the tiled layouts hold whole vectors: never) */
+        vf xv[WIDE_M];
+        for (int i = 0; i < M; i++) xv[i] = vload_any_part(x, DT_F32, i * k + kk, k1 - kk);
+        for (int r = 0; r < ROWS; r++) {
+            vf wv = vload_any_part(w, ldt, w_off(dt, row0 + r, kk, k), k1 - kk);
+            for (int i = 0; i < M; i++) a[r][i] = vfmadd(wv, xv[i], a[r][i]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < M; i++) acc[r][i] = a[r][i];
+    *pf = p;
+}
+
+/* wide_span for a run-time M (1..WIDE_M) and weight dtype: each its own register-blocked loop */
+static void wide_span_any(const float *x, int64_t k, int64_t k0, int64_t k1, const void *w, int dt, int64_t row0,
+                          int M, const char **pf, int64_t adv, vf acc[ROWS][MT]) {
+#define WIDE_DT(DT)                                                                   \
+    if (M == 1) wide_span(x, k, k0, k1, w, DT, row0, 1, pf, adv, acc);               \
+    else if (M == 2) wide_span(x, k, k0, k1, w, DT, row0, 2, pf, adv, acc);          \
+    else wide_span(x, k, k0, k1, w, DT, row0, 3, pf, adv, acc);
+    if (dt == DT_F32T) {
+        WIDE_DT(DT_F32T)
+    } else if (dt == DT_BF16T) {
+        WIDE_DT(DT_BF16T)
+    } else {
+        WIDE_DT(DT_I8T)
+    }
+#undef WIDE_DT
+}
+
+/* dense_rows for float inputs xf [m, k] on a tiled weight (whole 8-row tiles): per tile, up to
+ * WIDE_PASSES x WIDE_M inputs at a time in groups of about equal size (m = 4: 2 + 2, 5: 3 + 2,
+ * 8: 3 + 3 + 2), k in chunks of WIDE_KC, every group over a chunk before the next chunk. */
+static void wide_rows(const float *xf, int64_t m, int64_t k, const void *w, int wdt, const float *scale,
+                      const float *bias, void *y, int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
+    vf acc[WIDE_PASSES][ROWS][MT];
+    const int64_t esize = wdt == DT_F32T ? 4 : wdt == DT_BF16T ? 2 : 1, step = ROWS * VW * esize; /* bytes a vector step */
+    for (int64_t row0 = r_begin; row0 < r_end; row0 += ROWS)
+        for (int64_t i0 = 0; i0 < m;) {
+            int64_t left = m - i0, span = left < WIDE_M * WIDE_PASSES ? left : WIDE_M * WIDE_PASSES;
+            int groups = (int)((span + WIDE_M - 1) / WIDE_M), first[WIDE_PASSES + 1];
+            for (int g = 0; g <= groups; g++) first[g] = (int)(span * g / groups); /* group g: inputs [first[g], first[g + 1]) */
+            for (int g = 0; g < groups; g++)
+                for (int r = 0; r < ROWS; r++)
+                    for (int i = 0; i < WIDE_M; i++) acc[g][r][i] = vzero();
+            for (int64_t k0 = 0; k0 < k; k0 += WIDE_KC) {
+                /* the tiles are one stream: the cursor starts WIDE_AHEAD features past this chunk */
+                const char *pf = (const char *)w + (row0 * k + k0 * ROWS + WIDE_AHEAD * ROWS) * esize;
+                for (int g = 0; g < groups; g++)
+                    wide_span_any(xf + (i0 + first[g]) * k, k, k0, k0 + WIDE_KC < k ? k0 + WIDE_KC : k, w, wdt, row0,
+                                  first[g + 1] - first[g], &pf, step / groups, acc[g]);
+            }
+            for (int g = 0; g < groups; g++)
+                for (int r = 0; r < ROWS; r++)
+                    for (int i = first[g]; i < first[g + 1]; i++) {
+                        float v = vsum(acc[g][r][i - first[g]]);
+                        if (scale) v *= scale[row0 + r];
+                        if (bias) v += bias[row0 + r];
+                        store_f(y, ydt, (i0 + i) * n + row0 + r, v);
+                    }
+            i0 += span;
+        }
+}
+#endif
+
 /* Rows [r_begin, r_end) of y for all m inputs, ROWS rows at a time: every input against those rows
  * while they are in L1 (the weight streams once for any m), in tiles of R rows x M inputs, each
  * row's sum times scale[row] (if any) plus bias[row] (if any). */
 static void dense_rows(tile_inputs in, int64_t m, int64_t k, const void *w, int wdt, tile_fn tile, const float *scale,
                        const float *bias, void *y, int ydt, int64_t n, int64_t r_begin, int64_t r_end) {
+#if BST_AVX512
+    if (m > 1 && tile == tile_any && tiled_dt(wdt)) { /* whole 8-row tiles (n % 8 == 0, ranges on multiples of 8) */
+        wide_rows(in.xf, m, k, w, wdt, scale, bias, y, ydt, n, r_begin, r_end);
+        return;
+    }
+#endif
     float out[ROWS][MT];
     for (int64_t rows0 = r_begin; rows0 < r_end; rows0 += ROWS) {
         int64_t rows1 = rows0 + ROWS < r_end ? rows0 + ROWS : r_end;
