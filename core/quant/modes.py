@@ -1,7 +1,8 @@
 """Which quantization a linear layer gets, from the checkpoint's `quantization` section.
 
     quant_algo      weight layout held by every selected Linear
-    W8A16           int8 per output channel (optional zero points), 16-bit activations
+    W8A16           int8 per output channel (optional zero points), 16-bit activations; with
+                    activation_quant "int8": W8A8 dynamic (int8 activations per token, core.quant.slot)
     W4A16           int4 group-wise (group_size, optional zero points), 16-bit activations
     W4A16_AWQ       W4A16 with zero points (imported from AWQ checkpoints)
     W4A16_GPTQ      W4A16 with zero points (imported from GPTQ checkpoints)
@@ -51,6 +52,10 @@ def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
     act_quant, act_group = quant.activation_quant, quant.activation_group_size
     if algo is None:
         return None
+    if act_quant == "int8" and (algo not in INT8_ALGOS or quant.has_zero_point or act_group is not None):
+        raise ConfigError(f"quantization.activation_quant 'int8' (W8A8 dynamic): only with symmetric W8A16 weights "
+                          f"and per-token scales (no activation_group_size), not {algo!r}"
+                          + (" with zero points" if quant.has_zero_point else ""))
     if algo in INT8_ALGOS:  # zero points: imported asymmetric int8 (FastLLM .flm)
         return LinearQuant(algo, 8, has_zero_point=quant.has_zero_point, act_quant=act_quant, act_group=act_group)
     if algo in INT4_ALGOS:

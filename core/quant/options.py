@@ -1,6 +1,8 @@
 """`bestiary convert` quantization flags -> the checkpoint's `quantization` section.
 
     --use_weight_only --weight_only_precision int8      -> W8A16 (int8 per output channel)
+    --use_weight_only --weight_only_precision int8 --activation_precision int8
+                                                        -> W8A16 + activation_quant int8 (W8A8 dynamic)
     --use_weight_only --weight_only_precision int4      -> W4A16 (group-wise, --group_size,
                                                            --has_zero_point)
     --fp8                                               -> FP8 (e4m3 weights and activations)
@@ -34,6 +36,7 @@ class QuantFlags:
 
     use_weight_only: bool = False
     weight_only_precision: str | None = None
+    activation_precision: str | None = None  # int8: W8A16 weights with int8 activations (W8A8 dynamic)
     group_size: int | None = None
     has_zero_point: bool = False
     exclude_modules: list[str] | None = field(default=None)
@@ -46,7 +49,8 @@ class QuantFlags:
 
     def any(self) -> bool:
         """True if any quantization flag was given."""
-        return bool(self.use_weight_only or self.weight_only_precision or self.group_size or self.has_zero_point
+        return bool(self.use_weight_only or self.weight_only_precision or self.activation_precision or self.group_size
+                    or self.has_zero_point
                     or self.exclude_modules or self.int8_kv_cache or self.fp8_kv_cache or self.fp8
                     or self.smoothquant is not None or self.w4a8_awq)
 
@@ -65,7 +69,12 @@ def _weight_only(flags: QuantFlags) -> dict:
         if flags.group_size is not None or flags.has_zero_point:
             flag = "--group_size" if flags.group_size is not None else "--has_zero_point"
             raise ConfigError(f"{flag}: only for --weight_only_precision int4 (int8 is per output channel)")
+        if flags.activation_precision is not None:
+            return {"quant_algo": "W8A16", "activation_quant": flags.activation_precision}
         return {"quant_algo": "W8A16"}
+    if flags.activation_precision is not None:
+        raise ConfigError(f"--activation_precision {flags.activation_precision}: only with --weight_only_precision "
+                          "int8 (W4A8 is not implemented)")
     group = flags.group_size if flags.group_size is not None else DEFAULT_GROUP_SIZE
     if group not in GROUP_SIZES:
         raise ConfigError(f"--group_size {group}: expected one of {', '.join(map(str, GROUP_SIZES))}")
@@ -75,8 +84,9 @@ def _weight_only(flags: QuantFlags) -> dict:
 def _activation_mode(flags: QuantFlags) -> dict:
     """--fp8 / --smoothquant ALPHA / --w4a8_awq -> their section (core.quant.act_slot)."""
     mode = flags.weight_modes()[0]
-    if flags.weight_only_precision:
-        raise ConfigError(f"--weight_only_precision: only with --use_weight_only, not with {mode}")
+    if flags.weight_only_precision or flags.activation_precision:
+        flag = "--weight_only_precision" if flags.weight_only_precision else "--activation_precision"
+        raise ConfigError(f"{flag}: only with --use_weight_only, not with {mode}")
     if flags.has_zero_point:
         raise ConfigError(f"--has_zero_point: not with {mode} (its weights are symmetric)")
     if not flags.w4a8_awq and flags.group_size is not None:
@@ -105,7 +115,8 @@ def quant_config_from_flags(flags: QuantFlags) -> QuantConfig:
     elif modes:
         section.update(_activation_mode(flags))
     else:
-        for flag, given in (("--weight_only_precision", flags.weight_only_precision), ("--group_size", flags.group_size),
+        for flag, given in (("--weight_only_precision", flags.weight_only_precision),
+                            ("--activation_precision", flags.activation_precision), ("--group_size", flags.group_size),
                             ("--has_zero_point", flags.has_zero_point), ("--exclude_modules", flags.exclude_modules)):
             if given:
                 raise ConfigError(f"{flag}: needs a weight quantization mode "

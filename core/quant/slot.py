@@ -25,6 +25,10 @@ the aten weight-only kernel on x cast to the compute dtype (bfloat16, the "A16" 
 W8A16/W4A16); a longer step (prefill, big batches) dequantizes W and runs one dense matmul,
 which is faster there (AMX). With `quantization.activation_quant` set, x is first replaced by
 its dynamic uint8 reading (core.quant.online_act: what FastLLM's int8 / int4 matmuls multiply).
+activation_quant "int8" (W8A8 dynamic, int8 weights only) runs every step, prefill included, on the
+compiled int8 x int8 kernel (linear_a8.c: x quantized per token row and 64 features, vpdpbusd) where the
+weight fits the row tiles; elsewhere x is replaced by its int8 reading (online_act.int8_per_token) and
+multiplied in float32.
 """
 
 from __future__ import annotations
@@ -229,6 +233,9 @@ class WeightOnlySlot:
                 if self.layout == "checkpoint" and packing.int8_tiles_fit(*linear.weight.shape):  # in place
                     linear.weight = _param(packing.pack_int8_tiled(linear.weight.data))
                     self.layout = "tiled"
+                if self.lq.act_quant == "int8" and self.layout == "tiled":  # W8A8 dynamic: every step on the kernel
+                    self._packed = ops.PackedWeight.int8_a8(linear.weight, s)
+                    return
                 self._packed = ops.PackedWeight.int8(linear.weight, s, tiled=self.layout == "tiled")
                 return
             # the dot layout where this build reads it and the activations are bfloat16 (the layer's
@@ -288,7 +295,9 @@ class WeightOnlySlot:
     def matmul(self, linear: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
-        if self.lq.act_quant is not None:  # quantization.activation_quant: x2 <- its uint8 reading, float32
+        if self.lq.act_quant == "int8":  # W8A8 dynamic: the kernel quantizes x2, else x2 <- its int8 reading
+            x2 = x2 if self.runs_a8_kernel() else online_act.int8_per_token(x2)
+        elif self.lq.act_quant is not None:  # quantization.activation_quant: x2 <- its uint8 reading, float32
             x2 = online_act.fastllm_uint8(x2, self.lq.act_group, min_code=1 if self.lq.bits == 8 else 0)
         zero_term = getattr(linear, "zeros", None) if self.lq.bits == 8 else None  # int8 kernels have no z
         perm = self.input_perm(linear, x.device)
@@ -312,11 +321,16 @@ class WeightOnlySlot:
             y = y + bias
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def runs_a8_kernel(self) -> bool:
+        """True when the compiled int8 x int8 kernel runs this layer (activation_quant "int8", row tiles)."""
+        return self._packed is not None and self._packed.kind == dispatch.cpu_ops().KIND_I8A8
+
     def _compiled_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """The compiled kernels (core.kernels.cpu): GEMV at <= kernel_max_tokens() rows, else the weight
         dequantized (float32 without native bf16 GEMMs) and one dense matmul. x2 [T, K] -> [T, N]."""
         ops = dispatch.cpu_ops()
-        if x2.shape[0] <= self.kernel_max_tokens():
+        assert self._packed is not None  # (matmul calls this only then)
+        if x2.shape[0] <= self.kernel_max_tokens() or self._packed.kind == ops.KIND_I8A8:  # int8 x int8: any T
             return ops.linear(x2, self._packed)
         dtype = self.compute_dtype if cpu_matmul.native_half_gemm(self.compute_dtype) else torch.float32
         w = ops.dequantize(self._packed, dtype)  # [N, K]

@@ -273,9 +273,10 @@ class DecodePlan:
         if getattr(linear, "in_perm", None) is not None:
             raise Unsupported("permuted linear")
         if linear.quant is not None:
-            if getattr(getattr(linear.quant, "lq", None), "act_quant", None) is not None:
-                raise Unsupported(f"quantization.activation_quant on {linear.name} (the eager path quantizes inputs)")
             packed = getattr(linear.quant, "_packed", None)
+            act_quant = getattr(getattr(linear.quant, "lq", None), "act_quant", None)
+            if act_quant is not None and not (act_quant == "int8" and packed is not None and packed.kind == ops.KIND_I8A8):
+                raise Unsupported(f"quantization.activation_quant on {linear.name} (the eager path quantizes inputs)")
             if packed is None:
                 raise Unsupported(f"quantized linear {linear.name} without the compiled layout")
             return packed, _record_bias(linear)
@@ -442,7 +443,8 @@ class DecodePlan:
         K x N and weight kind (e.g. "linear 576x1728 bf16")."""
         names = ["embed", "rms_norm", "linear", "rotary", "kv_write", "attention", "act_mul", "lora"]
         kinds = {ops.KIND_F32: "fp32", ops.KIND_F32T: "fp32", ops.KIND_BF16: "bf16", ops.KIND_BF16T: "bf16",
-                 ops.KIND_I8: "int8", ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4"}
+                 ops.KIND_I8: "int8", ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4",
+                 ops.KIND_I8A8: "int8xint8"}
         if self.profile is None:
             raise RuntimeError("profile_rows before start_profile")
         rows = []

@@ -26,6 +26,10 @@ INLINE float *group_sums(const float *xf, int64_t m, int64_t k, int64_t upto, in
 void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int wdt, int64_t n,
                 const float *scale, const float *sz, int64_t group, const float *bias, void *y, int ydt,
                 int threads) {
+    if (wdt == DT_I8A8) { /* int8 activations (linear_a8.c): sz holds 128 x the codes' block sums */
+        a8_linear(x, xdt, m, k, (const int8_t *)w, n, scale, sz, bias, y, ydt, threads);
+        return;
+    }
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) * (wdt == DT_I4 ? 2 : 1) + 64);
     float *xp = NULL, *xsum = NULL;
     uint32_t *x2 = NULL;

@@ -2,6 +2,8 @@
 
     linear          y = x W^T (* s) + b for a small batch of rows (decode), W float32 /
                     bfloat16 / int8 per-channel / int4 group-wise (checkpoint layouts)
+                    (KIND_I8A8: int8 row tiles x int8 activations quantized per row and block of
+                    A8_BLOCK features, any number of rows: W8A8 dynamic, `linear_a8_ref`)
     dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
     decode_attention one query token per sequence over the paged KV pool (no gather); float
                     pools or INT8 / FP8 codes with their scales; per-sequence attention
@@ -41,6 +43,8 @@ KV_CODES = {torch.int8: 2, torch.float8_e4m3fn: 4}  # quantized KV pools (core.q
 MAX_HEAD_DIM = 512  # decode_attention keeps a head's q, output and one K/V row in stack buffers
 KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D, KIND_I8T, KIND_BF16T, KIND_F32T = 0, 1, 2, 3, 5, 6, 7, 8
 TILED_KINDS = {torch.bfloat16: KIND_BF16T, torch.float32: KIND_F32T}  # float weights in row tiles
+KIND_I8A8 = 9  # linear_a8.c: KIND_I8T tiles x int8 activations quantized per row and block (W8A8 dynamic)
+A8_BLOCK = 64  # linear_a8.c: input features per activation scale
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -122,6 +126,19 @@ class PackedWeight:
         return cls(KIND_I8T if tiled else KIND_I8, q.contiguous(), n, k, scale.float().contiguous())
 
     @classmethod
+    def int8_a8(cls, tiles: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+        """int8 codes already in row tiles [n, k] (`packing.pack_int8_tiled`) with per-row scale [n], multiplied
+        with int8 activations (KIND_I8A8, `linear_a8_ref`). scale_zero: 128 x each row's code sums per
+        A8_BLOCK-feature block, float32, in row tiles [n / 8, blocks, 8] (the VNNI build's offset correction)."""
+        n, k = tiles.shape
+        if tiles.dtype != torch.int8 or not packing.int8_tiles_fit(n, k):
+            raise ValueError(f"PackedWeight.int8_a8: int8 row tiles [N % 8 == 0, K % 32 == 0], not {tiles.dtype} "
+                             f"{list(tiles.shape)}")
+        sums = a8_block_sums(packing.unpack_int8_tiled(tiles))  # [n, blocks] int32
+        corr = (128.0 * sums.float()).view(n // packing.TILE_ROWS, packing.TILE_ROWS, -1).transpose(1, 2)
+        return cls(KIND_I8A8, tiles.contiguous(), n, k, scale.float().contiguous(), corr.contiguous())
+
+    @classmethod
     def int4(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int,
              dot: bool | None = None) -> PackedWeight:
         """uint8 packed [n, k/2], scale [n, groups], zeros [n, groups] or None (symmetric: 8);
@@ -176,10 +193,11 @@ def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torc
 
 def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The int8 / int4 weight W [N, K] in `dtype` (float32 / bfloat16)."""
-    if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D):
+    if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D, KIND_I8A8):
         raise ValueError("dequantize: only int8 / int4 weights")
     out = torch.empty(pw.n, pw.k, dtype=dtype)
-    _lib().bst_dequantize(pw.weight.data_ptr(), pw.kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
+    kind = KIND_I8T if pw.kind == KIND_I8A8 else pw.kind  # the same tiles (its scale_zero: row sums, unused)
+    _lib().bst_dequantize(pw.weight.data_ptr(), kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
                           pw.group, out.data_ptr(), DTYPES[dtype], _threads())
     return out
 
@@ -193,8 +211,8 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         return packing.unpack_float_tiled(w).float()
     if pw.scale is None:
         raise ValueError(f"dequantize_ref: a kind {pw.kind} (int8 / int4) weight without its scales")
-    if pw.kind in (KIND_I8, KIND_I8T):
-        q = packing.unpack_int8_tiled(w) if pw.kind == KIND_I8T else w
+    if pw.kind in (KIND_I8, KIND_I8T, KIND_I8A8):
+        q = packing.unpack_int8_tiled(w) if pw.kind in (KIND_I8T, KIND_I8A8) else w
         return q.float() * pw.scale[:, None]
     if pw.scale_zero is None:
         raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
@@ -231,6 +249,54 @@ def q16_round(x: torch.Tensor) -> torch.Tensor:
         rounded = torch.where((amax > 0) & (e >= -100), torch.round(block / step) * step, torch.zeros_like(block))
         out[..., start:start + Q16_BLOCK] = torch.where(amax.isfinite(), rounded, torch.full_like(block, float("nan")))
     return out
+
+
+def a8_block_sums(codes: torch.Tensor) -> torch.Tensor:
+    """int [.., K] -> its sums per A8_BLOCK features [.., ceil(K / A8_BLOCK)], int32 (the last block may be short)."""
+    k = codes.shape[-1]
+    padded = F.pad(codes.to(torch.int32), (0, -k % A8_BLOCK))
+    return padded.view(*codes.shape[:-1], -1, A8_BLOCK).sum(-1, dtype=torch.int32)
+
+
+def a8_quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], s float32 [M, blocks]) as linear_a8.c quantizes each input row, per block b
+    of A8_BLOCK features (the last one may be short): s = max_b |x| / 127, q = round(x * (127 / max_b |x|))
+    (float32, half to even), so x ~ q s. A block with a NaN or an infinity: s NaN (its row's outputs are
+    NaN); an all-zero block: q = 0, s = 0."""
+    m, k = x.shape
+    g = F.pad(x.float(), (0, -k % A8_BLOCK)).view(m, -1, A8_BLOCK)  # [M, blocks, B]
+    amax = g.abs().amax(-1, keepdim=True)  # [M, blocks, 1]
+    ok = amax.isfinite() & (amax > 0)
+    safe = torch.where(ok, amax, torch.ones_like(amax))
+    inv = torch.where(ok, torch.full_like(amax, 127.0) / safe, torch.zeros_like(amax))  # (127.0 / t: 127 * (1 / t))
+    q = torch.round(torch.nan_to_num(g, 0.0, 0.0, 0.0) * inv).clamp(-127, 127).to(torch.int8)
+    s = torch.where(amax.isfinite(), amax / 127, torch.full_like(amax, float("nan")))
+    return q.view(m, -1)[:, :k], s.squeeze(-1)
+
+
+def a8_dequantize_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> what linear_a8.c multiplies, q * s per block (a8_quantize_ref), float32 [M, K]."""
+    q, s = a8_quantize_ref(x)
+    return q.float() * s.repeat_interleave(A8_BLOCK, dim=1)[:, : x.shape[1]]
+
+
+def linear_a8_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch reference of `linear` on a KIND_I8A8 weight, x [M, K] -> [M, N]:
+    y = s_w sum_b s[:, b] (q_b W_b^T) + b, x's codes and block scales from `a8_quantize_ref`, each block's
+    integer dot exact (int64), the rest in float64."""
+    if pw.kind != KIND_I8A8 or pw.scale is None:
+        raise ValueError(f"linear_a8_ref: a KIND_I8A8 weight with its scales, not kind {pw.kind}")
+    q, s = a8_quantize_ref(x)
+    codes = packing.unpack_int8_tiled(pw.weight).long()  # [N, K]
+    y = torch.zeros(x.shape[0], pw.n, dtype=torch.float64)
+    for b in range(s.shape[1]):
+        cols = slice(b * A8_BLOCK, (b + 1) * A8_BLOCK)
+        y += (q[:, cols].long() @ codes[:, cols].t()).double() * s[:, b:b + 1].double()  # [M, N]
+    y = y * pw.scale.double()[None, :]
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out_dtype or x.dtype)
 
 
 def linear_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
