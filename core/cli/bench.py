@@ -80,15 +80,15 @@ def add_bench_parser(sub: SubParsers) -> None:
 
 def add_shape_flags(p: argparse.ArgumentParser) -> None:
     """--shape and its flags: real-size synthetic models made once into a cache (core.bench.synthetic)."""
-    from bestiary.core.bench.synthetic import GGUF_TYPES, MODES, SHAPES
+    from bestiary.core.bench.synthetic import DEFAULT_MODES, GGUF_TYPES, MODES, SHAPES
 
     g = p.add_argument_group("real sizes (random weights, made once and cached; docs/bench.md#real-sizes)")
     g.add_argument("--shape", default=None, metavar="NAME",
                    help=f"Bench a synthetic model of a published shape: {', '.join(SHAPES)}; its engines are "
                         "rows next to --engine_dir's, its GGUFs llama.cpp rows (default: no synthetic model).")
-    g.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE",
+    g.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
                    help=f"--shape: the engines made and benched, some of {', '.join(MODES)} "
-                        f"(default: {' '.join(MODES)}).")
+                        f"(default: {' '.join(DEFAULT_MODES)}).")
     g.add_argument("--gguf_types", nargs="*", default=list(GGUF_TYPES), metavar="QTYPE",
                    help=f"--shape: the llama.cpp GGUFs made (gguf-py) and benched with --compare llama.cpp, some of "
                         f"{', '.join(GGUF_TYPES)}; the flag alone: none (default: {' '.join(GGUF_TYPES)}).")

@@ -103,7 +103,9 @@ def test_engines_hold_their_modes_and_generate(made):
         finally:
             llm.close()
         assert len(done.output_ids) == 3 and all(0 <= t < SHAPE.vocab_size for t in done.output_ids)
-    assert algos == {"bf16": None, "w8a16": "W8A16", "w4a16": "W4A16"}
+    assert algos == {"bf16": None, "w8a16": "W8A16", "w4a16": "W4A16", "w8a8": "W8A16"}
+    assert json.loads((engines["w8a8"] / "config.json").read_text())["pretrained_config"]["quantization"][
+        "activation_quant"] == "int8"
 
 
 def gguf_types(path: Path) -> dict[str, str]:
@@ -214,7 +216,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--shape", "llama-9b"], "--shape llama-9b: unknown shape; expected one of tinyllama-1.1b, llama-3.2-3b, "
                               "llama-2-7b, tiny"),
-    (["--shape", "tiny", "--modes", "fp8"], "--modes fp8: unknown engine mode; expected some of bf16, w8a16, w4a16"),
+    (["--shape", "tiny", "--modes", "fp8"], "--modes fp8: unknown engine mode; expected some of bf16, w8a16, w4a16, w8a8"),
     (["--shape", "tiny", "--gguf_types", "Q4_K"], "--gguf_types Q4_K: expected some of Q8_0, Q4_1 "
                                                    "(gguf-py has no K-quant quantizer)"),
     ([], "bench: give --engine_dir ENGINE ... or --shape NAME (a synthetic model)"),
@@ -266,7 +268,7 @@ def test_cli_shape_benches_the_made_engines(made, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     rows = [r["label"] for r in json.loads(out)["rows"]]
-    assert rows == [f"bestiary {e.name}" for e in engines.values()]
+    assert rows == [f"bestiary {engines[m].name}" for m in syn.DEFAULT_MODES]
     assert err.count(": reused,") == 3 and ": made," not in err and "source: not needed" in err
 
 
