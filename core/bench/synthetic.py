@@ -188,12 +188,19 @@ def estimated_bytes(shape: Shape, what: str) -> int:
     return per[what]
 
 
+def unmade(shape: Shape, modes: list[str], qtypes: list[str], cache: Path | None = None) -> list[str]:
+    """The engines of `modes` and GGUFs of `qtypes` of `shape` not made yet (each is staged, so it exists only
+    once complete); the source is only read to make them."""
+    return ([m for m in modes if not engine_path(shape, m, cache).exists()]
+            + [q for q in qtypes if not gguf_path(shape, q, cache).exists()])
+
+
 def missing_bytes(shape: Shape, modes: list[str], qtypes: list[str], cache: Path | None = None) -> int:
     """Estimated bytes of the artifacts of `shape` (source, engines of `modes`, GGUFs of `qtypes`) not yet made."""
-    todo = [("source", source_path(shape, cache))]
-    todo += [(m, engine_path(shape, m, cache)) for m in modes] + [(q, gguf_path(shape, q, cache)) for q in qtypes]
-    built = all(p.exists() for what, p in todo if what != "source")
-    return sum(estimated_bytes(shape, what) for what, p in todo if not p.exists() and not (what == "source" and built))
+    todo = unmade(shape, modes, qtypes, cache)
+    if todo and not source_path(shape, cache).exists():
+        todo.append("source")
+    return sum(estimated_bytes(shape, what) for what in todo)
 
 
 @contextmanager

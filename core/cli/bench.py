@@ -285,9 +285,7 @@ def synthetic_models(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                 tasks[what] = bar.add_task(f"{shape.name} {what}", total=total)
             bar.update(tasks[what], completed=done)  # type: ignore[arg-type]
 
-        missing = [m for m in args.modes if not (syn.engine_path(shape, m, cache) / "config.json").is_file()]
-        missing += [q for q in args.gguf_types if not syn.gguf_path(shape, q, cache).is_file()]
-        if missing:  # the source is only read to make what is missing; once all is made it may be deleted
+        if syn.unmade(shape, args.modes, args.gguf_types, cache):  # once all is made the source may be deleted
             start, existed = time.perf_counter(), syn.source_path(shape, cache).exists()
             source = syn.synthetic_source(shape, cache, progress)
             made("source", source, time.perf_counter() - start, existed)
