@@ -153,6 +153,85 @@ INLINE void a8_tile_madd(const int8_t *xq, const float *xs, int64_t k, const int
         _mm256_storeu_ps(sums[i], accf);
     }
 }
+
+/* The batched form (prefill, decode of several sequences): one 8-row x 32-code chunk of the tiles turned into
+ * 8 "quads", quad j holding rows 0..7's codes 4j..4j+3 (lane r: row r), so that one vpmaddubsw + vpmaddwd per input
+ * gives the 8 rows' dot products over 4 features in 8 int32 lanes: no horizontal sums, and each quad (and its
+ * |W|) is reused by A8_MR inputs. An 8 x 8 transpose of 32-bit elements. */
+#define A8_MR 8 /* inputs per pass over a block's quads (8 int32 accumulators + 2 weight vectors + constants) */
+
+INLINE void a8_quads(const int8_t *blk, __m256i *wq, __m256i *wa) {
+    __m256i r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(blk + 32 * i)); /* row i: quads 0..7 */
+    for (int i = 0; i < 8; i += 2) { /* t[i]: rows i, i+1 of quads 0 1 | 4 5; t[i+1]: of quads 2 3 | 6 7 */
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) { /* u[h + j]: rows h..h+3 of quad j | quad j + 4 */
+        u[h + 0] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        wq[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        wq[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+    for (int j = 0; j < 8; j++) wa[j] = _mm256_abs_epi8(wq[j]);
+}
+
+/* acc[i] lane r = sum over the nq quads of x row i's codes times row r's (M inputs at xq, stride k) */
+INLINE void a8_quad_dots(const int8_t *xq, int64_t k, const __m256i *wq, const __m256i *wa, int nq, int M,
+                         __m256i acc[A8_MR]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < M; i++) acc[i] = _mm256_setzero_si256();
+    for (int j = 0; j < nq; j++) {
+        const __m256i w = wq[j], a = wa[j];
+        for (int i = 0; i < M; i++) {
+            int32_t quad;
+            memcpy(&quad, xq + i * k + 4 * j, 4);
+            const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(quad), w); /* x sign(W): |W| (x sign(W)) = W x */
+            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xv), ones));
+        }
+    }
+}
+
+/* facc[i] (8 rows, float) += s[i, b] d[i, b] for the M inputs of one pass over block b's quads */
+INLINE void a8_quad_pass(const int8_t *xq, const float *xs, int64_t k, int64_t nb, int64_t b, const __m256i *wq,
+                         const __m256i *wa, int nq, int M, float *facc) {
+    __m256i acc[A8_MR];
+    a8_quad_dots(xq, k, wq, wa, nq, M, acc);
+    for (int i = 0; i < M; i++) {
+        const __m256 s = _mm256_set1_ps(xs[i * nb + b]);
+        _mm256_storeu_ps(facc + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), s, _mm256_loadu_ps(facc + 8 * i)));
+    }
+}
+
+/* sums[i][r] for all m inputs of one tile (row0), as a8_tile_madd computes them (the same float operations in the
+ * same order: bit for bit the same), the inputs A8_MR at a time over each block's transposed quads. facc [m][8] */
+static void a8_tile_quads(const int8_t *xq, const float *xs, int64_t m, int64_t k, const int8_t *w, int64_t row0,
+                          float *facc) {
+    const int64_t nb = a8_blocks(k);
+    const int8_t *tile = w + row0 * k;
+    __m256i wq[A8_BLOCK / 4], wa[A8_BLOCK / 4];
+    memset(facc, 0, sizeof(float) * 8 * (size_t)m);
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t k0 = b * A8_BLOCK, k1 = k0 + A8_BLOCK < k ? k0 + A8_BLOCK : k;
+        const int nq = (int)(k1 - k0) / 4;
+        for (int64_t kk = k0; kk < k1; kk += I8T_K) a8_quads(tile + kk * TILE_ROWS, wq + (kk - k0) / 4, wa + (kk - k0) / 4);
+        int64_t i0 = 0;
+        for (; i0 + A8_MR <= m; i0 += A8_MR)
+            a8_quad_pass(xq + i0 * k + k0, xs + i0 * nb, k, nb, b, wq, wa, nq, A8_MR, facc + 8 * i0);
+        switch ((int)(m - i0)) { /* the rest, with its count known to the compiler */
+#define A8_REST(R) case R: a8_quad_pass(xq + i0 * k + k0, xs + i0 * nb, k, nb, b, wq, wa, nq, R, facc + 8 * i0); break;
+            A8_REST(1) A8_REST(2) A8_REST(3) A8_REST(4) A8_REST(5) A8_REST(6) A8_REST(7)
+#undef A8_REST
+        default: break;
+        }
+    }
+}
+#define A8_QUADS 1
+#define A8_QUADS_MIN 4 /* inputs from which a call runs a8_tile_quads (fewer: a8_tile_madd, no transposes) */
 #else
 /* the same, one code at a time (BST_ISA 0) */
 INLINE void a8_tile_scalar(const int8_t *xq, const float *xs, int64_t k, const int8_t *w, int64_t row0, int M,
@@ -190,6 +269,21 @@ static void a8_rows(const int8_t *xq, const float *xs, int64_t m, int64_t k, con
                     int64_t r_end) {
     const int64_t nb = a8_blocks(k);
     float sums[A8_MT][8];
+#ifdef A8_QUADS
+    if (m >= A8_QUADS_MIN) {
+        float *facc = (float *)malloc(sizeof(float) * 8 * (size_t)m);
+        for (int64_t row0 = r_begin; row0 < r_end; row0 += TILE_ROWS) {
+            a8_tile_quads(xq, xs, m, k, w, row0, facc);
+            for (int64_t i = 0; i < m; i++)
+                for (int r = 0; r < 8; r++) {
+                    const float v = facc[8 * i + r] * scale[row0 + r];
+                    store_f(y, ydt, i * n + row0 + r, bias ? v + bias[row0 + r] : v);
+                }
+        }
+        free(facc);
+        return;
+    }
+#endif
     for (int64_t row0 = r_begin; row0 < r_end; row0 += TILE_ROWS)
         for (int64_t i0 = 0; i0 < m; i0 += A8_MT) {
             const int M = m - i0 >= A8_MT ? A8_MT : (int)(m - i0);
