@@ -35,7 +35,6 @@ import torch
 
 INT8_MAX = 127
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-CPU_INT4_BLOCK_N = 64  # rows per block of the aten CPU int4 layout
 
 
 # --- int8 per channel --------------------------------------------------------------------
@@ -255,6 +254,13 @@ def dequantize_int4(
 # --- the aten CPU int4 layout ------------------------------------------------------------
 
 
+@functools.cache
+def cpu_int4_block_n() -> int:
+    """Rows per block of the aten CPU int4 layout: 64 where torch runs its AVX-512 kernels, else 32 (its AVX2
+    and plain builds of `_convert_weight_to_int4pack_for_cpu`)."""
+    return 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+
+
 def _cpu_int4_check(n: int, k: int) -> None:
     if n % 16 or k % 2:
         raise ValueError(f"the CPU int4 layout needs out_features % 16 == 0 and even in_features, got [{n}, {k}]")
@@ -264,16 +270,17 @@ def pack_int4_cpu(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] (0..15, N % 16 == 0) -> uint8 [N, K/2] in the layout of
     `aten._convert_weight_to_int4pack_for_cpu`:
 
-    rows in blocks of 64, then one block of the remaining R = N % 64 rows, each block stored
-    k-major. Full block, for each k, 32 bytes: byte j = row j (low nibble) | row j + 32 (high).
+    rows in blocks of B = cpu_int4_block_n() (64 or 32), then one block of the remaining R = N % B rows, each
+    block stored k-major. Full block, for each k, B/2 bytes: byte j = row j (low nibble) | row j + B/2 (high).
     Remainder block, for each k, R/2 bytes: byte j = row 2j (low) | row 2j + 1 (high).
     """
     n, k = codes.shape
     _cpu_int4_check(n, k)
     c = codes.to(torch.uint8)
-    full = n // CPU_INT4_BLOCK_N * CPU_INT4_BLOCK_N
-    blocks = c[:full].reshape(-1, CPU_INT4_BLOCK_N, k).transpose(1, 2)  # [nb, K, 64]
-    head = blocks[..., :32] | (blocks[..., 32:] << 4)  # [nb, K, 32]
+    bn = cpu_int4_block_n()
+    full = n // bn * bn
+    blocks = c[:full].reshape(-1, bn, k).transpose(1, 2)  # [nb, K, B]
+    head = blocks[..., : bn // 2] | (blocks[..., bn // 2 :] << 4)  # [nb, K, B/2]
     rest = c[full:].t()  # [K, R]
     tail = rest[:, 0::2] | (rest[:, 1::2] << 4)  # [K, R/2]
     return torch.cat([head.reshape(-1), tail.reshape(-1)]).view(n, k // 2)
@@ -284,9 +291,10 @@ def unpack_int4_cpu(packed: torch.Tensor) -> torch.Tensor:
     n, k = packed.shape[0], packed.shape[1] * 2
     _cpu_int4_check(n, k)
     flat = packed.reshape(-1)
-    full = n // CPU_INT4_BLOCK_N * CPU_INT4_BLOCK_N
-    head = flat[: full * k // 2].view(-1, k, 32)  # [nb, K, 32]
-    blocks = torch.cat([head & 0xF, head >> 4], dim=-1)  # [nb, K, 64]
+    bn = cpu_int4_block_n()
+    full = n // bn * bn
+    head = flat[: full * k // 2].view(-1, k, bn // 2)  # [nb, K, B/2]
+    blocks = torch.cat([head & 0xF, head >> 4], dim=-1)  # [nb, K, B]
     tail = flat[full * k // 2 :].view(k, -1)  # [K, R/2]
     rest = torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(k, -1)  # [K, R]
     return torch.cat([blocks.transpose(1, 2).reshape(full, k), rest.t()])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bestiary.core.format.packing import CPU_INT4_BLOCK_N, TILE_ROWS
+from bestiary.core.format.packing import TILE_ROWS, cpu_int4_block_n
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.slot import WeightOnlySlot
 
@@ -35,7 +35,7 @@ def _fusable_slots(members: list[Linear]) -> list[WeightOnlySlot] | None:
             return None
         if m.bias is not None or hasattr(m, "in_perm") or m.weight.device.type != "cpu":
             return None
-        if first.lq.bits == 4 and slot.out_local % CPU_INT4_BLOCK_N and not slot.runs_compiled(m):
+        if first.lq.bits == 4 and slot.out_local % cpu_int4_block_n() and not slot.runs_compiled(m):
             return None  # the aten CPU int4 layout: a member's rows must start on one of its blocks
         if first.lq.bits == 8 and slot.out_local % TILE_ROWS and slot.runs_compiled(m):
             return None  # the compiled int8 tiles: a member's rows must be whole tiles

@@ -54,7 +54,7 @@ def test_int4_pack_golden_bytes():
 def test_int4_cpu_layout_matches_aten_and_inverts():
     """Our torch description of the aten CPU int4 layout == aten's converter, and unpack inverts it."""
     gen = torch.Generator().manual_seed(0)
-    for n in (16, 80, 128, 192):  # full 64-row blocks and a remainder block
+    for n in (16, 80, 128, 192):  # full row blocks (64 on AVX-512 torch, else 32) and a remainder block
         codes = torch.randint(0, 16, (n, 96), generator=gen, dtype=torch.int32)
         aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         assert torch.equal(packing.pack_int4_cpu(codes), aten)
@@ -452,7 +452,7 @@ def test_packing_layouts_and_round_trips_by_hand():
     assert not torch.equal(expected, codes.float() * s)  # the zero point matters here
 
     codes = torch.randint(0, 16, (80, 6), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-    packed = packing.pack_int4_cpu(codes)  # 64-row block + a 16-row remainder block
+    packed = packing.pack_int4_cpu(codes)  # full row blocks (64 or 32) + a 16-row remainder block
     assert torch.equal(packing.unpack_int4_cpu(packed), codes)
     tail = packed.reshape(-1)[64 * 6 // 2:].view(6, -1)  # remainder, k-major: byte j = rows 2j | 2j + 1
     assert tail[0, 0].item() == int(codes[64, 0]) | (int(codes[65, 0]) << 4)
