@@ -66,6 +66,7 @@ print(json.dumps({"peak": status("VmHWM") - before}))
 """
 
 
+@pytest.mark.slow  # 20 s on 2 busy cores (the HF model made and converted), 139 s beside another suite
 def test_loading_never_holds_a_weight_twice(tmp_path):
     """The high-water mark of Engine.load <= 1.15x the rank file + 16 MiB: a float32 model whose tied
     [32768, 512] embedding (64 MiB) is most of its 83 MiB. Before issue 52's fix its repack into row tiles
