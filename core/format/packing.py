@@ -98,10 +98,13 @@ def int8_tiles_fit(n: int, k: int) -> bool:
     return n % TILE_ROWS == 0 and k % TILE_K == 0
 
 
-def pack_int8_tiled(q: torch.Tensor) -> torch.Tensor:
+def pack_int8_tiled(q: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """int8 [N, K] -> the same codes in the tiled layout [N, K] the compiled GEMV reads (core.kernels.cpu):
     per tile of 8 rows, per block of 32 features, the 8 rows' 32 codes one after another, so a
-    tile is one sequential stream (N % 8 == 0, K % 32 == 0)."""
+    tile is one sequential stream (N % 8 == 0, K % 32 == 0). `in_place`: rewrite q's own memory
+    (row_tiles_in_place) and return q."""
+    if in_place:
+        return row_tiles_in_place(q, TILE_ROWS, TILE_K, to_tiles=True)
     return row_tiles(q, TILE_ROWS, TILE_K, to_tiles=True)
 
 
@@ -120,10 +123,13 @@ def float_tiles_fit(n: int, k: int, dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float32) and n % TILE_ROWS == 0 and k % float_tile_k(dtype) == 0
 
 
-def pack_float_tiled(w: torch.Tensor) -> torch.Tensor:
+def pack_float_tiled(w: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """bfloat16 / float32 W [N, K] -> the same values in row tiles [N, K] (core.kernels.cpu's DT_BF16T /
     DT_F32T): per tile of 8 rows, per block of 64 bytes of features (32 bfloat16, 16 float32),
-    the 8 rows' blocks one after another."""
+    the 8 rows' blocks one after another. `in_place`: rewrite w's own memory (row_tiles_in_place)
+    and return w."""
+    if in_place:
+        return row_tiles_in_place(w, TILE_ROWS, float_tile_k(w.dtype), to_tiles=True)
     return row_tiles(w, TILE_ROWS, float_tile_k(w.dtype), to_tiles=True)
 
 
@@ -148,6 +154,27 @@ def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool, out: torch.
         src, dst = (in_order, tiled) if to_tiles else (tiled, in_order)
         out[start:stop].view(dst).copy_(t[start:stop].reshape(src).transpose(1, 2))
     return out
+
+
+REPACK_CHUNK_BYTES = 4 << 20  # row_tiles_in_place's scratch: a block of whole tiles at most this large
+
+
+def row_tiles_in_place(t: torch.Tensor, rows: int, unit: int, to_tiles: bool) -> torch.Tensor:
+    """row_tiles(t, rows, unit, to_tiles) written over t itself ([N, C] contiguous) and returned: a tile
+    only permutes the values of its own `rows` rows, so t is rewritten a block of whole tiles (at most
+    REPACK_CHUNK_BYTES) at a time from a scratch copy of that block. A load then holds the weight
+    once, not its source and its tiles together (a tied 49152 x 576 float32 embedding: 108 MiB less
+    at the peak)."""
+    n, width = t.shape
+    if not t.is_contiguous():
+        raise ValueError(f"row_tiles_in_place needs a contiguous tensor, got strides {t.stride()}")
+    step = max(rows, REPACK_CHUNK_BYTES // max(1, width * t.element_size()) // rows * rows)  # rows per block
+    scratch = torch.empty(min(step, n) * width, dtype=t.dtype)  # [step * C], reused by every block
+    for start in range(0, n, step):
+        block = t[start:start + step]  # [<= step, C], contiguous
+        source = scratch[: block.numel()].view_as(block).copy_(block)
+        row_tiles(source, rows, unit, to_tiles, out=block)
+    return t
 
 
 # --- int4 group-wise ---------------------------------------------------------------------

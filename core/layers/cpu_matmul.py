@@ -105,13 +105,23 @@ def hold_tiled(module: nn.Module, name: str = "weight", tiles: torch.Tensor | No
     make it `tiles` (its values already in row tiles); returns the tiles [N, K]. The module's
     state_dict keeps giving the values in order."""
     param = getattr(module, name)
-    param.data = packing.pack_float_tiled(param.data) if tiles is None else tiles
+    if tiles is None:  # in place where the parameter owns its memory: the load holds the weight once
+        data = param.data
+        param.data = packing.pack_float_tiled(data, in_place=owns_memory(data))
+    else:
+        param.data = tiles
     tiled: set[str] | None = module.__dict__.get("_tiled_params")  # the names held in tiles
     if tiled is None:
         tiled = module.__dict__["_tiled_params"] = set()
         module._register_state_dict_hook(untile_state_dict)
     tiled.add(name)
     return param.data
+
+
+def owns_memory(t: torch.Tensor) -> bool:
+    """True when `t` is contiguous and spans its whole storage (no other tensor's view of a larger
+    buffer): it may be repacked in place."""
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
 
 
 def untile_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -62,7 +62,7 @@ class GatedMLP(nn.Module):
         self._fused = torch.cat([self.fc.weight, self.gate.weight])
         # fc/gate become views of the fused tensor: no second copy of the weights.
         if inter % 8 == 0 and cpu_matmul.tiles_fit(self._fused):  # fc's tiles, then gate's
-            self._fused_tiles = tiles = packing.pack_float_tiled(self._fused)
+            self._fused_tiles = tiles = packing.pack_float_tiled(self._fused, in_place=True)  # the cat's own memory
             self._fused = None
             self.fc._tiles = cpu_matmul.hold_tiled(self.fc, tiles=tiles[:inter])
             self.gate._tiles = cpu_matmul.hold_tiled(self.gate, tiles=tiles[inter:])

@@ -88,6 +88,7 @@ def load_by_layer(model, path: Path, allow_nonfinite: bool = False) -> None:
                 release_freed_memory(TRIM_AFTER)
                 read_since = 0
             placed.update(keys)
+        release_freed_memory()  # the layers' freed sources, before the largest tensor (the embedding) is read
         rest = [k for k in expected if k not in placed]
         missing = assign(model, read(rest), where, strict=False)
         if set(missing) - placed:  # check_rank_tensors found every name: only a model that names one twice

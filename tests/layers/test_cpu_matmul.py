@@ -88,8 +88,9 @@ def test_linear_in_row_tiles_equals_linear(dtype, past_bound, native, monkeypatc
     before = lin.weight.detach().clone()
     x = torch.randn(tokens, 96).to(dtype)
     ref = F.linear(x.float(), before.float(), lin.bias.float())
+    memory = lin.weight.data_ptr()
     lin.fuse()
-    assert lin._wt is None and lin._tiles is not None and lin._tiles.data_ptr() == lin.weight.data_ptr()
+    assert lin._wt is None and lin._tiles is not None and lin._tiles.data_ptr() == lin.weight.data_ptr() == memory
     assert lin.weight.shape == (136, 96) and torch.equal(lin._tiles, packing.pack_float_tiled(before))
     assert torch.equal(lin.state_dict()["weight"], before)
     gemm_dtypes.clear()  # the reference's
@@ -143,6 +144,36 @@ def test_tiled_prefill_scratch_works_in_and_out_of_inference_mode(monkeypatch):
     wide.fuse()
     wide_ref = F.linear(x.repeat(1, 2).float(), wide_before.float())
     torch.testing.assert_close(wide(x.repeat(1, 2)).float(), wide_ref, rtol=1e-2, atol=1e-2 * wide_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, unit", [(8, 32), (4, 32), (4, 1)])  # float / int8 tiles, int4 dot codes, its scales
+def test_row_tiles_in_place_equals_row_tiles(dtype, rows, unit, monkeypatch):
+    """row_tiles_in_place rewrites the tensor's own memory, a block of whole tiles at a time (several
+    blocks and a short last tile here), to the values row_tiles makes; and back."""
+    monkeypatch.setattr(packing, "REPACK_CHUNK_BYTES", 3 * 8 * 64 * 4)  # a block of 24 rows at most (float32)
+    n, width = 8 * 7 + rows - 1, 64  # 7 blocks of 8 rows, then a short tile of rows - 1
+    t = (torch.randn(n, width) * 50).to(dtype)
+    tiled = packing.row_tiles(t, rows, unit, to_tiles=True)
+    work = t.clone()
+    memory = work.data_ptr()
+    assert packing.row_tiles_in_place(work, rows, unit, to_tiles=True) is work and work.data_ptr() == memory
+    assert torch.equal(work, tiled)
+    assert torch.equal(packing.row_tiles_in_place(work, rows, unit, to_tiles=False), t)
+    with pytest.raises(ValueError, match="contiguous"):
+        packing.row_tiles_in_place(t.t(), rows, unit, to_tiles=True)
+
+
+def test_hold_tiled_copies_a_view_of_a_larger_buffer():
+    """hold_tiled repacks in place only a parameter that owns its memory: one that is a view of a larger
+    buffer (another tensor's rows) gets tiles of its own, the buffer untouched."""
+    buffer = torch.randn(32, 64).bfloat16()
+    kept = buffer.clone()
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(buffer[8:24], requires_grad=False)
+    tiles = cpu_matmul.hold_tiled(module, "w")
+    assert torch.equal(buffer, kept) and torch.equal(tiles, packing.pack_float_tiled(kept[8:24]))
+    assert cpu_matmul.owns_memory(torch.zeros(4, 4)) and not cpu_matmul.owns_memory(buffer[8:24])
 
 
 @needs_kernels

@@ -169,11 +169,13 @@ def test_int8_weight_held_in_row_tiles_in_place():
 
     lin, _ = _quant_linear(LinearQuant("W8A16", 8), n=40, k=128)
     checkpoint_bytes, ref_w = lin.weight.detach().clone(), lin.quant.dequantize(lin)
+    memory = lin.weight.data_ptr()
     lin.fuse()
     lin.quant.set_compute_dtype(lin, torch.float32)
     if not lin.quant.runs_compiled(lin):
         pytest.skip("no compiled CPU kernels here")
     assert lin.quant.layout == "tiled" and torch.equal(lin.weight, packing.pack_int8_tiled(checkpoint_bytes))
+    assert lin.weight.data_ptr() == memory  # the codes' own memory, not a second tensor beside them
     assert torch.equal(lin.quant.dequantize(lin), ref_w)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     y_tiled = lin(x)

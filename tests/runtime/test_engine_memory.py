@@ -49,6 +49,47 @@ def test_a_loaded_engine_holds_its_weights_once(tmp_path):
     assert grown <= 1.15 * weights + (8 << 20), f"load grew private memory by {grown / weights:.2f}x the weights"
 
 
+PEAK_CHILD = r"""
+import json, sys
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+from bestiary.core.kernels.cpu.build import library
+from bestiary.core.runtime.engine import Engine
+library()  # the compiled kernels loaded before the base: not the load's
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM <- VmRSS
+before = status("VmRSS")
+engine = Engine.load(sys.argv[1])
+print(json.dumps({"peak": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.slow  # 20 s on 2 busy cores (the HF model made and converted), 139 s beside another suite
+def test_loading_never_holds_a_weight_twice(tmp_path):
+    """The high-water mark of Engine.load <= 1.15x the rank file + 16 MiB: a float32 model whose tied
+    [32768, 512] embedding (64 MiB) is most of its 83 MiB. Before issue 52's fix its repack into row tiles
+    held the embedding twice (a new tensor beside its source) and the layers' freed sources were still
+    resident when it was read: a peak of 1.8x the weights (SmolLM2-135M float32: 1.61x)."""
+    import parity
+    import torch
+
+    from bestiary.core.format.checkpoint import rank_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                                      max_position_embeddings=4096)
+    hf = transformers.LlamaForCausalLM(config)
+    parity.convert_and_load(parity.save_hf(hf, tmp_path), tmp_path, dtype="float32")
+    weights = rank_file(tmp_path / "ckpt", 0).stat().st_size
+    out = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                         check=True)
+    peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    assert peak <= 1.15 * weights + (16 << 20), f"load peaked at {peak / weights:.2f}x the weights"
+
+
 def test_layers_share_one_rotary_table():
     """Every layer's Rotary of the same parameters reads one cos / sin table (30 copies of 2 MiB on SmolLM2,
     32 of 64 MiB on a 131k-position Llama 3); another base gets its own."""

@@ -45,6 +45,7 @@ KIND_F32, KIND_BF16, KIND_I8, KIND_I4, KIND_I4D, KIND_I8T, KIND_BF16T, KIND_F32T
 TILED_KINDS = {torch.bfloat16: KIND_BF16T, torch.float32: KIND_F32T}  # float weights in row tiles
 KIND_I8A8 = 9  # linear_a8.c: KIND_I8T tiles x int8 activations quantized per row and block (W8A8 dynamic)
 A8_BLOCK = 64  # linear_a8.c: input features per activation scale
+A8_SUM_ROWS = 512  # PackedWeight.int8_a8: rows whose code sums are taken at a time (a multiple of the 8-row tiles)
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -134,7 +135,8 @@ class PackedWeight:
         if tiles.dtype != torch.int8 or not packing.int8_tiles_fit(n, k):
             raise ValueError(f"PackedWeight.int8_a8: int8 row tiles [N % 8 == 0, K % 32 == 0], not {tiles.dtype} "
                              f"{list(tiles.shape)}")
-        sums = a8_block_sums(packing.unpack_int8_tiled(tiles))  # [n, blocks] int32
+        step = A8_SUM_ROWS  # rows at a time: the int32 temporaries of a whole weight were 8x its codes (a load's peak)
+        sums = torch.cat([a8_block_sums(packing.unpack_int8_tiled(tiles[i:i + step])) for i in range(0, n, step)])
         corr = (128.0 * sums.float()).view(n // packing.TILE_ROWS, packing.TILE_ROWS, -1).transpose(1, 2)
         return cls(KIND_I8A8, tiles.contiguous(), n, k, scale.float().contiguous(), corr.contiguous())
 

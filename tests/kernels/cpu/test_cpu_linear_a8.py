@@ -90,3 +90,19 @@ def test_a8_codes_are_the_reference_rounding():
 def test_int8_a8_refuses_untiled_shapes():
     with pytest.raises(ValueError, match="row tiles"):
         ops.PackedWeight.int8_a8(torch.zeros(12, 64, dtype=torch.int8), torch.ones(12))
+
+
+def test_code_sums_are_taken_a_block_of_rows_at_a_time(monkeypatch):
+    """PackedWeight.int8_a8 sums the codes per block A8_SUM_ROWS rows at a time (issue 52: the whole
+    weight's int32 temporaries, 8x its codes, were W8A8's load peak): the same correction as all rows
+    at once, and never more rows converted at once."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (88, 200), generator=gen, dtype=torch.int8)[:, :192].contiguous()  # [88, 192]
+    s = torch.rand(88, generator=gen) + 0.5
+    whole = ops.PackedWeight.int8_a8(packing.pack_int8_tiled(q), s)
+    seen: list[int] = []
+    real = ops.a8_block_sums
+    monkeypatch.setattr(ops, "a8_block_sums", lambda codes: seen.append(codes.shape[0]) or real(codes))
+    monkeypatch.setattr(ops, "A8_SUM_ROWS", 16)
+    blocked = ops.PackedWeight.int8_a8(packing.pack_int8_tiled(q), s)
+    assert seen == [16] * 5 + [8] and torch.equal(blocked.scale_zero, whole.scale_zero)
