@@ -33,7 +33,9 @@ half-precision GEMM (oneDNN, AMX) is the fast one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -105,9 +107,9 @@ def hold_tiled(module: nn.Module, name: str = "weight", tiles: torch.Tensor | No
     make it `tiles` (its values already in row tiles); returns the tiles [N, K]. The module's
     state_dict keeps giving the values in order."""
     param = getattr(module, name)
-    if tiles is None:  # in place where the parameter owns its memory: the load holds the weight once
+    if tiles is None:  # in place inside a load's repack_in_place(): the load holds the weight once
         data = param.data
-        param.data = packing.pack_float_tiled(data, in_place=owns_memory(data))
+        param.data = packing.pack_float_tiled(data, in_place=may_repack_in_place(data))
     else:
         param.data = tiles
     tiled: set[str] | None = module.__dict__.get("_tiled_params")  # the names held in tiles
@@ -116,6 +118,27 @@ def hold_tiled(module: nn.Module, name: str = "weight", tiles: torch.Tensor | No
         module._register_state_dict_hook(untile_state_dict)
     tiled.add(name)
     return param.data
+
+
+_in_place = threading.local()  # .on: hold_tiled may repack a parameter's own memory (repack_in_place)
+
+
+@contextlib.contextmanager
+def repack_in_place() -> Iterator[None]:
+    """Within this block hold_tiled repacks a parameter that owns its memory in place, not into a copy.
+    Only for tensors nothing else can see: an engine load's reads from its file (Engine.load). A model built
+    from someone's tensors (a reference model's, a state dict the caller keeps) must never be rewritten."""
+    before = _in_place.__dict__.get("on", False)
+    _in_place.on = True
+    try:
+        yield
+    finally:
+        _in_place.on = before
+
+
+def may_repack_in_place(t: torch.Tensor) -> bool:
+    """True inside repack_in_place() for a tensor that owns its memory (owns_memory)."""
+    return _in_place.__dict__.get("on", False) and owns_memory(t)
 
 
 def owns_memory(t: torch.Tensor) -> bool:

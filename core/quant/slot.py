@@ -232,7 +232,7 @@ class WeightOnlySlot:
             if self.lq.bits == 8:
                 if self.layout == "checkpoint" and packing.int8_tiles_fit(*linear.weight.shape):  # in place
                     data = linear.weight.data
-                    linear.weight = _param(packing.pack_int8_tiled(data, in_place=cpu_matmul.owns_memory(data)))
+                    linear.weight = _param(packing.pack_int8_tiled(data, in_place=cpu_matmul.may_repack_in_place(data)))
                     self.layout = "tiled"
                 if self.lq.act_quant == "int8" and self.layout == "tiled":  # W8A8 dynamic: every step on the kernel
                     self._packed = ops.PackedWeight.int8_a8(linear.weight, s)

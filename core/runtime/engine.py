@@ -19,6 +19,7 @@ from bestiary.core.format.config import (
 )
 from bestiary.core.format.errors import BestiaryError, ConfigError
 from bestiary.core.kernels.cpu.malloc import keep_freed_memory, release_freed_memory
+from bestiary.core.layers import cpu_matmul
 from bestiary.core.runtime.model import DecoderLM
 from bestiary.core.runtime.pipeline import stage_tp_group
 from bestiary.core.runtime.rank_weights import assign, check_rank_tensors, load_by_layer
@@ -118,16 +119,17 @@ class Engine:
         if tp_group is not None:
             model.use_tp_group(tp_group)
         path = rank_file(directory, rank)
-        if device == "cpu":  # a layer at a time: the load holds the prepared model and about one layer
-            load_by_layer(model, path, allow_nonfinite)
-        else:
-            weights = load_rank_weights(directory, rank, allow_nonfinite)
-            check_rank_tensors(model.state_dict(), {k: t.dtype for k, t in weights.items()}, str(path))
-            assign(model, weights, str(path))
-            del weights
-        model.to(device)
-        model.eval()
-        model.prepare_for_inference()
+        with cpu_matmul.repack_in_place():  # the tensors are this load's own reads from `path`
+            if device == "cpu":  # a layer at a time: the load holds the prepared model and about one layer
+                load_by_layer(model, path, allow_nonfinite)
+            else:
+                weights = load_rank_weights(directory, rank, allow_nonfinite)
+                check_rank_tensors(model.state_dict(), {k: t.dtype for k, t in weights.items()}, str(path))
+                assign(model, weights, str(path))
+                del weights
+            model.to(device)
+            model.eval()
+            model.prepare_for_inference()
         if device == "cpu":
             release_freed_memory()  # the load's freed sources (core.kernels.cpu.malloc)
         return cls(directory, config, build, model, tokenizer)

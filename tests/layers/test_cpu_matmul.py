@@ -89,7 +89,8 @@ def test_linear_in_row_tiles_equals_linear(dtype, past_bound, native, monkeypatc
     x = torch.randn(tokens, 96).to(dtype)
     ref = F.linear(x.float(), before.float(), lin.bias.float())
     memory = lin.weight.data_ptr()
-    lin.fuse()
+    with cpu_matmul.repack_in_place():  # as an engine load does (its own reads)
+        lin.fuse()
     assert lin._wt is None and lin._tiles is not None and lin._tiles.data_ptr() == lin.weight.data_ptr() == memory
     assert lin.weight.shape == (136, 96) and torch.equal(lin._tiles, packing.pack_float_tiled(before))
     assert torch.equal(lin.state_dict()["weight"], before)
@@ -171,9 +172,24 @@ def test_hold_tiled_copies_a_view_of_a_larger_buffer():
     kept = buffer.clone()
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(buffer[8:24], requires_grad=False)
-    tiles = cpu_matmul.hold_tiled(module, "w")
+    with cpu_matmul.repack_in_place():
+        tiles = cpu_matmul.hold_tiled(module, "w")
     assert torch.equal(buffer, kept) and torch.equal(tiles, packing.pack_float_tiled(kept[8:24]))
     assert cpu_matmul.owns_memory(torch.zeros(4, 4)) and not cpu_matmul.owns_memory(buffer[8:24])
+
+
+def test_hold_tiled_never_rewrites_a_callers_tensor():
+    """Outside an engine load (repack_in_place) a parameter that shares a caller's whole tensor (a model built
+    from a reference model's weights, as the linter and the converters build one) gets tiles of its own: the
+    caller's tensor keeps its values. (The in-place repack once scrambled the reference model's weights.)"""
+    theirs = torch.randn(16, 64).bfloat16()
+    kept = theirs.clone()
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(theirs, requires_grad=False)  # the same memory, owned whole
+    assert cpu_matmul.owns_memory(module.w.data)
+    tiles = cpu_matmul.hold_tiled(module, "w")
+    assert torch.equal(theirs, kept) and tiles.data_ptr() != theirs.data_ptr()
+    assert torch.equal(tiles, packing.pack_float_tiled(kept))
 
 
 @needs_kernels

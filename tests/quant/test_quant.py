@@ -166,11 +166,13 @@ def test_int8_weight_held_in_row_tiles_in_place():
     row tiles (one copy); dequantize reads it back, the aten path (kernels off) and a move to
     another device get the checkpoint layout again, and all give the same output."""
     from bestiary.core.format import packing
+    from bestiary.core.layers import cpu_matmul
 
     lin, _ = _quant_linear(LinearQuant("W8A16", 8), n=40, k=128)
     checkpoint_bytes, ref_w = lin.weight.detach().clone(), lin.quant.dequantize(lin)
     memory = lin.weight.data_ptr()
-    lin.fuse()
+    with cpu_matmul.repack_in_place():  # as an engine load does (its own reads)
+        lin.fuse()
     lin.quant.set_compute_dtype(lin, torch.float32)
     if not lin.quant.runs_compiled(lin):
         pytest.skip("no compiled CPU kernels here")
