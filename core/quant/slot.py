@@ -258,8 +258,8 @@ class WeightOnlySlot:
         if self.lq.bits == 8:
             self._kernel_scales = s.to(self.compute_dtype).contiguous()
             return
-        if self.out_local % 16:
-            return  # the aten layout needs N % 16 == 0: this layer always dequantizes
+        if self.out_local % 16 or self.lq.act_quant == "int8":
+            return  # the aten layout needs N % 16 == 0; W4A8: x's int8 reading x the dequantized weight (float32)
         if self.layout != "cpu":
             codes = packing.unpack_int4(linear.weight).to(torch.int32)  # [N, K]
             self.k_pad = -self.in_local % self.lq.group_size  # a short last group: pad it to full size
