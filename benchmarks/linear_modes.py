@@ -10,6 +10,9 @@ counts up to 32, as decode steps run it) the way each engine mode runs them:
     w8a16   int8 row tiles, the weight-only slot's path: the GEMV up to its kernel bound, then the
             weight dequantized and one dense GEMM (bf16 where the CPU has native bf16 GEMMs, else fp32)
     w8a8    the same tiles, int8 activations quantized per row and 64-feature block (linear_a8.c)
+    w4a16   int4 groups of 128 (symmetric, the layout the slot keeps on this build), the weight-only slot's
+            path: the int4 GEMV up to its kernel bound, then dequantized and one dense GEMM
+    w4a8    the same int4 codes (checkpoint layout), int8 activations as w8a8's (linear_w4a8.c)
 
 Random weights of the real sizes; --layers different weights per mode run in turn (as a model's
 layers do: nothing stays in cache from one call to the next); alternated rounds, the median of
@@ -36,7 +39,8 @@ from bestiary.core.quant import slot
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one layer's linears
 LM_HEAD = (49152, 576)
-MODES = ["bf16", "w8a16", "w8a8"]
+MODES = ["bf16", "w8a16", "w8a8", "w4a16", "w4a8"]
+INT4_GROUP = 128
 
 
 def int8_codes(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +48,21 @@ def int8_codes(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torc
     w = torch.randn(n, k, generator=gen) * 0.02
     scale = w.abs().amax(dim=1) / 127
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def weight_only(pw, bits: int) -> Callable:
+    """The weight-only slot's path on `pw`: the compiled GEMV up to the build's kernel bound, else the weight
+    dequantized (bf16 where the CPU has native bf16 GEMMs, else fp32) and one dense GEMM."""
+    ops = dispatch.cpu_ops()
+    bound = slot.COMPILED_MAX_TOKENS.get(build.isa_name(build.library()), {}).get(bits, slot.DEFAULT_MAX_KERNEL_TOKENS)
+    dtype = torch.bfloat16 if cpu_matmul.native_half_gemm(torch.bfloat16) else torch.float32
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= bound:
+            return ops.linear(x, pw)
+        return F.linear(x.to(dtype), ops.dequantize(pw, dtype)).to(x.dtype)
+
+    return run
 
 
 def make_linears(mode: str, shapes: list[tuple[int, int]], gen: torch.Generator) -> list[Callable]:
@@ -54,23 +73,22 @@ def make_linears(mode: str, shapes: list[tuple[int, int]], gen: torch.Generator)
         if mode == "bf16":
             tiles = packing.pack_float_tiled((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
             out.append(lambda x, t=tiles: cpu_matmul.matmul_tiled(x, t))
-            continue
-        q, s = int8_codes(n, k, gen)
-        tiles = packing.pack_int8_tiled(q)
-        if mode == "w8a8":
-            pw = ops.PackedWeight.int8_a8(tiles, s)
-            out.append(lambda x, p=pw: ops.linear(x, p))
-            continue
-        pw = ops.PackedWeight.int8(tiles, s, tiled=True)
-        bound = slot.COMPILED_MAX_TOKENS.get(build.isa_name(build.library()), {}).get(8, slot.DEFAULT_MAX_KERNEL_TOKENS)
-        dtype = torch.bfloat16 if cpu_matmul.native_half_gemm(torch.bfloat16) else torch.float32
-
-        def w8a16(x: torch.Tensor, p=pw, bound=bound, dtype=dtype) -> torch.Tensor:
-            if x.shape[0] <= bound:
-                return ops.linear(x, p)
-            return F.linear(x.to(dtype), ops.dequantize(p, dtype)).to(x.dtype)
-
-        out.append(w8a16)
+        elif mode in ("w4a16", "w4a8"):
+            codes, s, _ = packing.quantize_int4_groupwise(torch.randn(n, k, generator=gen) * 0.02, INT4_GROUP, False)
+            packed = packing.pack_int4(codes)
+            if mode == "w4a8":
+                pw = ops.PackedWeight.int4_a8(packed, s, None, INT4_GROUP)
+                out.append(lambda x, p=pw: ops.linear(x, p))
+            else:
+                out.append(weight_only(ops.PackedWeight.int4(packed, s, None, INT4_GROUP), 4))
+        else:
+            q, s = int8_codes(n, k, gen)
+            tiles = packing.pack_int8_tiled(q)
+            if mode == "w8a8":
+                pw = ops.PackedWeight.int8_a8(tiles, s)
+                out.append(lambda x, p=pw: ops.linear(x, p))
+            else:
+                out.append(weight_only(ops.PackedWeight.int8(tiles, s, tiled=True), 8))
     return out
 
 

@@ -141,8 +141,8 @@ def add_quant_flags(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--weight_only_precision", default=None, choices=["int8", "int4"],
                    help="int8 per output channel (W8A16, default) or int4 group-wise (W4A16).")
     q.add_argument("--activation_precision", default=None, choices=["int8"],
-                   help="With --weight_only_precision int8: int8 activations quantized per token and 64 features at run time "
-                        "(W8A8 dynamic, int32 dot products; default: 16-bit activations).")
+                   help="With --use_weight_only: int8 activations quantized per token and 64 features at run time "
+                        "(int8 weights: W8A8 dynamic, int4: W4A8; int32 dot products; default: 16-bit activations).")
     q.add_argument("--group_size", type=positive_int, default=None,
                    help="int4 group size (weight-only int4, --w4a8_awq): 32, 64 or 128 (default 128).")
     q.add_argument("--has_zero_point", action="store_true", help="int4 with per-group zero points.")

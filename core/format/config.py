@@ -133,8 +133,8 @@ class QuantConfig(StrictModel):
         None, description="W8A16 / W4A16 only: quantize each Linear's input at run time as FastLLM's CPU "
                           "int8 / int4 matmuls do (fastllm_uint8: dynamic asymmetric uint8 per token row, or per "
                           "activation_group_size inputs); set when converting an int8 / int4 FastLLM .flm. "
-                          "int8 (W8A16 only): W8A8 dynamic, symmetric int8 per token row and 64 features, int32 dot products "
-                          "(--activation_precision int8).")
+                          "int8 (W8A16 / W4A16 only): W8A8 / W4A8 dynamic, symmetric int8 per token row and 64 "
+                          "features, int32 dot products (--activation_precision int8).")
     activation_group_size: int | None = Field(None, ge=1, description="Inputs per activation_quant group "
                                               "(None: the whole row of one token).")
     exclude_modules: list[str] | None = Field(None, description="Module name patterns left unquantized.")

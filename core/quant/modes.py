@@ -3,7 +3,8 @@
     quant_algo      weight layout held by every selected Linear
     W8A16           int8 per output channel (optional zero points), 16-bit activations; with
                     activation_quant "int8": W8A8 dynamic (int8 activations per token, core.quant.slot)
-    W4A16           int4 group-wise (group_size, optional zero points), 16-bit activations
+    W4A16           int4 group-wise (group_size, optional zero points), 16-bit activations; with
+                    activation_quant "int8": W4A8 dynamic (int8 activations per token, core.quant.slot)
     W4A16_AWQ       W4A16 with zero points (imported from AWQ checkpoints)
     W4A16_GPTQ      W4A16 with zero points (imported from GPTQ checkpoints)
     FP8                 float8 e4m3 per tensor, FP8 activations (core.quant.act_slot)
@@ -28,6 +29,7 @@ GROUP_SIZES = (32, 64, 128)
 INT8_ALGOS = ("W8A16",)
 INT4_ALGOS = ("W4A16", "W4A16_AWQ", "W4A16_GPTQ")
 WEIGHT_ONLY_ALGOS = INT8_ALGOS + INT4_ALGOS
+A8_ALGOS = ("W8A16", "W4A16")  # activation_quant "int8": W8A8 / W4A8 dynamic (core.quant.slot)
 ACT_ALGOS = ("FP8", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ")  # activations quantized too: core.quant.act_slot
 
 
@@ -52,10 +54,12 @@ def linear_quant_of(quant: QuantConfig) -> LinearQuant | None:
     act_quant, act_group = quant.activation_quant, quant.activation_group_size
     if algo is None:
         return None
-    if act_quant == "int8" and (algo not in INT8_ALGOS or quant.has_zero_point or act_group is not None):
-        raise ConfigError(f"quantization.activation_quant 'int8' (W8A8 dynamic): only with symmetric W8A16 weights "
-                          f"and per-token scales (no activation_group_size), not {algo!r}"
-                          + (" with zero points" if quant.has_zero_point else ""))
+    int8_zp = algo in INT8_ALGOS and quant.has_zero_point
+    if act_quant == "int8" and (algo not in A8_ALGOS or int8_zp or act_group is not None):
+        raise ConfigError(f"quantization.activation_quant 'int8' (W8A8 / W4A8 dynamic): only with symmetric W8A16 or "
+                          f"W4A16 weights and per-token scales (no activation_group_size), not {algo!r}"
+                          + (" with zero points" if int8_zp else "")
+                          + (f" with activation_group_size {act_group}" if act_group is not None else ""))
     if algo in INT8_ALGOS:  # zero points: imported asymmetric int8 (FastLLM .flm)
         return LinearQuant(algo, 8, has_zero_point=quant.has_zero_point, act_quant=act_quant, act_group=act_group)
     if algo in INT4_ALGOS:

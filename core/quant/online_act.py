@@ -33,7 +33,7 @@ ACTIVATION_QUANT = ("fastllm_uint8", "int8")
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> x dequantized from its symmetric int8 reading (activation_quant "int8", W8A8 dynamic),
     float32: per token row and block of A8_BLOCK features, s = max |x| / 127, q = round(x * (127 / max |x|)),
-    x' = q s. The compiled kernel (core.kernels.cpu linear_a8.c) multiplies the same codes in int32."""
+    x' = q s. The compiled kernels (core.kernels.cpu linear_a8.c, linear_w4a8.c) multiply the same codes in int32."""
     shape = x.shape
     return a8_dequantize_ref(x.reshape(-1, shape[-1])).reshape(shape)
 

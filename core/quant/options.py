@@ -5,6 +5,8 @@
                                                         -> W8A16 + activation_quant int8 (W8A8 dynamic)
     --use_weight_only --weight_only_precision int4      -> W4A16 (group-wise, --group_size,
                                                            --has_zero_point)
+    --use_weight_only --weight_only_precision int4 --activation_precision int8
+                                                        -> W4A16 + activation_quant int8 (W4A8 dynamic)
     --fp8                                               -> FP8 (e4m3 weights and activations)
     --smoothquant ALPHA                                 -> W8A8_SQ_PER_CHANNEL (SmoothQuant, 0 < ALPHA <= 1)
     --w4a8_awq [--group_size N]                         -> W4A8_AWQ (int4 AWQ weights, FP8 activations)
@@ -36,7 +38,7 @@ class QuantFlags:
 
     use_weight_only: bool = False
     weight_only_precision: str | None = None
-    activation_precision: str | None = None  # int8: W8A16 weights with int8 activations (W8A8 dynamic)
+    activation_precision: str | None = None  # int8: W8A16 / W4A16 weights with int8 activations (W8A8 / W4A8 dynamic)
     group_size: int | None = None
     has_zero_point: bool = False
     exclude_modules: list[str] | None = field(default=None)
@@ -72,13 +74,13 @@ def _weight_only(flags: QuantFlags) -> dict:
         if flags.activation_precision is not None:
             return {"quant_algo": "W8A16", "activation_quant": flags.activation_precision}
         return {"quant_algo": "W8A16"}
-    if flags.activation_precision is not None:
-        raise ConfigError(f"--activation_precision {flags.activation_precision}: only with --weight_only_precision "
-                          "int8 (W4A8 is not implemented)")
     group = flags.group_size if flags.group_size is not None else DEFAULT_GROUP_SIZE
     if group not in GROUP_SIZES:
         raise ConfigError(f"--group_size {group}: expected one of {', '.join(map(str, GROUP_SIZES))}")
-    return {"quant_algo": "W4A16", "group_size": group, "has_zero_point": flags.has_zero_point}
+    section = {"quant_algo": "W4A16", "group_size": group, "has_zero_point": flags.has_zero_point}
+    if flags.activation_precision is not None:  # W4A8 dynamic
+        section["activation_quant"] = flags.activation_precision
+    return section
 
 
 def _activation_mode(flags: QuantFlags) -> dict:

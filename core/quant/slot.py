@@ -25,10 +25,11 @@ the aten weight-only kernel on x cast to the compute dtype (bfloat16, the "A16" 
 W8A16/W4A16); a longer step (prefill, big batches) dequantizes W and runs one dense matmul,
 which is faster there (AMX). With `quantization.activation_quant` set, x is first replaced by
 its dynamic uint8 reading (core.quant.online_act: what FastLLM's int8 / int4 matmuls multiply).
-activation_quant "int8" (W8A8 dynamic, int8 weights only) runs every step, prefill included, on the
-compiled int8 x int8 kernel (linear_a8.c: x quantized per token row and 64 features, vpdpbusd) where the
-weight fits the row tiles; elsewhere x is replaced by its int8 reading (online_act.int8_per_token) and
-multiplied in float32.
+activation_quant "int8" (W8A8 dynamic with int8 weights, W4A8 with int4 ones) runs every step, prefill
+included, on the compiled int8-activation kernels (x quantized per token row and 64 features): int8 x int8
+(linear_a8.c, vpdpbusd) where the int8 weight fits the row tiles, int4 x int8 (linear_w4a8.c, vpmaddubsw) on
+the int4 checkpoint layout where K % 32 == 0; elsewhere x is replaced by its int8 reading
+(online_act.int8_per_token) and multiplied in float32.
 """
 
 from __future__ import annotations
@@ -239,23 +240,27 @@ class WeightOnlySlot:
                     return
                 self._packed = ops.PackedWeight.int8(linear.weight, s, tiled=self.layout == "tiled")
                 return
+            k, z = linear.weight.shape[1] * 2, getattr(linear, "zeros", None)
+            if self.lq.act_quant == "int8" and ops.w4a8_fits(k, self.lq.group_size):  # W4A8: every step on the kernel
+                self._to_checkpoint_layout(linear)  # (its codes as they are: no second copy)
+                self._packed = ops.PackedWeight.int4_a8(linear.weight, s, z, self.lq.group_size)
+                return
             # the dot layout where this build reads it and the activations are bfloat16 (the layer's
             # dtype, its scales'): float32 inputs run faster on the checkpoint layout
-            dot = ops.dot_layout_fits(linear.weight.shape[1] * 2) and s.dtype == torch.bfloat16
+            dot = ops.dot_layout_fits(k) and s.dtype == torch.bfloat16 and self.lq.act_quant is None
             if self.layout == "checkpoint" and dot:  # in place: one copy
                 linear.weight = _param(packing.pack_int4_dot(linear.weight.data))
                 self.layout = "dot"
             elif self.layout == "dot" and not dot:  # another build loaded since (BESTIARY_CPU_ISA)
                 self._to_checkpoint_layout(linear)
-            self._packed = ops.PackedWeight.int4(linear.weight, s, getattr(linear, "zeros", None), self.lq.group_size,
-                                                 dot=self.layout == "dot")
+            self._packed = ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size, dot=self.layout == "dot")
             return
         self._to_checkpoint_layout(linear)  # the aten kernels read the checkpoint layout
         if self.lq.bits == 8:
             self._kernel_scales = s.to(self.compute_dtype).contiguous()
             return
-        if self.out_local % 16:
-            return  # the aten layout needs N % 16 == 0: this layer always dequantizes
+        if self.out_local % 16 or self.lq.act_quant == "int8":
+            return  # the aten layout needs N % 16 == 0; W4A8: x's int8 reading x the dequantized weight (float32)
         if self.layout != "cpu":
             codes = packing.unpack_int4(linear.weight).to(torch.int32)  # [N, K]
             self.k_pad = -self.in_local % self.lq.group_size  # a short last group: pad it to full size
@@ -296,7 +301,7 @@ class WeightOnlySlot:
     def matmul(self, linear: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> x W^T + b [..., N] in x's dtype."""
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
-        if self.lq.act_quant == "int8":  # W8A8 dynamic: the kernel quantizes x2, else x2 <- its int8 reading
+        if self.lq.act_quant == "int8":  # W8A8 / W4A8 dynamic: the kernel quantizes x2, else x2 <- its int8 reading
             x2 = x2 if self.runs_a8_kernel() else online_act.int8_per_token(x2)
         elif self.lq.act_quant is not None:  # quantization.activation_quant: x2 <- its uint8 reading, float32
             x2 = online_act.fastllm_uint8(x2, self.lq.act_group, min_code=1 if self.lq.bits == 8 else 0)
@@ -323,15 +328,17 @@ class WeightOnlySlot:
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def runs_a8_kernel(self) -> bool:
-        """True when the compiled int8 x int8 kernel runs this layer (activation_quant "int8", row tiles)."""
-        return self._packed is not None and self._packed.kind == dispatch.cpu_ops().KIND_I8A8
+        """True when a compiled int8-activation kernel runs this layer (activation_quant "int8": KIND_I8A8 on
+        int8 row tiles, KIND_I4A8 on int4 codes)."""
+        ops = dispatch.cpu_ops()
+        return self._packed is not None and self._packed.kind in (ops.KIND_I8A8, ops.KIND_I4A8)
 
     def _compiled_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """The compiled kernels (core.kernels.cpu): GEMV at <= kernel_max_tokens() rows, else the weight
         dequantized (float32 without native bf16 GEMMs) and one dense matmul. x2 [T, K] -> [T, N]."""
         ops = dispatch.cpu_ops()
         assert self._packed is not None  # (matmul calls this only then)
-        if x2.shape[0] <= self.kernel_max_tokens() or self._packed.kind == ops.KIND_I8A8:  # int8 x int8: any T
+        if x2.shape[0] <= self.kernel_max_tokens() or self.runs_a8_kernel():  # int8 activations: any T
             return ops.linear(x2, self._packed)
         dtype = self.compute_dtype if cpu_matmul.native_half_gemm(self.compute_dtype) else torch.float32
         w = ops.dequantize(self._packed, dtype)  # [N, K]

@@ -275,7 +275,8 @@ class DecodePlan:
         if linear.quant is not None:
             packed = getattr(linear.quant, "_packed", None)
             act_quant = getattr(getattr(linear.quant, "lq", None), "act_quant", None)
-            if act_quant is not None and not (act_quant == "int8" and packed is not None and packed.kind == ops.KIND_I8A8):
+            a8_kinds = (ops.KIND_I8A8, ops.KIND_I4A8)  # int8 activations quantized inside the kernel
+            if act_quant is not None and not (act_quant == "int8" and packed is not None and packed.kind in a8_kinds):
                 raise Unsupported(f"quantization.activation_quant on {linear.name} (the eager path quantizes inputs)")
             if packed is None:
                 raise Unsupported(f"quantized linear {linear.name} without the compiled layout")
@@ -444,7 +445,7 @@ class DecodePlan:
         names = ["embed", "rms_norm", "linear", "rotary", "kv_write", "attention", "act_mul", "lora"]
         kinds = {ops.KIND_F32: "fp32", ops.KIND_F32T: "fp32", ops.KIND_BF16: "bf16", ops.KIND_BF16T: "bf16",
                  ops.KIND_I8: "int8", ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4",
-                 ops.KIND_I8A8: "int8xint8"}
+                 ops.KIND_I8A8: "int8xint8", ops.KIND_I4A8: "int4xint8"}
         if self.profile is None:
             raise RuntimeError("profile_rows before start_profile")
         rows = []

@@ -4,6 +4,8 @@
                     bfloat16 / int8 per-channel / int4 group-wise (checkpoint layouts)
                     (KIND_I8A8: int8 row tiles x int8 activations quantized per row and block of
                     A8_BLOCK features, any number of rows: W8A8 dynamic, `linear_a8_ref`)
+                    (KIND_I4A8: int4 checkpoint codes x the same int8 activations: W4A8 dynamic,
+                    `linear_w4a8_ref`)
     dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
     decode_attention one query token per sequence over the paged KV pool (no gather); float
                     pools or INT8 / FP8 codes with their scales; per-sequence attention
@@ -46,6 +48,8 @@ TILED_KINDS = {torch.bfloat16: KIND_BF16T, torch.float32: KIND_F32T}  # float we
 KIND_I8A8 = 9  # linear_a8.c: KIND_I8T tiles x int8 activations quantized per row and block (W8A8 dynamic)
 A8_BLOCK = 64  # linear_a8.c: input features per activation scale
 A8_SUM_ROWS = 512  # PackedWeight.int8_a8: rows whose code sums are taken at a time (a multiple of the 8-row tiles)
+KIND_I4A8 = 10  # linear_w4a8.c: KIND_I4 codes x int8 activations quantized as KIND_I8A8's (W4A8 dynamic)
+W4A8_CHUNK = 32  # linear_w4a8.c: K % 32 == 0; its segments are 32 or 64 features
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -89,6 +93,9 @@ class PackedWeight:
     (`int4` packs it there when k % 64 == 0): per row, blocks of 64 features in 32 bytes, byte j
     of block b = code(64 b + j) | code(64 b + 32 + j) << 4, rows in tiles of 4 (`packing.pack_int4_dot`);
     scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.row_tiles`).
+    kind KIND_I4A8: KIND_I4's codes (checkpoint layout, k % 32 == 0) multiplied with int8 activations
+    (`int4_a8`); scale = s and scale_zero = z itself (8 when symmetric), float32 in tiles of 8 rows
+    [ceil(n / 8), groups, 8] (the last tile zero-padded).
     """
 
     kind: int
@@ -160,9 +167,39 @@ class PackedWeight:
             s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
         return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
 
+    @classmethod
+    def int4_a8(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int) -> PackedWeight:
+        """int4 codes in the checkpoint layout, uint8 packed [n, k/2] (k % 32 == 0; kept as they are: a view),
+        with scale [n, groups] and zeros [n, groups] or None (symmetric: 8), group % 32 == 0, multiplied
+        with int8 activations (KIND_I4A8, `linear_w4a8_ref`)."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        if packed.dtype != torch.uint8 or group % W4A8_CHUNK or k % W4A8_CHUNK:
+            raise ValueError(f"PackedWeight.int4_a8: uint8 codes [N, K/2] with K % 32 == 0 and a group size multiple "
+                             f"of 32, not {packed.dtype} {list(packed.shape)}, group {group}")
+        s = scale.float()
+        z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
+        s_t, z_t = (_row_tiles8(t) for t in (s, z))
+        return cls(KIND_I4A8, packed.contiguous(), n, k, s_t, z_t, group)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.scale_zero) if t is not None)
+
+
+def _row_tiles8(t: torch.Tensor) -> torch.Tensor:
+    """[n, groups] -> [ceil(n / 8), groups, 8] (rows zero-padded to whole tiles of 8), contiguous."""
+    n, groups = t.shape
+    return F.pad(t, (0, 0, 0, -n % 8)).view(-1, 8, groups).transpose(1, 2).contiguous()
+
+
+def _untile8(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`_row_tiles8`'s inverse: [ceil(n / 8), groups, 8] -> [n, groups]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def w4a8_fits(k: int, group: int) -> bool:
+    """True when the W4A8 kernel (KIND_I4A8) takes an int4 weight of K input features and this group size."""
+    return k % W4A8_CHUNK == 0 and group % W4A8_CHUNK == 0
 
 
 def dot_layout_fits(k: int) -> bool:
@@ -195,8 +232,10 @@ def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torc
 
 def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The int8 / int4 weight W [N, K] in `dtype` (float32 / bfloat16)."""
-    if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D, KIND_I8A8):
+    if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D, KIND_I8A8, KIND_I4A8):
         raise ValueError("dequantize: only int8 / int4 weights")
+    if pw.kind == KIND_I4A8:  # (its scales are tiled, its zero points plain)
+        return dequantize_ref(pw).to(dtype)
     out = torch.empty(pw.n, pw.k, dtype=dtype)
     kind = KIND_I8T if pw.kind == KIND_I8A8 else pw.kind  # the same tiles (its scale_zero: row sums, unused)
     _lib().bst_dequantize(pw.weight.data_ptr(), kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
@@ -219,6 +258,9 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
     if pw.scale_zero is None:
         raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
     s, sz = pw.scale, pw.scale_zero  # [N, groups]
+    if pw.kind == KIND_I4A8:
+        s = _untile8(pw.scale, pw.n)
+        sz = s * _untile8(pw.scale_zero, pw.n)
     if pw.kind == KIND_I4D:
         s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=False) for t in (s, sz))
     codes = (packing.unpack_int4_dot(w) if pw.kind == KIND_I4D else packing.unpack_int4(w)).float()  # [N, K]
@@ -622,3 +664,41 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _lib().bst_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _threads())
     return out
+
+
+def w4a8_segments(k: int, group: int) -> list[tuple[int, int]]:
+    """The segments linear_w4a8.c sums apart, in order: the intersections of an A8_BLOCK activation block and a
+    weight group, as (first feature, features) (32 or 64; k % 32 == 0, group % 32 == 0)."""
+    bounds = sorted({*range(0, k, A8_BLOCK), *range(0, k, group), k})
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def linear_w4a8_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch reference of `linear` on a KIND_I4A8 weight, x [M, K] -> [M, N]. With x's codes qx and block scales
+    s_x from `a8_quantize_ref`, the weight's codes qw (0..15), scales s_w and zero points z, over the segments j
+    of `w4a8_segments` in order (block b(j), group g(j)), from acc = 0:
+
+        D = sum_{k in j} qx[t, k] qw[n, k],   X = sum_{k in j} qx[t, k]        (exact integers)
+        e = float32(D - z[n, g] X)                                               (one rounding: fmaf)
+        acc = float32(acc + float32(s_x[t, b] s_w[n, g]) e)                      (one rounding: fmaf)
+        y[t, n] = acc + bias[n]
+
+    as linear_w4a8.c computes it (here the last step's exact sum is formed in float64 and then rounded: the
+    same bits but for a double rounding, which moves a value by at most one float32 ulp)."""
+    if pw.kind != KIND_I4A8 or pw.scale is None or pw.scale_zero is None:
+        raise ValueError(f"linear_w4a8_ref: a KIND_I4A8 weight with its scales, not kind {pw.kind}")
+    qx, sx = a8_quantize_ref(x)  # [M, K] int8, [M, blocks]
+    qw = packing.unpack_int4(pw.weight).long()  # [N, K]
+    sw, z = _untile8(pw.scale, pw.n), _untile8(pw.scale_zero, pw.n)  # [N, groups]
+    acc = torch.zeros(x.shape[0], pw.n, dtype=torch.float32)
+    for start, width in w4a8_segments(pw.k, pw.group):
+        cols, b, g = slice(start, start + width), start // A8_BLOCK, start // pw.group
+        q = qx[:, cols].long()  # [M, width]
+        d = (q @ qw[:, cols].t()).double()  # [M, N]
+        e = (d - z[None, :, g].double() * q.sum(1, keepdim=True).double()).float()
+        coef = sx[:, b:b + 1] * sw[None, :, g]  # [M, N] float32
+        acc = (acc.double() + coef.double() * e.double()).float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype or x.dtype)
