@@ -111,7 +111,8 @@ def test_speculative_decoding_gives_the_plain_greedy_output(engine_dir, llm):
     """Prompt lookup drafts JSON copied from the prompt: the grammar cuts each draft, verification masks
     each row and rolls back the rejected tail. The output equals plain greedy decoding, token for token,
     and is valid; drafts were proposed, some accepted and some rejected (the rollback ran)."""
-    spec = LLM(engine_dir, speculative={"method": "ngram", "num_draft_tokens": 4, "ngram_max": 3, "ngram_min": 1})
+    spec = LLM(engine_dir, speculative={"method": "ngram", "num_draft_tokens": 4, "ngram_max": 3, "ngram_min": 1,
+                                        "adaptive": False})  # k = 4 every step: the adaptive k reads timings
     prompts = SPEC_PROMPTS + [PROMPT]
     configs = [guided(**GREEDY)] * 3 + [SamplingConfig(max_new_tokens=40, **GREEDY)]
     plain = llm.generate(prompts, configs)
