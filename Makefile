@@ -47,7 +47,7 @@ test: $(INSTALLED)
 # slowest tests are listed at the end (where CI's time goes).
 test-slow: $(INSTALLED)
 	$(SAY_VENV)
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow --durations=30 tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m slow --durations=30 tests
 
 # The lm-evaluation-harness model and `eval --task summarize` (the eval extra: lm-eval pins some of the test
 # extra's dependencies, so it is installed last, only here): their fast tests, against transformers and PEFT.

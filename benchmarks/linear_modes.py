@@ -13,6 +13,10 @@ counts up to 32, as decode steps run it) the way each engine mode runs them:
     w4a16   int4 groups of 128 (symmetric, the layout the slot keeps on this build), the weight-only slot's
             path: the int4 GEMV up to its kernel bound, then dequantized and one dense GEMM
     w4a8    the same int4 codes (checkpoint layout), int8 activations as w8a8's (linear_w4a8.c)
+    w8a16_plan, w4a16_plan
+            the same weights through the compiled GEMV at any row count: what a decode step run by the
+            compiled plan (core.runtime.cpu_plan: every decode step of up to 128 sequences) does, where
+            w8a16 / w4a16 are an eager step's (a prefill chunk, a step mixing prompts and decodes)
 
 Random weights of the real sizes; --layers different weights per mode run in turn (as a model's
 layers do: nothing stays in cache from one call to the next); alternated rounds, the median of
@@ -39,7 +43,7 @@ from bestiary.core.quant import slot
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one layer's linears
 LM_HEAD = (49152, 576)
-MODES = ["bf16", "w8a16", "w8a8", "w4a16", "w4a8"]
+MODES = ["bf16", "w8a16", "w8a8", "w4a16", "w4a8", "w8a16_plan", "w4a16_plan"]
 INT4_GROUP = 128
 
 
@@ -50,11 +54,13 @@ def int8_codes(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torc
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def weight_only(pw, bits: int) -> Callable:
-    """The weight-only slot's path on `pw`: the compiled GEMV up to the build's kernel bound, else the weight
-    dequantized (bf16 where the CPU has native bf16 GEMMs, else fp32) and one dense GEMM."""
+def weight_only(pw, bits: int, plan: bool = False) -> Callable:
+    """The weight-only slot's path on `pw`: the compiled GEMV up to the build's kernel bound (`plan`: at any row
+    count, as a decode plan runs it), else the weight dequantized (bf16 where the CPU has native bf16 GEMMs, else
+    fp32) and one dense GEMM."""
     ops = dispatch.cpu_ops()
     bound = slot.COMPILED_MAX_TOKENS.get(build.isa_name(build.library()), {}).get(bits, slot.DEFAULT_MAX_KERNEL_TOKENS)
+    bound = 1 << 30 if plan else bound
     dtype = torch.bfloat16 if cpu_matmul.native_half_gemm(torch.bfloat16) else torch.float32
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -73,14 +79,14 @@ def make_linears(mode: str, shapes: list[tuple[int, int]], gen: torch.Generator)
         if mode == "bf16":
             tiles = packing.pack_float_tiled((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
             out.append(lambda x, t=tiles: cpu_matmul.matmul_tiled(x, t))
-        elif mode in ("w4a16", "w4a8"):
+        elif mode in ("w4a16", "w4a8", "w4a16_plan"):
             codes, s, _ = packing.quantize_int4_groupwise(torch.randn(n, k, generator=gen) * 0.02, INT4_GROUP, False)
             packed = packing.pack_int4(codes)
             if mode == "w4a8":
                 pw = ops.PackedWeight.int4_a8(packed, s, None, INT4_GROUP)
                 out.append(lambda x, p=pw: ops.linear(x, p))
             else:
-                out.append(weight_only(ops.PackedWeight.int4(packed, s, None, INT4_GROUP), 4))
+                out.append(weight_only(ops.PackedWeight.int4(packed, s, None, INT4_GROUP), 4, mode.endswith("plan")))
         else:
             q, s = int8_codes(n, k, gen)
             tiles = packing.pack_int8_tiled(q)
@@ -88,7 +94,7 @@ def make_linears(mode: str, shapes: list[tuple[int, int]], gen: torch.Generator)
                 pw = ops.PackedWeight.int8_a8(tiles, s)
                 out.append(lambda x, p=pw: ops.linear(x, p))
             else:
-                out.append(weight_only(ops.PackedWeight.int8(tiles, s, tiled=True), 8))
+                out.append(weight_only(ops.PackedWeight.int8(tiles, s, tiled=True), 8, mode.endswith("plan")))
     return out
 
 

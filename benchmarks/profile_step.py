@@ -9,6 +9,7 @@ ms per step for each op kind (linears by shape and weight kind), summed over the
 
 Usage: python benchmarks/profile_step.py [--dtype bfloat16] [--quant W8A16] [--batches 1 32]
        [--tokens 32] [--prompt 64] [--threads 2] [--workdir DIR]
+       python benchmarks/profile_step.py --engine_dir DIR   (any built engine: W8A8, W4A8, another model)
 """
 
 from __future__ import annotations
@@ -78,10 +79,18 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence (context grows from it)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--engine_dir", default=None, help="profile this built engine (--dtype / --quant unused)")
+    parser.add_argument("--max_kernel_tokens", type=int, default=None,
+                        help="weight-only int8 / int4 layers: the compiled GEMV up to this many rows (default: the "
+                             "build's bound, core.quant.slot.COMPILED_MAX_TOKENS)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bestiary-profile-"))
-    llm = LLM(engine_dir(workdir, args.dtype, args.quant))
+    llm = LLM(Path(args.engine_dir) if args.engine_dir else engine_dir(workdir, args.dtype, args.quant))
+    if args.max_kernel_tokens is not None:
+        from bestiary.core.quant.apply import set_max_kernel_tokens
+
+        set_max_kernel_tokens(llm.engine.model, args.max_kernel_tokens)
     console = Console()
     console.print(f"load average {os.getloadavg()}, {args.threads} threads, {args.dtype} {args.quant or ''}")
     for batch in args.batches:

@@ -43,7 +43,8 @@ Since x' W'^T = x diag(p) diag(s) W^T = x W^T, smoothing changes nothing but whe
 sits. p is rounded to its stored dtype first and W' built from the stored p, so the identity
 holds for the tensors in the file.
 
-Running: the codes are multiplied exactly (int8 x int8 through torch._int_mm into int32, FP8
+Running: the codes are multiplied exactly (int8 x int8 into int32: torch._int_mm on CUDA, a float GEMM on
+the CPU (_int8_matmul), FP8
 codes in float32, which holds every product), then scaled: the same numbers a real W8A8/FP8
 GEMM with float32 accumulation computes. W4A8 dequantizes the int4 weight to float32 and
 multiplies it with the dequantized FP8 activations (a reference, not a fast kernel).
@@ -258,12 +259,23 @@ def _act_scale(amax: float, qmax: float) -> torch.Tensor:
     return torch.tensor([max(amax, 1e-8) / qmax], dtype=torch.float32)
 
 
+# |a w| <= 128 * 128 = 2^14 per product, so a sum over K <= 2^10 features never leaves float32's exact
+# integers (2^24), in any summation order.
+FLOAT32_EXACT_K = 1 << 10
+
+
 def _int8_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """int8 a [T, K] x int8 w [N, K] -> int32 [T, N], exact (torch._int_mm on CPU and CUDA when it
-    takes the shapes, else a float64 matmul, exact for these sizes)."""
+    """int8 a [T, K] x int8 w [N, K] -> int32 [T, N], exact. On the CPU a float GEMM: float32 where K <=
+    FLOAT32_EXACT_K, else float64 (exact far past these sizes). torch._int_mm there ran 8x slower than the
+    float64 GEMM on an AVX2 CPU (0.35 s against 0.046 for [512, 576] x [576, 1536], one thread), which made the
+    W8A8 SmoothQuant perplexity gate a 10-minute CI step. Elsewhere torch._int_mm where it takes the shapes
+    (CUDA wants T > 16), else float64."""
+    if a.device.type == "cpu":
+        dtype = torch.float32 if a.shape[1] <= FLOAT32_EXACT_K else torch.float64
+        return (a.to(dtype) @ w.to(dtype).t()).to(torch.int32)
     try:
         return torch._int_mm(a, w.t())
-    except RuntimeError:  # shape/device limits of _int_mm (e.g. CUDA wants T > 16)
+    except RuntimeError:  # shape/device limits of _int_mm
         return (a.double() @ w.double().t()).to(torch.int32)
 
 

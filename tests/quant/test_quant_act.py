@@ -188,6 +188,22 @@ def test_layer_equals_quantized_activations_times_dequantized_weight():
         assert (lin(x) - exact).abs().max() > 1e-3 * exact.abs().max(), lq.algo
 
 
+@pytest.mark.parametrize("k", [64, 1024, 1040, 3072])
+def test_int8_matmul_is_exact_on_either_side_of_the_float32_bound(k):
+    """The CPU's int8 x int8 GEMM (a float GEMM: float32 up to K = 1024, float64 past it) equals the exact int64
+    product, at the extreme codes where a float32 sum past K = 1024 would round (sums beyond 2^24)."""
+    from bestiary.core.quant.act_slot import _int8_matmul
+
+    gen = torch.Generator().manual_seed(k)
+    a = torch.randint(-128, 128, (5, k), generator=gen, dtype=torch.int8)
+    w = torch.randint(-128, 128, (7, k), generator=gen, dtype=torch.int8)
+    a[0], w[0] = -128, -128  # every product 2^14: the row's sum is k * 2^14
+    a[1, ::2] = 127  # odd sums: an integer float32 cannot hold past 2^24
+    exact = a.long() @ w.long().t()
+    y = _int8_matmul(a, w)
+    assert y.dtype == torch.int32 and torch.equal(y.long(), exact)
+
+
 def test_smoothquant_reduces_activation_error_on_outlier_channels():
     """int8 per-tensor activations: with outlier channels, smoothing (alpha 0.5) beats none."""
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(2)) / 11

@@ -16,38 +16,17 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-CHILD = r"""
+GROWN_CHILD = r"""
 import json, sys
-def anon():
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
 from bestiary.core.runtime.engine import Engine
-before = anon()
+before = status("RssAnon")
 engine = Engine.load(sys.argv[1])
-print(json.dumps({"grown": anon() - before}))
+print(json.dumps(status("RssAnon") - before))
 """
-
-
-def test_a_loaded_engine_holds_its_weights_once(tmp_path):
-    """Private memory grown by Engine.load <= 1.15x the rank file + 8 MiB (the model's Python objects)."""
-    import parity
-    import torch
-
-    from bestiary.core.format.checkpoint import rank_file
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
-                                      max_position_embeddings=4096)
-    hf = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    parity.convert_and_load(parity.save_hf(hf, tmp_path), tmp_path, dtype="bfloat16")
-    weights = rank_file(tmp_path / "ckpt", 0).stat().st_size
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ckpt")], capture_output=True, text=True,
-                         check=True)
-    grown = json.loads(out.stdout.strip().splitlines()[-1])["grown"]
-    assert grown <= 1.15 * weights + (8 << 20), f"load grew private memory by {grown / weights:.2f}x the weights"
-
 
 PEAK_CHILD = r"""
 import json, sys
@@ -62,8 +41,34 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM <- VmRSS
 before = status("VmRSS")
 engine = Engine.load(sys.argv[1])
-print(json.dumps({"peak": status("VmHWM") - before}))
+print(json.dumps(status("VmHWM") - before))
 """
+
+
+def _load_in_a_child(tmp_path, vocab: int, dtype: str, child: str) -> tuple[int, int]:
+    """A random 4-layer LLaMA (hidden 512, a tied [vocab, 512] embedding) converted in `dtype` and loaded by
+    `child` in a fresh process -> (its rank file's bytes, the bytes the child printed)."""
+    import parity
+    import torch
+
+    from bestiary.core.format.checkpoint import rank_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                                      max_position_embeddings=4096)
+    hf = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+    parity.convert_and_load(parity.save_hf(hf, tmp_path), tmp_path, dtype=dtype)
+    out = subprocess.run([sys.executable, "-c", child, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                         check=True)
+    return rank_file(tmp_path / "ckpt", 0).stat().st_size, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_loaded_engine_holds_its_weights_once(tmp_path):
+    """Private memory grown by Engine.load <= 1.15x the rank file + 8 MiB (the model's Python objects): bf16, an
+    [8192, 512] tied embedding held in row tiles."""
+    weights, grown = _load_in_a_child(tmp_path, 8192, "bfloat16", GROWN_CHILD)
+    assert grown <= 1.15 * weights + (8 << 20), f"load grew private memory by {grown / weights:.2f}x the weights"
 
 
 @pytest.mark.slow  # 20 s on 2 busy cores (the HF model made and converted), 139 s beside another suite
@@ -72,21 +77,7 @@ def test_loading_never_holds_a_weight_twice(tmp_path):
     [32768, 512] embedding (64 MiB) is most of its 83 MiB. Before issue 52's fix its repack into row tiles
     held the embedding twice (a new tensor beside its source) and the layers' freed sources were still
     resident when it was read: a peak of 1.8x the weights (SmolLM2-135M float32: 1.61x)."""
-    import parity
-    import torch
-
-    from bestiary.core.format.checkpoint import rank_file
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
-                                      max_position_embeddings=4096)
-    hf = transformers.LlamaForCausalLM(config)
-    parity.convert_and_load(parity.save_hf(hf, tmp_path), tmp_path, dtype="float32")
-    weights = rank_file(tmp_path / "ckpt", 0).stat().st_size
-    out = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(tmp_path / "ckpt")], capture_output=True, text=True,
-                         check=True)
-    peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    weights, peak = _load_in_a_child(tmp_path, 32768, "float32", PEAK_CHILD)
     assert peak <= 1.15 * weights + (16 << 20), f"load peaked at {peak / weights:.2f}x the weights"
 
 

@@ -81,6 +81,21 @@ static void a8_inputs(const float *xf, int64_t m, int64_t k, int8_t *xq, float *
         }
 }
 
+/* x [m, k] (xdt: float32 / bfloat16 / float16) -> codes xq [m, k] and block scales xs [m, nb] (a8_inputs): the
+ * input side of every int8-activation linear (a8_linear, w4a8_linear) */
+static void a8_quantize(const void *x, int xdt, int64_t m, int64_t k, int8_t *xq, float *xs, int threads) {
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) + 64);
+    to_f32(x, xdt, m * k, xf);
+    a8_inputs(xf, m, k, xq, xs, threads < 1 ? 1 : threads);
+    free(xf);
+}
+
+/* the parts (threads) an int8-activation linear of n output rows splits its rows over: one below 64 rows a part */
+INLINE int a8_parts(int64_t n, int threads) {
+    const int parts = threads < 1 ? 1 : threads;
+    return n < 64 * parts ? 1 : parts;
+}
+
 #if A8_VNNI
 /* sums[i][r] = sum_b s[i, b] sum_{k in b} u[i, k] W[row0 + r, k] (r = 0..7, one whole tile) for M inputs */
 INLINE void a8_tile_vnni(const uint8_t *xq, const float *xs, int64_t k, const int8_t *w, int64_t row0, int M,
@@ -311,13 +326,10 @@ static void a8_rows(const int8_t *xq, const float *xs, int64_t m, int64_t k, con
  * w (n % 8 == 0, k % 32 == 0) with scale [n] and corr [n / 8][nb][8] (module comment) */
 static void a8_linear(const void *x, int xdt, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *scale,
                       const float *corr, const float *bias, void *y, int ydt, int threads) {
-    float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) + 64);
     int8_t *xq = (int8_t *)malloc((size_t)(m * k) + 64);
     float *xs = (float *)malloc(sizeof(float) * (size_t)(m * a8_blocks(k)));
-    to_f32(x, xdt, m * k, xf);
-    int parts = threads < 1 ? 1 : threads;
-    a8_inputs(xf, m, k, xq, xs, parts);
-    if (n < 64 * parts) parts = 1;
+    a8_quantize(x, xdt, m, k, xq, xs, threads);
+    const int parts = a8_parts(n, threads);
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int part = 0; part < parts; part++) {
         const int64_t tiles = n / TILE_ROWS, b = tiles * part / parts * TILE_ROWS, e = tiles * (part + 1) / parts * TILE_ROWS;
@@ -325,5 +337,4 @@ static void a8_linear(const void *x, int xdt, int64_t m, int64_t k, const int8_t
     }
     free(xs);
     free(xq);
-    free(xf);
 }

@@ -23,7 +23,7 @@ INLINE float int4_weight(const uint8_t *wr, const float *sr, const float *szr, i
  * inputs (constants after inlining); low and high nibbles accumulate apart (2 R M independent
  * FMA chains). */
 INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, const uint8_t *w, const float *s,
-                      const float *sz, int64_t group, int64_t row0, int R, int M, float res[4][MT]) {
+                      const float *sz, int64_t group, int64_t row0, int R, int M, const float *qf, float res[4][MT]) {
     const int64_t groups = (k + group - 1) / group;
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -39,16 +39,22 @@ INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, 
             xhi[i] = _mm512_loadu_ps(xp + i * m_stride + kk + 16);
         }
         for (int r = 0; r < R; r++) {
-            const uint8_t *wr = w + (row0 + r) * (k / 2);
-            if (kk % group == 0) { /* a new group: its table lut[q] = q * s - s * z */
-                int64_t g = (row0 + r) * groups + kk / group;
-                lut[r] = _mm512_fmsub_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(sz[g]));
+            __m512 lo, hi;
+            if (qf) { /* decoded once for all inputs (int4_decode_rows): the table's values */
+                lo = _mm512_loadu_ps(qf + r * k + kk);
+                hi = _mm512_loadu_ps(qf + r * k + kk + 16);
+            } else {
+                const uint8_t *wr = w + (row0 + r) * (k / 2);
+                if (kk % group == 0) { /* a new group: its table lut[q] = q * s - s * z */
+                    int64_t g = (row0 + r) * groups + kk / group;
+                    lut[r] = _mm512_fmsub_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(sz[g]));
+                }
+                if (kk % 128 == 0) /* a row is a few cache lines: fetch the next tile's early */
+                    _mm_prefetch((const char *)(wr + R * (k / 2) + kk / 2), _MM_HINT_T0);
+                __m128i b = _mm_loadu_si128((const __m128i *)(wr + kk / 2));
+                lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)), lut[r]);
+                hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)), lut[r]);
             }
-            if (kk % 128 == 0) /* a row is a few cache lines: fetch the next tile's early */
-                _mm_prefetch((const char *)(wr + R * (k / 2) + kk / 2), _MM_HINT_T0);
-            __m128i b = _mm_loadu_si128((const __m128i *)(wr + kk / 2));
-            __m512 lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)), lut[r]);
-            __m512 hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)), lut[r]);
             for (int i = 0; i < M; i++) {
                 acc[r][i][0] = _mm512_fmadd_ps(lo, xlo[i], acc[r][i][0]);
                 acc[r][i][1] = _mm512_fmadd_ps(hi, xhi[i], acc[r][i][1]);
@@ -64,7 +70,7 @@ INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, 
  * of a block: low nibbles even k, high nibbles odd k). The zero-point term
  * - sum_g (s z)_g sum_{k in g} x_k is int4_rows' (xsum). 2 R M independent FMA chains. */
 INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, const uint8_t *w, const float *s,
-                      const float *sz, int64_t group, int64_t row0, int R, int M, float res[4][MT]) {
+                      const float *sz, int64_t group, int64_t row0, int R, int M, const float *qf, float res[4][MT]) {
     const int64_t groups = (k + group - 1) / group;
     const __m256i low4 = _mm256_set1_epi32(15);
     vf tot[4][MT];
@@ -82,12 +88,19 @@ INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, 
                 xe[i] = vloadu(xp + i * m_stride + kk);
                 xo[i] = vloadu(xp + i * m_stride + kk + VW);
             }
-            if (kk % 128 == 0) /* a row is a few cache lines: fetch the next tile's early */
+            if (kk % 128 == 0 && !qf) /* a row is a few cache lines: fetch the next tile's early */
                 for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (row0 + R + r) * (k / 2) + kk / 2), _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
-                const uint8_t *wr = w + (row0 + r) * (k / 2);
-                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr + kk / 2)));
-                vf lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                vf lo, hi;
+                if (qf) { /* decoded once for all inputs (int4_decode_rows): the codes as floats */
+                    lo = vloadu(qf + r * k + kk);
+                    hi = vloadu(qf + r * k + kk + VW);
+                } else {
+                    const uint8_t *wr = w + (row0 + r) * (k / 2);
+                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr + kk / 2)));
+                    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
+                    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                }
                 for (int i = 0; i < M; i++) {
                     acc[r][i][0] = vfmadd(lo, xe[i], acc[r][i][0]);
                     acc[r][i][1] = vfmadd(hi, xo[i], acc[r][i][1]);
@@ -104,26 +117,71 @@ INLINE void int4_tile(const float *xp, int64_t m_stride, int64_t k, int64_t kb, 
 }
 #endif
 
-/* int4 rows [r_begin, r_end) of y for all m inputs: tiles of 4 rows x 1 input or 1 row x up
- * to 4 inputs, then the features past the last I4B-block one by one. xsum [m, groups]: the
- * sums of x over each group's features below kb (AVX2's zero-point term; NULL otherwise). */
-static void int4_rows(const float *xf, const float *xp, const float *xsum, int64_t m, int64_t k, const uint8_t *w,
-                      const float *s, const float *sz, int64_t group, const float *bias, void *y, int ydt, int64_t n,
-                      int64_t r_begin, int64_t r_end) {
+/* Inputs from which int4_rows decodes each block of ROWS rows once for all of them (SIMD builds) instead of once
+ * per tile of MT inputs: the tile then reads the decoded floats from L1 (the same values and the same sums, so
+ * a row's output does not depend on the batch either way). */
+#define I4_DECODE_M 5
+INLINE int int4_decodes(int64_t m) { return BST_SIMD && m >= I4_DECODE_M; }
+
+#if BST_SIMD
+/* the I4B-blocks (below kb) of rows [row0, row0 + R) as int4_tile reads them, per block [VW lows, VW highs]
+ * (even features, then odd ones) of floats: AVX-512 the table's q s - s z, AVX2 the codes q: qf [R, k] */
+static void int4_decode_rows(const uint8_t *w, const float *s, const float *sz, int64_t k, int64_t kb, int64_t group,
+                             int64_t row0, int R, float *qf) {
+    const int64_t groups = (k + group - 1) / group;
+    for (int r = 0; r < R; r++) {
+        const uint8_t *wr = w + (row0 + r) * (k / 2);
+        float *q = qf + (int64_t)r * k;
+        for (int64_t kk = 0; kk < kb; kk += I4B) {
+#if BST_AVX512
+            const int64_t g = (row0 + r) * groups + kk / group;
+            const __m512 lut = _mm512_fmsub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_ps(s[g]), _mm512_set1_ps(sz[g]));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(wr + kk / 2)), low4 = _mm_set1_epi8(0x0f);
+            _mm512_storeu_ps(q + kk, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low4)), lut));
+            _mm512_storeu_ps(q + kk + 16,
+                             _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low4)), lut));
+#else
+            (void)s, (void)sz, (void)groups;
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr + kk / 2)));
+            vstoreu(q + kk, _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))));
+            vstoreu(q + kk + VW, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)));
+#endif
+        }
+    }
+}
+#endif
+
+/* the int4 tile for R rows x M inputs (int4_block's shapes), weights from Q (decoded floats, or NULL: nibbles) */
+#define INT4_TILES(Q) \
+    { \
+        if (R == 4) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 4, 1, Q, res); \
+        else if (M == 1) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 1, Q, res); \
+        else if (M == 2) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 2, Q, res); \
+        else if (M == 3) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 3, Q, res); \
+        else int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 4, Q, res); \
+    }
+
+/* int4 rows [row_lo, row_hi) of y for all m inputs: tiles of 4 rows x 1 input or 1 row x up to 4 inputs, then
+ * the features past the last I4B-block one by one. qf: those rows decoded (int4_decode_rows, from row row_lo)
+ * or NULL (the tiles decode the nibbles). */
+static void int4_block(const float *xf, const float *xp, const float *xsum, int64_t m, int64_t k, const uint8_t *w,
+                       const float *s, const float *sz, int64_t group, const float *bias, void *y, int ydt, int64_t n,
+                       int64_t row_lo, int64_t row_hi, const float *qf) {
     int64_t groups = (k + group - 1) / group, kb = BST_SIMD ? k / I4B * I4B : 0;
-    (void)xp;
+    (void)xp, (void)qf;
     for (int64_t i0 = 0; i0 < m; i0 += MT) {
         int M = m - i0 >= MT ? MT : (int)(m - i0);
-        for (int64_t row0 = r_begin; row0 < r_end;) {
-            int R = M == 1 && r_end - row0 >= 4 ? 4 : 1;
+        for (int64_t row0 = row_lo; row0 < row_hi;) {
+            int R = M == 1 && row_hi - row0 >= 4 ? 4 : 1;
             float res[4][MT] = {{0.f}};
 #if BST_SIMD
             const float *xi = xp + i0 * k;
-            if (R == 4) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 4, 1, res);
-            else if (M == 1) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 1, res);
-            else if (M == 2) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 2, res);
-            else if (M == 3) int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 3, res);
-            else int4_tile(xi, k, k, kb, w, s, sz, group, row0, 1, 4, res);
+            if (qf) { /* (two copies of the tiles: each one's weight source known when it is compiled) */
+                const float *q = qf + (row0 - row_lo) * k;
+                INT4_TILES(q)
+            } else
+                INT4_TILES(NULL)
 #endif
             for (int r = 0; r < R; r++) {
                 const uint8_t *wr = w + (row0 + r) * (k / 2);
@@ -140,6 +198,27 @@ static void int4_rows(const float *xf, const float *xp, const float *xsum, int64
             row0 += R;
         }
     }
+}
+
+/* int4 rows [r_begin, r_end) of y for all m inputs (int4_block). xsum [m, groups]: the sums of x over each
+ * group's features below kb (AVX2's zero-point term; NULL otherwise). With int4_decodes(m), a block of ROWS rows
+ * at a time, decoded once into floats (a few KiB, in L1) that every input's tiles then read. */
+static void int4_rows(const float *xf, const float *xp, const float *xsum, int64_t m, int64_t k, const uint8_t *w,
+                      const float *s, const float *sz, int64_t group, const float *bias, void *y, int ydt, int64_t n,
+                      int64_t r_begin, int64_t r_end) {
+#if BST_SIMD
+    if (int4_decodes(m)) {
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(ROWS * k) + 64);
+        for (int64_t row0 = r_begin; row0 < r_end; row0 += ROWS) {
+            const int64_t row1 = row0 + ROWS < r_end ? row0 + ROWS : r_end;
+            int4_decode_rows(w, s, sz, k, k / I4B * I4B, group, row0, (int)(row1 - row0), qf);
+            int4_block(xf, xp, xsum, m, k, w, s, sz, group, bias, y, ydt, n, row0, row1, qf);
+        }
+        free(qf);
+        return;
+    }
+#endif
+    int4_block(xf, xp, xsum, m, k, w, s, sz, group, bias, y, ydt, n, r_begin, r_end, NULL);
 }
 
 /* int4 in the dot layout (DT_I4D; only the vdpbf16ps build packs it, k % 64 == 0): per row,

@@ -178,16 +178,13 @@ static void w4a8_rows(const int8_t *xp, const int32_t *xc, const float *xs, int6
  * w [n, k / 2] (k % 32 == 0) with s_w and z tiled [ceil(n / 8)][groups][8] (module comment) */
 static void w4a8_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8_t *w, int64_t n, const float *swt,
                         const float *zt, int64_t group, const float *bias, void *y, int ydt, int threads) {
-    float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) + 64);
     int8_t *xq = (int8_t *)malloc((size_t)(m * k) + 64), *xp = (int8_t *)malloc((size_t)(m * w4a8_stride(k)) + 64);
     float *xs = (float *)malloc(sizeof(float) * (size_t)(m * a8_blocks(k)));
     int32_t *xc = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * (k / W4A8_CHUNK)) + 4);
-    to_f32(x, xdt, m * k, xf);
-    int parts = threads < 1 ? 1 : threads;
-    a8_inputs(xf, m, k, xq, xs, parts);
+    a8_quantize(x, xdt, m, k, xq, xs, threads);
     w4a8_inputs(xq, m, k, xp, xc);
     const int64_t tiles = (n + 7) / 8;
-    if (n < 64 * parts) parts = 1;
+    const int parts = a8_parts(n, threads);
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int part = 0; part < parts; part++) {
         const int64_t b = tiles * part / parts * 8, e = tiles * (part + 1) / parts * 8;
@@ -197,5 +194,4 @@ static void w4a8_linear(const void *x, int xdt, int64_t m, int64_t k, const uint
     free(xs);
     free(xp);
     free(xq);
-    free(xf);
 }

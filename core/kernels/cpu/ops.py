@@ -134,14 +134,17 @@ class PackedWeight:
         return cls(KIND_I8T if tiled else KIND_I8, q.contiguous(), n, k, scale.float().contiguous())
 
     @classmethod
-    def int8_a8(cls, tiles: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+    def int8_a8(cls, tiles: torch.Tensor, scale: torch.Tensor, correction: bool | None = None) -> PackedWeight:
         """int8 codes already in row tiles [n, k] (`packing.pack_int8_tiled`) with per-row scale [n], multiplied
         with int8 activations (KIND_I8A8, `linear_a8_ref`). scale_zero: 128 x each row's code sums per
-        A8_BLOCK-feature block, float32, in row tiles [n / 8, blocks, 8] (the VNNI build's offset correction)."""
+        A8_BLOCK-feature block, float32, in row tiles [n / 8, blocks, 8]: the VNNI build's offset correction,
+        computed when `correction` (None: only under the build that reads it, avx512bf16; the others leave it None)."""
         n, k = tiles.shape
         if tiles.dtype != torch.int8 or not packing.int8_tiles_fit(n, k):
             raise ValueError(f"PackedWeight.int8_a8: int8 row tiles [N % 8 == 0, K % 32 == 0], not {tiles.dtype} "
                              f"{list(tiles.shape)}")
+        if not (isa_name(library()) == "avx512bf16" if correction is None else correction):
+            return cls(KIND_I8A8, tiles.contiguous(), n, k, scale.float().contiguous())
         step = A8_SUM_ROWS  # rows at a time: the int32 temporaries of a whole weight were 8x its codes (a load's peak)
         sums = torch.cat([a8_block_sums(packing.unpack_int8_tiled(tiles[i:i + step])) for i in range(0, n, step)])
         corr = (128.0 * sums.float()).view(n // packing.TILE_ROWS, packing.TILE_ROWS, -1).transpose(1, 2)
@@ -222,6 +225,9 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torch.Tensor:
     if kind == KIND_I4D and isa_name(library()) != "avx512bf16":
         raise ValueError("an int4 weight in the dot layout needs the avx512bf16 kernel build (prepare it again)")
+    if kind == KIND_I8A8 and scale_zero is None and isa_name(library()) == "avx512bf16":
+        raise ValueError("an int8 x int8 weight packed without its VNNI correction under the avx512bf16 kernel build "
+                         "(prepare it again)")
     x = x.contiguous()
     m = x.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)

@@ -202,6 +202,25 @@ def test_int4_dot_layout_matches_the_checkpoint_layout(cpu_build, group, zp, m, 
     torch.testing.assert_close(ops.dequantize(pw), ops.dequantize_ref(plain))
 
 
+@pytest.mark.parametrize("zp", [False, True])
+def test_int4_rows_decoded_once_for_a_batch_equal_each_row_alone(cpu_build, zp):
+    """From 5 inputs on, int4_rows decodes each 8-row block once for the whole batch (int4_decode_rows): every
+    row of a 13-input batch equals the same input alone (the per-tile GEMV), bit for bit, with a K tail past the
+    last vector block, a short last group and N not a multiple of 8; and the batch matches the reference."""
+    gen = torch.Generator().manual_seed(7)
+    n, k, group = 21, 200, 32  # 200 = 6 groups of 32 + 8; 21 rows = 2 blocks of 8 + 5
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, -(-k // group), generator=gen) + 0.1
+    zeros = torch.randint(0, 16, scale.shape, generator=gen).float() if zp else None
+    pw = ops.PackedWeight.int4(packed, scale, zeros, group)
+    x = torch.randn(13, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    y = ops.linear(x, pw, bias, out_dtype=torch.float32)
+    for i in range(13):
+        assert torch.equal(ops.linear(x[i:i + 1], pw, bias, out_dtype=torch.float32), y[i:i + 1]), i
+    assert _rel_err(y, ops.linear_ref(x, pw, bias, out_dtype=torch.float32)) < 2e-6
+
+
 def _wide_range_inputs(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """bf16 x [m, k] whose values span 2^-12 .. 2^4 within each block: q16 rounds the small ones."""
     return (torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-12, 4, (m, k), generator=gen).float())).bfloat16()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from a8_cases import assert_rows_do_not_depend_on_the_batch, hard_inputs
 
 from bestiary.core.format import packing
 from bestiary.core.kernels.cpu import build, ops
@@ -37,12 +38,7 @@ def _weight(n: int, k: int, seed: int = 0) -> ops.PackedWeight:
                                    (4, 128, 1536), (2, 256, 2048)])
 def test_linear_a8_matches_reference(m, n, k, dtype):
     pw = _weight(n, k, seed=m + n)
-    gen = torch.Generator().manual_seed(k)
-    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
-    x[0, k // 2] = 50.0  # an outlier: the rest of its row gets a coarse grid
-    if m > 2:
-        x[2] = 0.0  # an all-zero row: zeros
-    bias = torch.randn(n, generator=gen)
+    x, bias = hard_inputs(m, k, n, dtype)
     for out_dtype in (torch.float32, dtype):
         y = ops.linear(x, pw, bias, out_dtype=out_dtype)
         ref = ops.linear_a8_ref(x, pw, bias, out_dtype=out_dtype)
@@ -55,16 +51,7 @@ def test_linear_a8_matches_reference(m, n, k, dtype):
 def test_linear_a8_rows_do_not_depend_on_the_batch():
     """Exact int32 block sums, summed in a fixed order: each row's output is the same bits alone, in any batch
     and thread count."""
-    pw = _weight(64, 576)
-    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
-    whole = ops.linear(x, pw, out_dtype=torch.float32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        for i in range(11):
-            assert torch.equal(ops.linear(x[i:i + 1], pw, out_dtype=torch.float32), whole[i:i + 1])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_do_not_depend_on_the_batch(_weight(64, 576))
 
 
 def test_linear_a8_nan_row_stays_nan_and_others_do_not():
@@ -99,10 +86,21 @@ def test_code_sums_are_taken_a_block_of_rows_at_a_time(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (88, 200), generator=gen, dtype=torch.int8)[:, :192].contiguous()  # [88, 192]
     s = torch.rand(88, generator=gen) + 0.5
-    whole = ops.PackedWeight.int8_a8(packing.pack_int8_tiled(q), s)
+    whole = ops.PackedWeight.int8_a8(packing.pack_int8_tiled(q), s, correction=True)
     seen: list[int] = []
     real = ops.a8_block_sums
     monkeypatch.setattr(ops, "a8_block_sums", lambda codes: seen.append(codes.shape[0]) or real(codes))
     monkeypatch.setattr(ops, "A8_SUM_ROWS", 16)
-    blocked = ops.PackedWeight.int8_a8(packing.pack_int8_tiled(q), s)
+    blocked = ops.PackedWeight.int8_a8(packing.pack_int8_tiled(q), s, correction=True)
     assert seen == [16] * 5 + [8] and torch.equal(blocked.scale_zero, whole.scale_zero)
+
+
+def test_the_vnni_correction_is_computed_only_for_the_build_that_reads_it(cpu_build, monkeypatch):
+    """Only the avx512bf16 (VNNI) build reads scale_zero: the others pack KIND_I8A8 without it (a float per 8 codes
+    of memory less), and a weight packed so refuses to run under the VNNI build instead of reading a null pointer."""
+    pw = _weight(16, 64)
+    assert (pw.scale_zero is not None) == (cpu_build == "avx512bf16")
+    bare = ops.PackedWeight.int8_a8(pw.weight, pw.scale, correction=False)
+    monkeypatch.setattr(ops, "isa_name", lambda lib: "avx512bf16")
+    with pytest.raises(ValueError, match="VNNI correction"):
+        ops.linear(torch.randn(2, 64), bare)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from a8_cases import assert_rows_do_not_depend_on_the_batch, hard_inputs
 
 from bestiary.core.format import packing
 from bestiary.core.kernels.cpu import build, ops
@@ -48,12 +49,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0) -> bool:
                                             (4, 128, 1536, 128, False), (2, 253, 2048, 64, True)])
 def test_linear_w4a8_matches_reference(m, n, k, group, zp, dtype):
     pw = _weight(n, k, group, zp, seed=m + n)
-    gen = torch.Generator().manual_seed(k)
-    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
-    x[0, k // 2] = 50.0  # an outlier: the rest of its block gets a coarse grid
-    if m > 2:
-        x[2] = 0.0  # an all-zero row: zeros
-    bias = torch.randn(n, generator=gen)
+    x, bias = hard_inputs(m, k, n, dtype)
     y = ops.linear(x, pw, bias, out_dtype=torch.float32)
     ref = ops.linear_w4a8_ref(x, pw, bias, out_dtype=torch.float32)
     assert _close(y, ref), (y - ref).abs().max()
@@ -76,19 +72,7 @@ def test_linear_w4a8_segments():
 def test_linear_w4a8_rows_do_not_depend_on_the_batch_or_threads():
     """Exact int32 segment sums, summed in a fixed order: each row's output is the same bits alone, in any batch
     (tiles of 1 to 4 inputs) and thread count."""
-    pw = _weight(72, 576, 64, True)
-    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
-    whole = ops.linear(x, pw, out_dtype=torch.float32)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            assert torch.equal(ops.linear(x, pw, out_dtype=torch.float32), whole)
-            for i in range(11):
-                assert torch.equal(ops.linear(x[i:i + 1], pw, out_dtype=torch.float32), whole[i:i + 1])
-            assert torch.equal(ops.linear(x[3:9], pw, out_dtype=torch.float32), whole[3:9])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_do_not_depend_on_the_batch(_weight(72, 576, 64, True))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
