@@ -191,13 +191,15 @@ def test_layer_equals_quantized_activations_times_dequantized_weight():
 @pytest.mark.parametrize("k", [64, 1024, 1040, 3072])
 def test_int8_matmul_is_exact_on_either_side_of_the_float32_bound(k):
     """The CPU's int8 x int8 GEMM (a float GEMM: float32 up to K = 1024, float64 past it) equals the exact int64
-    product, at the extreme codes where a float32 sum past K = 1024 would round (sums beyond 2^24)."""
+    product, at the extreme codes where a float32 sum past K = 1024 would round: row 0's sum is (K - 1) 2^14 +
+    127^2, odd and above 2^24 (a float32 GEMM at K = 1040 or 3072 gets it wrong)."""
     from bestiary.core.quant.act_slot import _int8_matmul
 
     gen = torch.Generator().manual_seed(k)
     a = torch.randint(-128, 128, (5, k), generator=gen, dtype=torch.int8)
     w = torch.randint(-128, 128, (7, k), generator=gen, dtype=torch.int8)
-    a[0], w[0] = -128, -128  # every product 2^14: the row's sum is k * 2^14
+    a[0], w[0] = -128, -128  # every product 2^14 ...
+    a[0, -1], w[0, -1] = 127, 127  # ... but one odd 127^2: an odd sum, past 2^24 from K = 1025 on
     a[1, ::2] = 127  # odd sums: an integer float32 cannot hold past 2^24
     exact = a.long() @ w.long().t()
     y = _int8_matmul(a, w)

@@ -142,7 +142,7 @@ def fp32_ppl(workdir, smollm2_fp32_checkpoint):
     return _ppl(workdir, "fp32", None, smollm2_fp32_checkpoint)[0]
 
 
-# The GPTQ int4 modes (GPTQ, then 40 steps of end-to-end scale tuning: ~11 min each on one CI thread) are
+# The GPTQ int4 modes (GPTQ, then 40 steps of end-to-end scale tuning: 12-16 min each on one CI thread) are
 # gated by test_quant_smollm2_int4.py, a file of their own: `make test-slow`'s workers take whole files, so
 # they run on one worker while the other runs these gates and the other slow files.
 INT4_MODES = ("W4A16_g64_zp", "W4A16_g128_zp")

@@ -1,7 +1,7 @@
 """The GPTQ int4 perplexity gates of test_quant_smollm2 (its MODES, gates and reasons), in a file of their own.
 
 Each converts SmolLM2-135M with GPTQ and then tunes its group scales end to end (core.convert.tune: 40
-forward + backward passes of the float model), ~11 min on one CI thread: `make test-slow`'s workers take
+forward + backward passes of the float model), 12-16 min each on one CI thread: `make test-slow`'s workers take
 whole files (--dist loadfile), so these run on one worker while the other runs every other slow file
 (tests/conftest.py FIRST starts both files first).
 """
