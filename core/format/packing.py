@@ -262,9 +262,27 @@ def quantize_int4_groupwise(
 
 
 def int4_roundtrip(w: torch.Tensor, group_size: int, zero_point: bool) -> torch.Tensor:
-    """w [N, K] -> its round-to-nearest int4 quantized-then-dequantized float32 [N, K]."""
-    codes, s, z = quantize_int4_groupwise(w, group_size, zero_point)
-    return dequantize_int4(codes, s, z, group_size)
+    """w [N, K] -> its round-to-nearest int4 quantized-then-dequantized float32 [N, K]:
+    dequantize_int4(*quantize_int4_groupwise(w, group_size, zero_point), group_size), bit for bit."""
+    return _roundtrip_rows(w, group_size, zero_point)[0]
+
+
+@by_rows
+def _roundtrip_rows(w: torch.Tensor, group_size: int, zero_point: bool) -> tuple[torch.Tensor]:
+    """int4_roundtrip of rows w [N, K], group by group in float32 with no codes or [N, K] copies of s and z
+    (the AWQ and GPTQ searches run it for every candidate). The values are those of quantize-then-dequantize:
+    each step is exact on integers below 2^24, so (clamp(round(w / s) + z, 0, 15) - z) * s rounds once, at the
+    same product; symmetric (clamp(round(w / s), -8, 7) + 8 - 8) * s likewise."""
+    n, k = w.shape
+    groups = num_groups(k, group_size)
+    g = torch.nn.functional.pad(w.float(), (0, groups * group_size - k)).reshape(n, groups, group_size)
+    s, z = int4_grid(g, zero_point)  # [N, groups]
+    q = torch.round(g / s[..., None])  # [N, groups, G]
+    if z is None:
+        q.clamp_(-8, 7)
+    else:
+        q.add_(z[..., None]).clamp_(0, 15).sub_(z[..., None])
+    return (q.mul_(s[..., None]).reshape(n, -1)[:, :k],)
 
 
 def dequantize_int4(

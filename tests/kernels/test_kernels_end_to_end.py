@@ -40,6 +40,17 @@ VARIANTS: dict[str, list[dict]] = {
     ],
     "ChatGLMForCausalLM": [dict(num_key_value_heads=3, bos_token_id=98, mask_token_id=99, gmask_token_id=100)],
     "MixtralForCausalLM": [dict(num_local_experts=4, num_experts_per_tok=2)],
+    # MoE families at their own tiny sizes (their config defaults are 60-256 experts of 1407-5632, minutes in
+    # the interpreter): more experts than Mixtral's and odd FFN dims; a dense first layer, shared experts,
+    # group-limited routing (V2) and noaux_tc groups (V3), and MLA with a low-rank q at dims that are not
+    # powers of two.
+    "Qwen2MoeForCausalLM": [dict(num_local_experts=6, num_experts_per_tok=3, shared_expert_intermediate_size=65)],
+    "Qwen3MoeForCausalLM": [dict(num_local_experts=6, num_experts_per_tok=3, norm_topk_prob=True)],
+    **{arch: [dict(kv_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=24, q_lora_rank=40,
+                   num_local_experts=8, num_experts_per_tok=3, moe_intermediate_size=65, n_shared_experts=1,
+                   first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                   **({"topk_method": "group_limited_greedy"} if arch == "DeepseekV2ForCausalLM" else {}))]
+       for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")},
 }
 BLOCK_SIZE = 5
 TABLES = [[3, 0, 6, 1], [5, 2, 7, 4]]

@@ -442,6 +442,18 @@ def test_packing_grids_equal_hand_computed_values():
                                                        torch.tensor([2])), torch.tensor([[4.0, -2.5]]))
 
 
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_int4_roundtrip_is_quantize_then_dequantize_bit_for_bit(zero_point):
+    """The AWQ / GPTQ searches' float roundtrip (no codes) equals the codes' dequantization exactly: more rows
+    than one block of packing.QUANT_ROWS, a short last group, ties at .5 steps, outliers that clamp."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(packing.QUANT_ROWS + 5, 80, generator=gen)  # 80 = 2 groups of 32 + 16
+    w[::7, ::5] *= 40  # outliers: the other weights of their groups clamp or round coarsely
+    w[1, :32] = torch.arange(32) * 0.5 - 8  # steps of half the scale: round-half-to-even ties
+    codes, s, z = packing.quantize_int4_groupwise(w, 32, zero_point)
+    assert torch.equal(packing.int4_roundtrip(w, 32, zero_point), packing.dequantize_int4(codes, s, z, 32))
+
+
 def test_packing_layouts_and_round_trips_by_hand():
     """More packing survivors: a small row amax (s floor), int4 round trips with zero points, the
     aten CPU int4 layout with a remainder block and its shape check, the symmetric scale table."""
