@@ -282,7 +282,7 @@ def _roundtrip_rows(w: torch.Tensor, group_size: int, zero_point: bool) -> tuple
         q.clamp_(-8, 7)
     else:
         q.add_(z[..., None]).clamp_(0, 15).sub_(z[..., None])
-    return (q.mul_(s[..., None]).reshape(n, -1)[:, :k],)
+    return (q.mul_(s[..., None]).reshape(n, -1)[:, :k].contiguous(),)
 
 
 def dequantize_int4(

@@ -33,7 +33,16 @@ EVAL_TOKENS = 4096
 TEXT_MODULES = ("argparse", "json", "csv", "statistics", "re", "http.client", "urllib.request", "ssl", "socket",
                 "unittest", "heapq", "itertools", "pydoc", "inspect", "doctest", "subprocess", "random", "typing")
 
-INT4_W4A8_NOTE = "W4A8_AWQ g128 (FP8 activations): +71% (docs/quantization.md); the 8% gate is not reached"
+INT4_W4A8_NOTE = "W4A8_AWQ g128 (FP8 activations): +79% (docs/quantization.md); the 8% gate is not reached"
+
+
+class GateNotMet(AssertionError):
+    """A mode's perplexity increase is above its gate (the failure a mode whose goal is not met yet expects)."""
+
+
+# mode -> the increase a mode whose gate is not met yet (strict xfail on GateNotMet) must still stay within:
+# a regression bound just above its measurement, so that getting worse fails rather than xfails
+REGRESSION = {"W4A8_AWQ_g128": 0.82}  # measured +78.6% (2026-11-30)
 
 # mode -> (quantization section, largest allowed perplexity increase). Every mode must also cost
 # something (increase > 0) and run quantized (assert_quantized).
@@ -66,12 +75,12 @@ MODES = {
                                  exclude_modules=["lm_head"]), 0.08),
     "W4A16_g128_zp": (QuantConfig(quant_algo="W4A16", group_size=128, has_zero_point=True,
                                   exclude_modules=["lm_head"]), 0.08),
-    # activation-quantized (static per-tensor activation scales; measured +6.8% / +35% / +71%,
+    # activation-quantized (static per-tensor activation scales; measured +6.8% / +35% / +79%,
     # docs/quantization.md): regression gates just above the measurements (see above)
     "FP8": (QuantConfig(quant_algo="FP8"), 0.09),
     "W8A8_SQ_a0.5": (QuantConfig(quant_algo="W8A8_SQ_PER_CHANNEL", pre_quant_scale=True), 0.37),
     "W4A8_AWQ_g128": pytest.param(QuantConfig(quant_algo="W4A8_AWQ", group_size=128, pre_quant_scale=True), 0.08,
-                                  marks=pytest.mark.xfail(reason=INT4_W4A8_NOTE, strict=True)),
+                                  marks=pytest.mark.xfail(reason=INT4_W4A8_NOTE, raises=GateNotMet, strict=True)),
 }
 
 
@@ -149,13 +158,16 @@ INT4_MODES = ("W4A16_g64_zp", "W4A16_g128_zp")
 
 
 def check_gate(mode: str, quant: QuantConfig, gate: float, workdir, fp32_ppl: float) -> None:
-    """`mode`'s engine runs quantized and its perplexity increase over fp32 is in (0, gate]."""
+    """`mode`'s engine runs quantized and its perplexity increase over fp32 is in (0, gate] (GateNotMet above
+    the gate; a mode in REGRESSION fails with a plain AssertionError above its bound)."""
     ppl, engine = _ppl(workdir, mode, quant)
     increase = ppl / fp32_ppl - 1
     print(f"\n{mode}: perplexity {ppl:.4f} vs fp32 {fp32_ppl:.4f} ({100 * increase:+.2f}%)")
     assert_quantized(engine, quant)
     assert increase > 0  # floor: a mode that changes nothing (quantization silently off) fails
-    assert increase <= gate
+    assert increase <= REGRESSION.get(mode, gate), f"{mode}: {100 * increase:+.2f}%, worse than its measurement"
+    if increase > gate:
+        raise GateNotMet(f"{mode}: {100 * increase:+.2f}% over fp32, gate {100 * gate:.0f}%")
 
 
 @pytest.mark.parametrize("quant,gate", [v for m, v in MODES.items() if m not in INT4_MODES],

@@ -143,7 +143,7 @@ class PackedWeight:
         if tiles.dtype != torch.int8 or not packing.int8_tiles_fit(n, k):
             raise ValueError(f"PackedWeight.int8_a8: int8 row tiles [N % 8 == 0, K % 32 == 0], not {tiles.dtype} "
                              f"{list(tiles.shape)}")
-        if not (isa_name(library()) == "avx512bf16" if correction is None else correction):
+        if not (bf16dot_build() if correction is None else correction):
             return cls(KIND_I8A8, tiles.contiguous(), n, k, scale.float().contiguous())
         step = A8_SUM_ROWS  # rows at a time: the int32 temporaries of a whole weight were 8x its codes (a load's peak)
         sums = torch.cat([a8_block_sums(packing.unpack_int8_tiled(tiles[i:i + step])) for i in range(0, n, step)])
@@ -205,10 +205,15 @@ def w4a8_fits(k: int, group: int) -> bool:
     return k % W4A8_CHUNK == 0 and group % W4A8_CHUNK == 0
 
 
+def bf16dot_build() -> bool:
+    """True when the loaded kernel library is the avx512bf16 build (vdpbf16ps, VNNI): the one that reads the
+    int4 dot layout (KIND_I4D), the int8-activation VNNI corrections and runs bfloat16 prefill attention."""
+    return isa_name(library()) == "avx512bf16"
+
+
 def dot_layout_fits(k: int) -> bool:
     """True when this build packs int4 weights of K input features in the dot layout (KIND_I4D)."""
-    lib = library()
-    return isa_name(lib) == "avx512bf16" and k % packing.DOT_BLOCK == 0
+    return bf16dot_build() and k % packing.DOT_BLOCK == 0
 
 
 def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
@@ -223,9 +228,9 @@ def linear_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torch.Tensor:
-    if kind == KIND_I4D and isa_name(library()) != "avx512bf16":
+    if kind == KIND_I4D and not bf16dot_build():
         raise ValueError("an int4 weight in the dot layout needs the avx512bf16 kernel build (prepare it again)")
-    if kind == KIND_I8A8 and scale_zero is None and isa_name(library()) == "avx512bf16":
+    if kind == KIND_I8A8 and scale_zero is None and bf16dot_build():
         raise ValueError("an int8 x int8 weight packed without its VNNI correction under the avx512bf16 kernel build "
                          "(prepare it again)")
     x = x.contiguous()
@@ -395,7 +400,7 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     """True when `prefill_attention` takes these: bfloat16 CPU tensors on the avx512bf16 build
     (vdpbf16ps), head_dim % 32 == 0 and <= PREFILL_MAX_HEAD_DIM, heads and dims contiguous."""
     d = q.shape[-1]
-    return (isa_name(library()) == "avx512bf16" and d % 32 == 0
+    return (bf16dot_build() and d % 32 == 0
             and d <= PREFILL_MAX_HEAD_DIM and all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
                                                  and t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v)))
 
