@@ -128,9 +128,10 @@ def cpu_build(request, monkeypatch) -> str:
 
 # The longest files of the slow suite start first: under `make test-slow`'s two workers (--dist loadfile: a
 # file's tests stay on one worker and share its module fixtures; --no-loadscope-reorder: files are handed out
-# in this order, not by their number of tests) one worker takes the GPTQ int4 gates (~28 min on an AVX2 CI
-# machine), the other the rest of the quantization gates and then the other files. Order within a file is kept.
-FIRST = ("tests/quant/test_quant_smollm2_int4.py", "tests/quant/test_quant_smollm2.py")
+# in this order, not by their number of tests) one worker takes the calibrated quantization gates (~33 min on
+# an AVX2 CI machine, the GPTQ int4 ones most of it), the other the rest of the quantization gates and then the
+# other files. Order within a file is kept.
+FIRST = ("tests/quant/test_quant_smollm2_calibrated.py", "tests/quant/test_quant_smollm2.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -151,10 +151,11 @@ def fp32_ppl(workdir, smollm2_fp32_checkpoint):
     return _ppl(workdir, "fp32", None, smollm2_fp32_checkpoint)[0]
 
 
-# The GPTQ int4 modes (GPTQ, then 40 steps of end-to-end scale tuning: 12-16 min each on one CI thread) are
-# gated by test_quant_smollm2_int4.py, a file of their own: `make test-slow`'s workers take whole files, so
-# they run on one worker while the other runs these gates and the other slow files.
-INT4_MODES = ("W4A16_g64_zp", "W4A16_g128_zp")
+# The calibrated modes (GPTQ int4: GPTQ, then 40 steps of end-to-end scale tuning, 12-16 min each on one CI
+# thread; FP8, SmoothQuant, W4A8_AWQ) are gated by test_quant_smollm2_calibrated.py, a file of their own: they
+# share one calibration run within a process, and `make test-slow`'s workers take whole files, so they run on
+# one worker while the other runs these gates and the other slow files.
+CALIBRATED_MODES = ("W4A16_g64_zp", "W4A16_g128_zp", "FP8", "W8A8_SQ_a0.5", "W4A8_AWQ_g128")
 
 
 def check_gate(mode: str, quant: QuantConfig, gate: float, workdir, fp32_ppl: float) -> None:
@@ -170,8 +171,8 @@ def check_gate(mode: str, quant: QuantConfig, gate: float, workdir, fp32_ppl: fl
         raise GateNotMet(f"{mode}: {100 * increase:+.2f}% over fp32, gate {100 * gate:.0f}%")
 
 
-@pytest.mark.parametrize("quant,gate", [v for m, v in MODES.items() if m not in INT4_MODES],
-                         ids=[m for m in MODES if m not in INT4_MODES])
+@pytest.mark.parametrize("quant,gate", [v for m, v in MODES.items() if m not in CALIBRATED_MODES],
+                         ids=[m for m in MODES if m not in CALIBRATED_MODES])
 def test_perplexity_increase_within_gate(quant, gate, workdir, fp32_ppl, request):
     check_gate(request.node.callspec.id, quant, gate, workdir, fp32_ppl)
 
