@@ -238,27 +238,35 @@ def int4_grid(g: torch.Tensor, zero_point: bool, ratio: float = 1.0) -> tuple[to
     return (g.abs().amax(dim=-1) * ratio / 7).clamp(min=1e-12), None
 
 
+def _int4_codes(w: torch.Tensor, group_size: int,
+                zero_point: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """w [N, K] -> (codes float32 [N, groups, G] in 0..15, s [N, groups], z [N, groups] or None): round to
+    nearest on `int4_grid`'s grid per group, q = clamp(round(w / s) + z, 0, 15) (symmetric: clamp(round(w / s),
+    -8, 7) + 8), integers held exactly in float32. A short last group is padded with zeros, which every grid
+    holds exactly."""
+    n, k = w.shape
+    groups = num_groups(k, group_size)
+    g = torch.nn.functional.pad(w.float(), (0, groups * group_size - k)).reshape(n, groups, group_size)
+    s, z = int4_grid(g, zero_point)  # [N, groups]; z is None exactly when not zero_point
+    q = torch.round(g / s[..., None])  # [N, groups, G]
+    if z is None:
+        return q.clamp_(-8, 7).add_(8), s, None
+    return q.add_(z[..., None]).clamp_(0, 15), s, z
+
+
 @by_rows
 def quantize_int4_groupwise(
     w: torch.Tensor, group_size: int, zero_point: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """w [N, K] -> (codes uint8 [N, K] in 0..15, s float32 [N, groups], z float32 [N, groups] or None).
 
-    Round to nearest on `int4_grid`'s min/max grid per group.
+    Round to nearest on `int4_grid`'s min/max grid per group (_int4_codes).
     (A per-group clip-ratio search for the least squared weight error was measured: 8-15% less
     weight error but a worse SmolLM2 perplexity, so round to nearest does not clip; GPTQ clips by
-    the output error instead, core.quant.gptq.) A short last group is padded with zeros, which
-    every grid holds exactly."""
+    the output error instead, core.quant.gptq.)"""
     n, k = w.shape
-    groups = num_groups(k, group_size)
-    padded = torch.nn.functional.pad(w.float(), (0, groups * group_size - k))
-    g = padded.reshape(n, groups, group_size)  # [N, groups, G]
-    s, z = int4_grid(g, zero_point)  # [N, groups]; z is None exactly when not zero_point
-    if z is not None:
-        q = torch.round(g / s[..., None]) + z[..., None]
-        return q.clamp(0, 15).to(torch.uint8).reshape(n, -1)[:, :k], s, z
-    q = torch.round(g / s[..., None]).clamp(-8, 7) + 8
-    return q.to(torch.uint8).reshape(n, -1)[:, :k], s, None
+    codes, s, z = _int4_codes(w, group_size, zero_point)
+    return codes.to(torch.uint8).reshape(n, -1)[:, :k], s, z
 
 
 def int4_roundtrip(w: torch.Tensor, group_size: int, zero_point: bool) -> torch.Tensor:
@@ -269,20 +277,13 @@ def int4_roundtrip(w: torch.Tensor, group_size: int, zero_point: bool) -> torch.
 
 @by_rows
 def _roundtrip_rows(w: torch.Tensor, group_size: int, zero_point: bool) -> tuple[torch.Tensor]:
-    """int4_roundtrip of rows w [N, K], group by group in float32 with no codes or [N, K] copies of s and z
-    (the AWQ and GPTQ searches run it for every candidate). The values are those of quantize-then-dequantize:
-    each step is exact on integers below 2^24, so (clamp(round(w / s) + z, 0, 15) - z) * s rounds once, at the
-    same product; symmetric (clamp(round(w / s), -8, 7) + 8 - 8) * s likewise."""
+    """int4_roundtrip of rows w [N, K]: (q - z) s group by group on _int4_codes' float codes, with no uint8
+    codes or [N, K] copies of s and z (the AWQ and GPTQ searches run it for every candidate). q - z is exact on
+    these small integers, so this rounds once, at the product dequantize_int4 rounds at."""
     n, k = w.shape
-    groups = num_groups(k, group_size)
-    g = torch.nn.functional.pad(w.float(), (0, groups * group_size - k)).reshape(n, groups, group_size)
-    s, z = int4_grid(g, zero_point)  # [N, groups]
-    q = torch.round(g / s[..., None])  # [N, groups, G]
-    if z is None:
-        q.clamp_(-8, 7)
-    else:
-        q.add_(z[..., None]).clamp_(0, 15).sub_(z[..., None])
-    return (q.mul_(s[..., None]).reshape(n, -1)[:, :k].contiguous(),)
+    codes, s, z = _int4_codes(w, group_size, zero_point)
+    levels = codes.sub_(z[..., None] if z is not None else 8.0)
+    return (levels.mul_(s[..., None]).reshape(n, -1)[:, :k].contiguous(),)
 
 
 def dequantize_int4(
