@@ -103,9 +103,7 @@ def pack_int8_tiled(q: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     per tile of 8 rows, per block of 32 features, the 8 rows' 32 codes one after another, so a
     tile is one sequential stream (N % 8 == 0, K % 32 == 0). `in_place`: rewrite q's own memory
     (row_tiles_in_place) and return q."""
-    if in_place:
-        return row_tiles_in_place(q, TILE_ROWS, TILE_K, to_tiles=True)
-    return row_tiles(q, TILE_ROWS, TILE_K, to_tiles=True)
+    return to_row_tiles(q, TILE_ROWS, TILE_K, in_place)
 
 
 def unpack_int8_tiled(t: torch.Tensor) -> torch.Tensor:
@@ -128,9 +126,7 @@ def pack_float_tiled(w: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     DT_F32T): per tile of 8 rows, per block of 64 bytes of features (32 bfloat16, 16 float32),
     the 8 rows' blocks one after another. `in_place`: rewrite w's own memory (row_tiles_in_place)
     and return w."""
-    if in_place:
-        return row_tiles_in_place(w, TILE_ROWS, float_tile_k(w.dtype), to_tiles=True)
-    return row_tiles(w, TILE_ROWS, float_tile_k(w.dtype), to_tiles=True)
+    return to_row_tiles(w, TILE_ROWS, float_tile_k(w.dtype), in_place)
 
 
 def unpack_float_tiled(t: torch.Tensor) -> torch.Tensor:
@@ -154,6 +150,11 @@ def row_tiles(t: torch.Tensor, rows: int, unit: int, to_tiles: bool, out: torch.
         src, dst = (in_order, tiled) if to_tiles else (tiled, in_order)
         out[start:stop].view(dst).copy_(t[start:stop].reshape(src).transpose(1, 2))
     return out
+
+
+def to_row_tiles(t: torch.Tensor, rows: int, unit: int, in_place: bool) -> torch.Tensor:
+    """row_tiles(t, rows, unit, to_tiles=True): into a new tensor, or (`in_place`) over t's own memory."""
+    return row_tiles_in_place(t, rows, unit, to_tiles=True) if in_place else row_tiles(t, rows, unit, to_tiles=True)
 
 
 REPACK_CHUNK_BYTES = 4 << 20  # row_tiles_in_place's scratch: a block of whole tiles at most this large
@@ -209,6 +210,23 @@ def unpack_int4_dot(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape[0], weight.shape[1] * 2
     blocks = row_tiles(weight, DOT_ROWS, 32, to_tiles=False).reshape(n, k // DOT_BLOCK, DOT_BLOCK // 2)  # [N, blocks, 32]
     return torch.stack((blocks & 15, blocks >> 4), dim=2).reshape(n, k)  # [N, blocks, plane, 32] -> [N, K]
+
+
+QUAD_ROWS, QUAD_BYTES = 8, 4  # the int4 quads layout: rows per tile, bytes (8 features) of a row per quad
+
+
+def pack_int4_quads(packed: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """uint8 [N, K/2] (pack_int4's layout) -> the same bytes in the quads layout [N, K/2] that the compiled
+    int4 x int8 kernel reads (core.kernels.cpu, W4A8): rows in tiles of 8 (the last one N % 8), per tile,
+    per 8 features, its rows' 4 bytes one after another, so that one 32-byte load holds 8 features of 8 rows,
+    row r in 32-bit lane r, and a tile is one sequential stream. `in_place`: rewrite packed's own memory
+    (row_tiles_in_place) and return it."""
+    return to_row_tiles(packed, QUAD_ROWS, QUAD_BYTES, in_place)
+
+
+def unpack_int4_quads(weight: torch.Tensor) -> torch.Tensor:
+    """The quads layout [N, K/2] -> uint8 [N, K/2] in pack_int4's layout (inverse of pack_int4_quads)."""
+    return row_tiles(weight, QUAD_ROWS, QUAD_BYTES, to_tiles=False)
 
 
 @dataclass

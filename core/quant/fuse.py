@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bestiary.core.format.packing import TILE_ROWS, cpu_int4_block_n
+from bestiary.core.format.packing import QUAD_ROWS, TILE_ROWS, cpu_int4_block_n
 from bestiary.core.layers.linear import Linear
 from bestiary.core.quant.slot import WeightOnlySlot
 
@@ -39,6 +39,8 @@ def _fusable_slots(members: list[Linear]) -> list[WeightOnlySlot] | None:
             return None  # the aten CPU int4 layout: a member's rows must start on one of its blocks
         if first.lq.bits == 8 and slot.out_local % TILE_ROWS and slot.runs_compiled(m):
             return None  # the compiled int8 tiles: a member's rows must be whole tiles
+        if first.lq.bits == 4 and first.lq.act_quant == "int8" and slot.out_local % QUAD_ROWS and slot.runs_compiled(m):
+            return None  # the compiled int4 x int8 quads (W4A8): the same
         slots.append(slot)
     return slots
 

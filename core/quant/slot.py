@@ -11,8 +11,9 @@ After loading, `prepare(linear)` repacks for the device that will run it:
                 K % 16 == 0 is repacked in place into row tiles (packing.pack_int8_tiled: one
                 sequential stream per tile); on the avx512bf16 build an int4 weight with
                 K % 64 == 0 of a bfloat16 layer into the dot layout its vdpbf16ps GEMV reads
-                (packing.pack_int4_dot). Both go back to the checkpoint layout on a move to
-                another device, or (dot) when prepared again under a build without that GEMV
+                (packing.pack_int4_dot); a W4A8 int4 weight in place into quads (packing.pack_int4_quads:
+                8 features of 8 rows a load, one sequential stream per tile). All go back to the checkpoint
+                layout on a move to another device, or (dot) when prepared again under a build without that GEMV
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
                 to the compute dtype
     CPU, int4:  weight repacked in place by aten._convert_weight_to_int4pack_for_cpu (same
@@ -28,7 +29,7 @@ its dynamic uint8 reading (core.quant.online_act: what FastLLM's int8 / int4 mat
 activation_quant "int8" (W8A8 dynamic with int8 weights, W4A8 with int4 ones) runs every step, prefill
 included, on the compiled int8-activation kernels (x quantized per token row and 64 features): int8 x int8
 (linear_a8.c, vpdpbusd) where the int8 weight fits the row tiles, int4 x int8 (linear_w4a8.c, vpmaddubsw) on
-the int4 checkpoint layout where K % 32 == 0; elsewhere x is replaced by its int8 reading
+the int4 quads where K % 32 == 0; elsewhere x is replaced by its int8 reading
 (online_act.int8_per_token) and multiplied in float32.
 """
 
@@ -101,7 +102,7 @@ class WeightOnlySlot:
         self.compute_dtype = torch.bfloat16
         self.max_kernel_tokens: int | None = None  # None: kernel_max_tokens() picks the bound
         self._kernel_bound = DEFAULT_MAX_KERNEL_TOKENS  # prepare(): the bound of the path the layer runs
-        self.layout = "checkpoint"  # "cpu" / "dot" / "tiled": the aten int4, int4 dot, int8 tiled layouts
+        self.layout = "checkpoint"  # "cpu" / "dot" / "quads" / "tiled": aten int4, int4 dot, int4 quads, int8 tiles
         self.k_pad = 0  # cpu layout: zero input features appended so the group size divides K
         self._kernel_scales: torch.Tensor | None = None  # int8: [N]; int4 (cpu layout): [K/G, N, 2]
         self.in_offset = 0  # in_perm: first in-feature of this rank (row-parallel on tp ranks)
@@ -203,7 +204,7 @@ class WeightOnlySlot:
             return packing.unpack_int4_cpu(w)[:, : self.in_local]  # drop the padded features
         if self.layout == "dot":
             return packing.unpack_int4_dot(w)
-        return packing.unpack_int4(w)
+        return packing.unpack_int4(packing.unpack_int4_quads(w) if self.layout == "quads" else w)
 
     def dequantize(self, linear: Linear) -> torch.Tensor:
         """The float32 weight [N, K] the packed tensors stand for: (q - z) * s per row (int8) or per group
@@ -242,8 +243,11 @@ class WeightOnlySlot:
                 return
             k, z = linear.weight.shape[1] * 2, getattr(linear, "zeros", None)
             if self.lq.act_quant == "int8" and ops.w4a8_fits(k, self.lq.group_size):  # W4A8: every step on the kernel
-                self._to_checkpoint_layout(linear)  # (its codes as they are: no second copy)
-                self._packed = ops.PackedWeight.int4_a8(linear.weight, s, z, self.lq.group_size)
+                self._to_checkpoint_layout(linear)
+                data = linear.weight.data  # in place where it owns its memory: no second copy of the codes
+                linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
+                self.layout = "quads"
+                self._packed = ops.PackedWeight.int4_a8(linear.weight, s, z, self.lq.group_size, quads=True)
                 return
             # the dot layout where this build reads it and the activations are bfloat16 (the layer's
             # dtype, its scales'): float32 inputs run faster on the checkpoint layout
@@ -271,9 +275,11 @@ class WeightOnlySlot:
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
 
     def _to_checkpoint_layout(self, linear: Linear) -> None:
-        """An int4 weight in the dot layout / int8 in tiles back into the checkpoint layout, in place."""
+        """An int4 weight in the dot / quads layout, int8 in tiles back into the checkpoint layout, in place."""
         if self.layout == "dot":
             linear.weight = _param(packing.pack_int4(self.codes(linear)))
+        elif self.layout == "quads":
+            linear.weight = _param(packing.unpack_int4_quads(linear.weight.data))
         elif self.layout == "tiled":
             linear.weight = _param(packing.unpack_int8_tiled(linear.weight.data))
         else:
@@ -283,7 +289,7 @@ class WeightOnlySlot:
     def runs_compiled(self, linear: Linear) -> bool:
         """True when the compiled CPU kernels (core.kernels.cpu) run this layer (checkpoint or dot layout)."""
         kernel_group = self.lq.bits == 8 or self.lq.group_size % 32 == 0
-        return (self.layout in ("checkpoint", "dot", "tiled") and kernel_group
+        return (self.layout in ("checkpoint", "dot", "quads", "tiled") and kernel_group
                 and dispatch.use_cpu_kernels(linear.weights_scaling_factor))
 
     def set_compute_dtype(self, linear: Linear, dtype: torch.dtype) -> None:

@@ -193,13 +193,51 @@ def test_int8_weight_held_in_row_tiles_in_place():
     assert lin.quant.layout == "checkpoint"
 
 
-def test_int8_tiles_fuse_only_whole_tiles():
-    """Fused int8 members are views of the fused layer's rows: with tiles, only members of whole
-    tiles fuse (rows 8 apart), else each member keeps its own weight."""
+W4A8 = LinearQuant("W4A8_AWQ", 4, 32, act_quant="int8")
+
+
+def test_w4a8_weight_held_in_quads_in_place():
+    """With the compiled kernels a W4A8 int4 weight is repacked in place into quads (8 features of a tile's
+    8 rows a load, the tile one stream; the short last tile of N % 8 rows too); codes and dequantize read it
+    back, and the torch path and a move to another device get the checkpoint layout again."""
+    from bestiary.core.format import packing
+    from bestiary.core.layers import cpu_matmul
+
+    lin, _ = _quant_linear(W4A8, n=44, k=96)
+    checkpoint_bytes, codes, ref_w = lin.weight.detach().clone(), lin.quant.codes(lin), lin.quant.dequantize(lin)
+    memory = lin.weight.data_ptr()
+    with cpu_matmul.repack_in_place():  # as an engine load does (its own reads)
+        lin.fuse()
+    if not lin.quant.runs_compiled(lin):
+        pytest.skip("no compiled CPU kernels here")
+    assert lin.quant.layout == "quads" and lin.weight.data_ptr() == memory
+    quads = lin.weight.view(-1)
+    # tile 0, quad 1 (features 8..15): rows 0..7's bytes 4..7 one after another; tile 5 (rows 40..43): 4 rows
+    assert torch.equal(quads[32:64].view(8, 4), checkpoint_bytes[:8, 4:8])
+    assert torch.equal(quads[40 * 48 + 16:40 * 48 + 32].view(4, 4), checkpoint_bytes[40:, 4:8])
+    assert torch.equal(lin.quant.codes(lin), codes) and torch.equal(lin.quant.dequantize(lin), ref_w)
+    assert torch.equal(packing.unpack_int4_quads(lin.weight), checkpoint_bytes)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))
+    y = lin(x)
+    with dispatch.kernels_mode("torch"):
+        lin.quant.prepare(lin)
+        assert lin.quant.layout == "checkpoint" and torch.equal(lin.weight, checkpoint_bytes)
+    lin.quant.prepare(lin)
+    assert lin.quant.layout == "quads" and torch.equal(lin(x), y)
+    lin.to("meta")
+    lin.quant.prepare(lin)
+    assert lin.quant.layout == "checkpoint"
+
+
+@pytest.mark.parametrize("lq,layout,tol", [(LinearQuant("W8A16", 8), "tiled", 1e-4), (W4A8, "quads", 5e-2)],
+                         ids=["int8", "w4a8"])
+def test_tiled_layouts_fuse_only_whole_tiles(lq, layout, tol):
+    """Fused members are views of the fused layer's rows: with the int8 row tiles or the W4A8 quads, only
+    members of whole 8-row tiles fuse, else each member keeps its own weight."""
     from bestiary.core.quant.fuse import fuse_quantized
 
     def members(*rows: int) -> list[Linear]:
-        out = [_quant_linear(LinearQuant("W8A16", 8), n=n, k=64, seed=n)[0] for n in rows]
+        out = [_quant_linear(lq, n=n, k=64, seed=n)[0] for n in rows]
         for m in out:
             m.bias = None
         return out
@@ -210,9 +248,9 @@ def test_int8_tiles_fuse_only_whole_tiles():
     if not fused.quant.runs_compiled(fused):
         pytest.skip("no compiled CPU kernels here")
     fused.quant.set_compute_dtype(fused, torch.float32)
-    x = torch.randn(2, 64)
-    assert fused.quant.layout == "tiled" and (fused(x) - x @ torch.cat(weights).t()).abs().max() < 1e-4
-    assert all(m.quant.layout == "tiled" and torch.equal(m.quant.dequantize(m), w) for m, w in zip(parts, weights))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    assert fused.quant.layout == layout and (fused(x) - x @ torch.cat(weights).t()).abs().max() < tol  # (W4A8: x in int8)
+    assert all(m.quant.layout == layout and torch.equal(m.quant.dequantize(m), w) for m, w in zip(parts, weights))
     assert fuse_quantized(members(12, 20)) is None
 
 

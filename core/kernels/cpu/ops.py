@@ -4,7 +4,7 @@
                     bfloat16 / int8 per-channel / int4 group-wise (checkpoint layouts)
                     (KIND_I8A8: int8 row tiles x int8 activations quantized per row and block of
                     A8_BLOCK features, any number of rows: W8A8 dynamic, `linear_a8_ref`)
-                    (KIND_I4A8: int4 checkpoint codes x the same int8 activations: W4A8 dynamic,
+                    (KIND_I4A8: int4 codes in quads x the same int8 activations: W4A8 dynamic,
                     `linear_w4a8_ref`)
     dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
     decode_attention one query token per sequence over the paged KV pool (no gather); float
@@ -48,7 +48,7 @@ TILED_KINDS = {torch.bfloat16: KIND_BF16T, torch.float32: KIND_F32T}  # float we
 KIND_I8A8 = 9  # linear_a8.c: KIND_I8T tiles x int8 activations quantized per row and block (W8A8 dynamic)
 A8_BLOCK = 64  # linear_a8.c: input features per activation scale
 A8_SUM_ROWS = 512  # PackedWeight.int8_a8: rows whose code sums are taken at a time (a multiple of the 8-row tiles)
-KIND_I4A8 = 10  # linear_w4a8.c: KIND_I4 codes x int8 activations quantized as KIND_I8A8's (W4A8 dynamic)
+KIND_I4A8 = 10  # linear_w4a8.c: int4 codes in quads x int8 activations quantized as KIND_I8A8's (W4A8 dynamic)
 W4A8_CHUNK = 32  # linear_w4a8.c: K % 32 == 0; its segments are 32 or 64 features
 
 
@@ -93,7 +93,8 @@ class PackedWeight:
     (`int4` packs it there when k % 64 == 0): per row, blocks of 64 features in 32 bytes, byte j
     of block b = code(64 b + j) | code(64 b + 32 + j) << 4, rows in tiles of 4 (`packing.pack_int4_dot`);
     scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.row_tiles`).
-    kind KIND_I4A8: KIND_I4's codes (checkpoint layout, k % 32 == 0) multiplied with int8 activations
+    kind KIND_I4A8: KIND_I4's codes in the quads layout (`packing.pack_int4_quads`, k % 32 == 0: per tile
+    of 8 rows, per 8 features, the rows' 4 bytes one after another) multiplied with int8 activations
     (`int4_a8`); scale = s and scale_zero = z itself (8 when symmetric), float32 in tiles of 8 rows
     [ceil(n / 8), groups, 8] (the last tile zero-padded).
     """
@@ -171,10 +172,12 @@ class PackedWeight:
         return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
 
     @classmethod
-    def int4_a8(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int) -> PackedWeight:
-        """int4 codes in the checkpoint layout, uint8 packed [n, k/2] (k % 32 == 0; kept as they are: a view),
-        with scale [n, groups] and zeros [n, groups] or None (symmetric: 8), group % 32 == 0, multiplied
-        with int8 activations (KIND_I4A8, `linear_w4a8_ref`)."""
+    def int4_a8(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int,
+                quads: bool = False) -> PackedWeight:
+        """int4 codes uint8 packed [n, k/2] (k % 32 == 0) with scale [n, groups] and zeros [n, groups] or None
+        (symmetric: 8), group % 32 == 0, multiplied with int8 activations (KIND_I4A8, `linear_w4a8_ref`).
+        quads: True, `packed` already is in the quads layout (`packing.pack_int4_quads`: kept as it is);
+        False, it is in the checkpoint layout and a repacked copy is taken."""
         n, k = packed.shape[0], packed.shape[1] * 2
         if packed.dtype != torch.uint8 or group % W4A8_CHUNK or k % W4A8_CHUNK:
             raise ValueError(f"PackedWeight.int4_a8: uint8 codes [N, K/2] with K % 32 == 0 and a group size multiple "
@@ -182,7 +185,8 @@ class PackedWeight:
         s = scale.float()
         z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
         s_t, z_t = (_row_tiles8(t) for t in (s, z))
-        return cls(KIND_I4A8, packed.contiguous(), n, k, s_t, z_t, group)
+        codes = packed.contiguous() if quads else packing.pack_int4_quads(packed)
+        return cls(KIND_I4A8, codes, n, k, s_t, z_t, group)
 
     @property
     def nbytes(self) -> int:
@@ -274,6 +278,8 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         sz = s * _untile8(pw.scale_zero, pw.n)
     if pw.kind == KIND_I4D:
         s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=False) for t in (s, sz))
+    if pw.kind == KIND_I4A8:
+        w = packing.unpack_int4_quads(w)
     codes = (packing.unpack_int4_dot(w) if pw.kind == KIND_I4D else packing.unpack_int4(w)).float()  # [N, K]
     s = s.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     sz = sz.repeat_interleave(pw.group, dim=1)[:, : pw.k]
@@ -700,7 +706,7 @@ def linear_w4a8_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
     if pw.kind != KIND_I4A8 or pw.scale is None or pw.scale_zero is None:
         raise ValueError(f"linear_w4a8_ref: a KIND_I4A8 weight with its scales, not kind {pw.kind}")
     qx, sx = a8_quantize_ref(x)  # [M, K] int8, [M, blocks]
-    qw = packing.unpack_int4(pw.weight).long()  # [N, K]
+    qw = packing.unpack_int4(packing.unpack_int4_quads(pw.weight)).long()  # [N, K]
     sw, z = _untile8(pw.scale, pw.n), _untile8(pw.scale_zero, pw.n)  # [N, groups]
     acc = torch.zeros(x.shape[0], pw.n, dtype=torch.float32)
     for start, width in w4a8_segments(pw.k, pw.group):
