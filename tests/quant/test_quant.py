@@ -193,7 +193,7 @@ def test_int8_weight_held_in_row_tiles_in_place():
     assert lin.quant.layout == "checkpoint"
 
 
-W4A8 = LinearQuant("W4A8_AWQ", 4, 32, act_quant="int8")
+W4A8 = LinearQuant("W4A16", 4, 32, act_quant="int8")  # W4A8 dynamic: W4A16 weights, int8 activations
 
 
 def test_w4a8_weight_held_in_quads_in_place():

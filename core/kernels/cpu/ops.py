@@ -95,8 +95,8 @@ class PackedWeight:
     scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.row_tiles`).
     kind KIND_I4A8: KIND_I4's codes in the quads layout (`packing.pack_int4_quads`, k % 32 == 0: per tile
     of 8 rows, per 8 features, the rows' 4 bytes one after another) multiplied with int8 activations
-    (`int4_a8`); scale = s and scale_zero = z itself (8 when symmetric), float32 in tiles of 8 rows
-    [ceil(n / 8), groups, 8] (the last tile zero-padded).
+    (`int4_a8`); scale = s and scale_zero = z itself, float32 in tiles of 8 rows [ceil(n / 8), groups, 8]
+    (the last tile zero-padded); scale_zero None when symmetric (z = 8: no stream of zero points to read).
     """
 
     kind: int
@@ -182,9 +182,7 @@ class PackedWeight:
         if packed.dtype != torch.uint8 or group % W4A8_CHUNK or k % W4A8_CHUNK:
             raise ValueError(f"PackedWeight.int4_a8: uint8 codes [N, K/2] with K % 32 == 0 and a group size multiple "
                              f"of 32, not {packed.dtype} {list(packed.shape)}, group {group}")
-        s = scale.float()
-        z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
-        s_t, z_t = (_row_tiles8(t) for t in (s, z))
+        s_t, z_t = _row_tiles8(scale.float()), None if zeros is None else _row_tiles8(zeros.float())
         codes = packed.contiguous() if quads else packing.pack_int4_quads(packed)
         return cls(KIND_I4A8, codes, n, k, s_t, z_t, group)
 
@@ -202,6 +200,15 @@ def _row_tiles8(t: torch.Tensor) -> torch.Tensor:
 def _untile8(t: torch.Tensor, n: int) -> torch.Tensor:
     """`_row_tiles8`'s inverse: [ceil(n / 8), groups, 8] -> [n, groups]."""
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def _i4a8_zeros(pw: PackedWeight) -> torch.Tensor:
+    """A KIND_I4A8 weight's zero points z [N, groups] (8 where it is symmetric: scale_zero None)."""
+    if pw.scale_zero is not None:
+        return _untile8(pw.scale_zero, pw.n)
+    if pw.scale is None:
+        raise ValueError("a KIND_I4A8 weight without its scales")
+    return torch.full_like(_untile8(pw.scale, pw.n), 8.0)
 
 
 def w4a8_fits(k: int, group: int) -> bool:
@@ -270,12 +277,13 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
     if pw.kind in (KIND_I8, KIND_I8T, KIND_I8A8):
         q = packing.unpack_int8_tiled(w) if pw.kind in (KIND_I8T, KIND_I8A8) else w
         return q.float() * pw.scale[:, None]
-    if pw.scale_zero is None:
-        raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
-    s, sz = pw.scale, pw.scale_zero  # [N, groups]
     if pw.kind == KIND_I4A8:
         s = _untile8(pw.scale, pw.n)
-        sz = s * _untile8(pw.scale_zero, pw.n)
+        sz = s * _i4a8_zeros(pw)
+    elif pw.scale_zero is None:
+        raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
+    else:
+        s, sz = pw.scale, pw.scale_zero  # [N, groups]
     if pw.kind == KIND_I4D:
         s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=False) for t in (s, sz))
     if pw.kind == KIND_I4A8:
@@ -703,11 +711,11 @@ def linear_w4a8_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
 
     as linear_w4a8.c computes it (here the last step's exact sum is formed in float64 and then rounded: the
     same bits but for a double rounding, which moves a value by at most one float32 ulp)."""
-    if pw.kind != KIND_I4A8 or pw.scale is None or pw.scale_zero is None:
+    if pw.kind != KIND_I4A8 or pw.scale is None:
         raise ValueError(f"linear_w4a8_ref: a KIND_I4A8 weight with its scales, not kind {pw.kind}")
     qx, sx = a8_quantize_ref(x)  # [M, K] int8, [M, blocks]
     qw = packing.unpack_int4(packing.unpack_int4_quads(pw.weight)).long()  # [N, K]
-    sw, z = _untile8(pw.scale, pw.n), _untile8(pw.scale_zero, pw.n)  # [N, groups]
+    sw, z = _untile8(pw.scale, pw.n), _i4a8_zeros(pw)  # [N, groups]
     acc = torch.zeros(x.shape[0], pw.n, dtype=torch.float32)
     for start, width in w4a8_segments(pw.k, pw.group):
         cols, b, g = slice(start, start + width), start // A8_BLOCK, start // pw.group
