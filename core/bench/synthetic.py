@@ -52,7 +52,8 @@ STD = 0.02  # the weights' standard deviation (HF's initializer_range)
 SEED = 0
 CHUNK_ELEMENTS = 1 << 24  # a tensor is drawn, read and quantized this many elements at a time (64 MB in fp32)
 DISK_MARGIN = 1 << 30  # free bytes left after the biggest artifact
-MODES = ("bf16", "w8a16", "w4a16", "w8a8")  # w8a8: W8A16 weights, int8 activations per token and 64 features
+MODES = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8")  # w8a8 / w4a8: W8A16 / W4A16 weights, int8 activations per token
+# and 64 features
 DEFAULT_MODES = ("bf16", "w8a16", "w4a16")
 GGUF_TYPES = ("Q8_0", "Q4_1")
 FORMAT_VERSION = 1  # in the cache key: bump it when what is written changes (engine_build's limits too)
@@ -183,7 +184,8 @@ def estimated_bytes(shape: Shape, what: str) -> int:
     quantized = n - vh * (1 if shape.tie_word_embeddings else 2) + vh  # every linear, the lm_head included
     per = {"source": 2 * n, "bf16": 2 * n, "w8a16": quantized + 2 * vh + 4 * quantized // shape.hidden_size,
            "w8a8": quantized + 2 * vh + 4 * quantized // shape.hidden_size,
-           "w4a16": quantized // 2 + 2 * vh + 2 * quantized // 128, "Q8_0": n * 34 // 32,
+           "w4a16": quantized // 2 + 2 * vh + 2 * quantized // 128, "w4a8": quantized // 2 + 2 * vh + 2 * quantized // 128,
+           "Q8_0": n * 34 // 32,
            "Q4_1": (n - vh) * 20 // 32 + vh * 34 // 32}
     return per[what]
 
@@ -293,6 +295,8 @@ def mode_quantization(mode: str) -> QuantConfig | None:
         return QuantConfig(quant_algo="W4A16", group_size=128, has_zero_point=False)
     if mode == "w8a8":
         return QuantConfig(quant_algo="W8A16", activation_quant="int8")
+    if mode == "w4a8":
+        return QuantConfig(quant_algo="W4A16", group_size=128, has_zero_point=False, activation_quant="int8")
     raise BestiaryError(f"--modes {mode}: unknown engine mode; expected some of {', '.join(MODES)}")
 
 

@@ -103,9 +103,10 @@ def test_engines_hold_their_modes_and_generate(made):
         finally:
             llm.close()
         assert len(done.output_ids) == 3 and all(0 <= t < SHAPE.vocab_size for t in done.output_ids)
-    assert algos == {"bf16": None, "w8a16": "W8A16", "w4a16": "W4A16", "w8a8": "W8A16"}
-    assert json.loads((engines["w8a8"] / "config.json").read_text())["pretrained_config"]["quantization"][
-        "activation_quant"] == "int8"
+    assert algos == {"bf16": None, "w8a16": "W8A16", "w4a16": "W4A16", "w8a8": "W8A16", "w4a8": "W4A16"}
+    for mode in ("w8a8", "w4a8"):
+        assert json.loads((engines[mode] / "config.json").read_text())["pretrained_config"]["quantization"][
+            "activation_quant"] == "int8"
 
 
 def gguf_types(path: Path) -> dict[str, str]:
@@ -216,7 +217,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--shape", "llama-9b"], "--shape llama-9b: unknown shape; expected one of tinyllama-1.1b, llama-3.2-3b, "
                               "llama-2-7b, tiny"),
-    (["--shape", "tiny", "--modes", "fp8"], "--modes fp8: unknown engine mode; expected some of bf16, w8a16, w4a16, w8a8"),
+    (["--shape", "tiny", "--modes", "fp8"], "--modes fp8: unknown engine mode; expected some of bf16, w8a16, w4a16, w8a8, w4a8"),
     (["--shape", "tiny", "--gguf_types", "Q4_K"], "--gguf_types Q4_K: expected some of Q8_0, Q4_1 "
                                                    "(gguf-py has no K-quant quantizer)"),
     ([], "bench: give --engine_dir ENGINE ... or --shape NAME (a synthetic model)"),
