@@ -243,10 +243,12 @@ class WeightOnlySlot:
                 return
             k, z = linear.weight.shape[1] * 2, getattr(linear, "zeros", None)
             if self.lq.act_quant == "int8" and ops.w4a8_fits(k, self.lq.group_size):  # W4A8: every step on the kernel
-                self._to_checkpoint_layout(linear)
-                data = linear.weight.data  # in place where it owns its memory: no second copy of the codes
-                linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
-                self.layout = "quads"
+                if self.layout == "dot":
+                    self._to_checkpoint_layout(linear)
+                if self.layout == "checkpoint":  # (prepared again: the quads stay, fused members' views on them too)
+                    data = linear.weight.data  # in place where it owns its memory: no second copy of the codes
+                    linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
+                    self.layout = "quads"
                 self._packed = ops.PackedWeight.int4_a8(linear.weight, s, z, self.lq.group_size, quads=True)
                 return
             # the dot layout where this build reads it and the activations are bfloat16 (the layer's
