@@ -32,7 +32,8 @@
  *   DT_BF16T = 7 DT_BF16 W [n, k] in the same row tiles (decode; the prefill GEMM untiles it)
  *   DT_F32T = 8  DT_F32 W [n, k] in the same row tiles
  *   DT_I8A8 = 9  DT_I8T tiles multiplied with int8 activations quantized on the fly (linear_a8.c)
- *   DT_I4A8 = 10 DT_I4 codes multiplied with int8 activations quantized on the fly (linear_w4a8.c)
+ *   DT_I4A8 = 10 DT_I4 codes in quads (8 features of 8 rows a load) x int8 activations quantized on the fly
+ *                (linear_w4a8.c)
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -47,7 +48,7 @@
  *   linear_int4.c        int4 GEMV: the checkpoint layout (DT_I4) and the dot layout (DT_I4D)
  *   linear_cols.c        float weights held transposed (Wt [k, n]): column tiles
  *   linear_a8.c          int8 weights (row tiles) x int8 activations, per row and 64 features (DT_I8A8): vpdpbusd
- *   linear_w4a8.c        int4 weights (checkpoint layout) x int8 activations (DT_I4A8): vpmaddubsw
+ *   linear_w4a8.c        int4 weights (quads) x int8 activations (DT_I4A8): vpmaddubsw
  *   linear.c             bst_linear (picks the path, splits the threads), bst_dequantize
  *   kv_cache.c           KV cache codes (int8, e4m3fn), bst_kv_write
  *   attention_decode.c   bst_decode_attention over the paged pool

@@ -30,7 +30,7 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
         a8_linear(x, xdt, m, k, (const int8_t *)w, n, scale, sz, bias, y, ydt, threads);
         return;
     }
-    if (wdt == DT_I4A8) { /* int4 weights x int8 activations (linear_w4a8.c): scale, sz = s_w, z in row tiles */
+    if (wdt == DT_I4A8) { /* int4 quads x int8 activations (linear_w4a8.c): scale, sz = s_w, z (or NULL) in row tiles */
         w4a8_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
         return;
     }
