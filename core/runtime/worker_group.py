@@ -47,6 +47,7 @@ from bestiary.core.format.errors import BestiaryError
 from bestiary.core.runtime.threads import default_threads
 
 STEP_TIMEOUT_S = float(os.environ.get("BESTIARY_DIST_TIMEOUT", "20"))
+JOIN_TIMEOUT = timedelta(minutes=10)  # the ranks' start (torch imported, weights loaded on a busy machine): not a hang
 CTRL_C_DEADLINE_S = 10.0  # after Ctrl-C the driver and its ranks are gone within this (WorkerGroup._bound_ctrl_c)
 IDLE_TIMEOUT = timedelta(days=365)  # the control group: ranks wait for the driver's next message
 
@@ -91,11 +92,17 @@ def free_port() -> int:
 
 
 def join_world(rank: int, world_size: int, device: str, init_method: str = "env://") -> dist.ProcessGroup:
-    """init_process_group for this rank; returns the control group (gloo, no practical timeout)."""
+    """init_process_group for this rank; returns the control group (gloo, no practical timeout). The ranks meet
+    within JOIN_TIMEOUT (a spawned rank that dies meanwhile stops the group: WorkerGroup._watch), and only then
+    does the short step timeout apply: with it as the meeting's timeout too, ranks still starting on a busy
+    machine failed the world ("2/4 clients joined") before any step ran."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=STEP_TIMEOUT_S))
+    store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=JOIN_TIMEOUT))
+    step = timedelta(seconds=STEP_TIMEOUT_S)
+    store.set_timeout(step)  # (as init_process_group sets the store it makes)
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=step)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
