@@ -183,10 +183,9 @@ def estimated_bytes(shape: Shape, what: str) -> int:
     n, vh = shape.params(), shape.vocab_size * shape.hidden_size
     quantized = n - vh * (1 if shape.tie_word_embeddings else 2) + vh  # every linear, the lm_head included
     per = {"source": 2 * n, "bf16": 2 * n, "w8a16": quantized + 2 * vh + 4 * quantized // shape.hidden_size,
-           "w8a8": quantized + 2 * vh + 4 * quantized // shape.hidden_size,
-           "w4a16": quantized // 2 + 2 * vh + 2 * quantized // 128, "w4a8": quantized // 2 + 2 * vh + 2 * quantized // 128,
-           "Q8_0": n * 34 // 32,
+           "w4a16": quantized // 2 + 2 * vh + 2 * quantized // 128, "Q8_0": n * 34 // 32,
            "Q4_1": (n - vh) * 20 // 32 + vh * 34 // 32}
+    per["w8a8"], per["w4a8"] = per["w8a16"], per["w4a16"]  # the same weights; activations quantized at run time
     return per[what]
 
 

@@ -202,13 +202,10 @@ def _untile8(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
 
-def _i4a8_zeros(pw: PackedWeight) -> torch.Tensor:
-    """A KIND_I4A8 weight's zero points z [N, groups] (8 where it is symmetric: scale_zero None)."""
-    if pw.scale_zero is not None:
-        return _untile8(pw.scale_zero, pw.n)
-    if pw.scale is None:
-        raise ValueError("a KIND_I4A8 weight without its scales")
-    return torch.full_like(_untile8(pw.scale, pw.n), 8.0)
+def _i4a8_zeros(pw: PackedWeight, s: torch.Tensor) -> torch.Tensor:
+    """A KIND_I4A8 weight's zero points z [N, groups], beside its untiled scales s [N, groups] (8 where it is
+    symmetric: scale_zero None)."""
+    return torch.full_like(s, 8.0) if pw.scale_zero is None else _untile8(pw.scale_zero, pw.n)
 
 
 def w4a8_fits(k: int, group: int) -> bool:
@@ -279,15 +276,14 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         return q.float() * pw.scale[:, None]
     if pw.kind == KIND_I4A8:
         s = _untile8(pw.scale, pw.n)
-        sz = s * _i4a8_zeros(pw)
+        sz = s * _i4a8_zeros(pw, s)
+        w = packing.unpack_int4_quads(w)
     elif pw.scale_zero is None:
         raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
     else:
         s, sz = pw.scale, pw.scale_zero  # [N, groups]
     if pw.kind == KIND_I4D:
         s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=False) for t in (s, sz))
-    if pw.kind == KIND_I4A8:
-        w = packing.unpack_int4_quads(w)
     codes = (packing.unpack_int4_dot(w) if pw.kind == KIND_I4D else packing.unpack_int4(w)).float()  # [N, K]
     s = s.repeat_interleave(pw.group, dim=1)[:, : pw.k]
     sz = sz.repeat_interleave(pw.group, dim=1)[:, : pw.k]
@@ -715,7 +711,8 @@ def linear_w4a8_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
         raise ValueError(f"linear_w4a8_ref: a KIND_I4A8 weight with its scales, not kind {pw.kind}")
     qx, sx = a8_quantize_ref(x)  # [M, K] int8, [M, blocks]
     qw = packing.unpack_int4(packing.unpack_int4_quads(pw.weight)).long()  # [N, K]
-    sw, z = _untile8(pw.scale, pw.n), _i4a8_zeros(pw)  # [N, groups]
+    sw = _untile8(pw.scale, pw.n)  # [N, groups]
+    z = _i4a8_zeros(pw, sw)
     acc = torch.zeros(x.shape[0], pw.n, dtype=torch.float32)
     for start, width in w4a8_segments(pw.k, pw.group):
         cols, b, g = slice(start, start + width), start // A8_BLOCK, start // pw.group
