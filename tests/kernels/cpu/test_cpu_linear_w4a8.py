@@ -3,7 +3,7 @@ torch reference (core.kernels.cpu.ops.linear_w4a8_ref), on every build this CPU 
 
 The integer part is exact in both (each segment's int32 dot product and code sum), and the float32 steps are
 the same operations in the same order (the reference forms the last one's sum in float64 first: at most one
-ulp apart, in practice the same bits). Shapes: batches across the 4-input tiles (1, 3, 5, 13, 33), K from one
+ulp apart, in practice the same bits). Shapes: batches across the 5-input tiles (1, 3, 4, 5, 13, 33), K from one
 32-code chunk to 2,048 and not a multiple of 64 (a short last block), N tails (not a multiple of the 8-row
 tile), groups of 32, 64 and 128 (and 96: segments not aligned with the blocks), symmetric and zero points.
 """
