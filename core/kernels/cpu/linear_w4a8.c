@@ -103,8 +103,8 @@ INLINE void w4a8_quad(const int8_t *xp, int64_t k, const uint8_t *p, int nr, __m
 }
 
 /* d[i] lane r += sum over the 32 features at xp (input i at xp + i k) of their codes times row r's, from the
- * 4 quads at q (quads nr * 4 bytes apart); the
- * quads' loop rolled when M > 1 (unrolled, the compiler spills the int16 sums: ~20% slower at 512 inputs) */
+ * 4 quads at q (quads nr * 4 bytes apart). The quads' loop is rolled when M > 1 (unrolled, gcc spilled the
+ * int16 sums: ~20% slower at 512 inputs) and unrolled for the GEMV (M = 1: rolled, a little slower there). */
 INLINE void w4a8_dots(const int8_t *xp, int64_t k, const uint8_t *q, int nr, __m256i rows, int M,
                       __m256i d[W4A8_MT]) {
     __m256i s[W4A8_MT];
