@@ -39,8 +39,8 @@ def _fusable_slots(members: list[Linear]) -> list[WeightOnlySlot] | None:
             return None  # the aten CPU int4 layout: a member's rows must start on one of its blocks
         if first.lq.bits == 8 and slot.out_local % TILE_ROWS and slot.runs_compiled(m):
             return None  # the compiled int8 tiles: a member's rows must be whole tiles
-        if first.lq.bits == 4 and first.lq.act_quant == "int8" and slot.out_local % QUAD_ROWS and slot.runs_compiled(m):
-            return None  # the compiled int4 x int8 quads (W4A8): the same
+        if first.lq.bits == 4 and slot.out_local % QUAD_ROWS and slot.runs_compiled(m):
+            return None  # the compiled int4 kernels' quads (8-row tiles) and dot layout (4-row tiles): the same
         slots.append(slot)
     return slots
 

@@ -11,9 +11,10 @@ After loading, `prepare(linear)` repacks for the device that will run it:
                 K % 16 == 0 is repacked in place into row tiles (packing.pack_int8_tiled: one
                 sequential stream per tile); on the avx512bf16 build an int4 weight with
                 K % 64 == 0 of a bfloat16 layer into the dot layout its vdpbf16ps GEMV reads
-                (packing.pack_int4_dot); a W4A8 int4 weight in place into quads (packing.pack_int4_quads:
-                8 features of 8 rows a load, one sequential stream per tile). All go back to the checkpoint
-                layout on a move to another device, or (dot) when prepared again under a build without that GEMV
+                (packing.pack_int4_dot); a W4A8 int4 weight, and on the avx2 build any int4 weight with
+                K % 8 == 0, in place into quads (packing.pack_int4_quads: 8 features of 8 rows a load, one
+                sequential stream per tile). All go back to the checkpoint layout on a move to another
+                device, or (dot, quads) when prepared again under a build without that GEMV
     CPU, int8:  weight stays int8 [N, K] (aten._weight_int8pack_mm's layout), scales cast
                 to the compute dtype
     CPU, int4:  weight repacked in place by aten._convert_weight_to_int4pack_for_cpu (same
@@ -65,7 +66,9 @@ DEFAULT_MAX_KERNEL_TOKENS = 8
 #   avx512bf16  int8 1.04-1.38 at 24 rows, 0.87-1.17 at 32;  int4 1.05-1.20 at 16, 0.81-0.92 at 24
 #   avx512      int8 1.21-1.37 at 128;                       int4 1.06-1.41 at 32, 0.82-1.04 at 64
 #   avx2        int8 1.04-1.24 at 128;                       int4 1.00-1.11 at 16, 0.74-0.79 at 24
-COMPILED_MAX_TOKENS = {"avx512bf16": {8: 24, 4: 16}, "avx512": {8: 128, 4: 32}, "avx2": {8: 128, 4: 16}}
+# avx2 int4 since its GEMV reads the quads (KIND_I4Q), on an AVX2-only Zen 3 (`--quant --no-native`):
+#   2.09-2.47 at 16, 1.25-2.05 at 24, 1.18-1.52 at 32, 1.01-1.14 at 48, 0.87-1.19 at 64, 0.66-1.03 at 128
+COMPILED_MAX_TOKENS = {"avx512bf16": {8: 24, 4: 16}, "avx512": {8: 128, 4: 32}, "avx2": {8: 128, 4: 48}}
 SCALE_NAMES = ("weights_scaling_factor", "zeros", "in_perm")
 # W4A16_GPTQ layers hold `in_perm` int32 [K_local]: the layer computes x[..., in_perm] W^T, so
 # act-order (GPTQ desc_act) weights are stored with group-contiguous in-features
@@ -251,15 +254,19 @@ class WeightOnlySlot:
                     self.layout = "quads"
                 self._packed = ops.PackedWeight.int4_a8(linear.weight, s, z, self.lq.group_size, quads=True)
                 return
-            # the dot layout where this build reads it and the activations are bfloat16 (the layer's
-            # dtype, its scales'): float32 inputs run faster on the checkpoint layout
-            dot = ops.dot_layout_fits(k) and s.dtype == torch.bfloat16 and self.lq.act_quant is None
-            if self.layout == "checkpoint" and dot:  # in place: one copy
-                linear.weight = _param(packing.pack_int4_dot(linear.weight.data))
-                self.layout = "dot"
-            elif self.layout == "dot" and not dot:  # another build loaded since (BESTIARY_CPU_ISA)
+            # the layout this build's GEMV reads fastest: the dot layout where the activations are bfloat16
+            # (the layer's dtype, its scales'; float32 inputs run faster on the checkpoint layout there), the
+            # quads on the avx2 build, else the checkpoint layout
+            want = ops.int4_layout(k, bfloat16=s.dtype == torch.bfloat16 and self.lq.act_quant is None)
+            if self.layout != want:  # (another build may have been loaded since: BESTIARY_CPU_ISA)
                 self._to_checkpoint_layout(linear)
-            self._packed = ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size, dot=self.layout == "dot")
+                data = linear.weight.data  # in place where it owns its memory: one copy
+                if want == "dot":
+                    linear.weight = _param(packing.pack_int4_dot(data))
+                elif want == "quads":
+                    linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
+                self.layout = want
+            self._packed = ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size, layout=self.layout)
             return
         self._to_checkpoint_layout(linear)  # the aten kernels read the checkpoint layout
         if self.lq.bits == 8:

@@ -132,33 +132,38 @@ def test_int4_rows_not_multiple_of_16_fall_back_to_dequantized():
     lin.fuse()
     lin.quant.set_compute_dtype(lin, torch.float32)
     x = torch.randn(1, 128)
-    assert lin.quant.layout in ("checkpoint", "dot")  # not the aten CPU layout (N % 16 != 0)
+    assert lin.quant.layout in ("checkpoint", "dot", "quads")  # not the aten CPU layout (N % 16 != 0)
     assert (lin(x) - x @ ref_w.t() - lin.bias).abs().max() < 1e-4
 
 
 def test_int4_layout_follows_the_kernel_build(monkeypatch):
-    """On a build with the vdpbf16ps int4 GEMV the weight of a bfloat16 layer is repacked in place into
-    the dot layout (codes unchanged; a float32 layer keeps the checkpoint layout); prepared again under a build without it (BESTIARY_CPU_ISA switched in-process,
-    benchmarks/cpu_isa.py) it goes back to the checkpoint layout, and both give the same outputs."""
+    """On a build with its own int4 GEMV layout the weight is repacked in place into it: the dot layout on
+    avx512bf16 (vdpbf16ps; a bfloat16 layer only: a float32 layer keeps the checkpoint layout), the quads on
+    avx2 (any layer). Prepared again under a build without that GEMV (BESTIARY_CPU_ISA switched in-process,
+    benchmarks/cpu_isa.py) it goes back to the checkpoint layout, codes unchanged, and both give the same outputs."""
     from bestiary.core.format import packing
     from bestiary.core.kernels.cpu import ops
 
     lin, _ = _quant_linear(LinearQuant("W4A16", 4, 64, True), n=40, k=128, scale_dtype=torch.bfloat16)
     checkpoint_bytes, codes = lin.weight.detach().clone(), lin.quant.codes(lin)
     lin.fuse()
-    if lin.quant.layout != "dot":
-        pytest.skip("this CPU has no avx512bf16 kernel build")
+    layout = lin.quant.layout
+    if layout == "checkpoint":
+        pytest.skip("this CPU's kernel build reads int4 weights in the checkpoint layout")
     fp32_layer, _ = _quant_linear(LinearQuant("W4A16", 4, 64, True), n=40, k=128)
-    fp32_layer.fuse()  # float32 activations: the checkpoint layout's GEMV is the faster one for them
-    assert fp32_layer.quant.layout == "checkpoint" and fp32_layer.quant._packed.kind == ops.KIND_I4
-    assert torch.equal(lin.weight, packing.pack_int4_dot(checkpoint_bytes)) and torch.equal(lin.quant.codes(lin), codes)
+    fp32_layer.fuse()  # float32 activations: on avx512bf16 the checkpoint layout's GEMV is the faster one for them
+    expect = {"dot": ("checkpoint", ops.KIND_I4), "quads": ("quads", ops.KIND_I4Q)}[layout]
+    assert (fp32_layer.quant.layout, fp32_layer.quant._packed.kind) == expect
+    repack = packing.pack_int4_dot if layout == "dot" else packing.pack_int4_quads
+    assert torch.equal(lin.weight, repack(checkpoint_bytes)) and torch.equal(lin.quant.codes(lin), codes)
+    assert lin.quant._packed.kind == (ops.KIND_I4D if layout == "dot" else ops.KIND_I4Q)
     x = torch.randn(2, 128).bfloat16()
-    y_dot = lin(x)
-    monkeypatch.setattr(ops, "dot_layout_fits", lambda k: False)
+    y_fast = lin(x)
+    monkeypatch.setattr(ops, "int4_layout", lambda k, bfloat16=True: "checkpoint")
     lin.quant.prepare(lin)
     assert lin.quant.layout == "checkpoint" and torch.equal(lin.weight, checkpoint_bytes)
     assert lin.quant._packed.kind == ops.KIND_I4
-    torch.testing.assert_close(lin(x).float(), y_dot.float(), rtol=1e-2, atol=1e-2)  # bf16 outputs
+    torch.testing.assert_close(lin(x).float(), y_fast.float(), rtol=1e-2, atol=1e-2)  # bf16 outputs
 
 
 def test_int8_weight_held_in_row_tiles_in_place():

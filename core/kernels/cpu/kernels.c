@@ -34,6 +34,7 @@
  *   DT_I8A8 = 9  DT_I8T tiles multiplied with int8 activations quantized on the fly (linear_a8.c)
  *   DT_I4A8 = 10 DT_I4 codes in quads (8 features of 8 rows a load) x int8 activations quantized on the fly
  *                (linear_w4a8.c)
+ *   DT_I4Q = 11  DT_I4 codes in the same quads x float inputs (linear_int4q.c): W4A16 on the AVX2 build
  *
  * Threads: OpenMP, with the libgomp that torch already loaded (same soname), so there is one
  * thread pool in the process. Every op takes the number of threads to use.
@@ -49,6 +50,7 @@
  *   linear_cols.c        float weights held transposed (Wt [k, n]): column tiles
  *   linear_a8.c          int8 weights (row tiles) x int8 activations, per row and 64 features (DT_I8A8): vpdpbusd
  *   linear_w4a8.c        int4 weights (quads) x int8 activations (DT_I4A8): vpmaddubsw
+ *   linear_int4q.c       int4 weights (quads) x float inputs (DT_I4Q): one load for 8 rows, no horizontal sums
  *   linear.c             bst_linear (picks the path, splits the threads), bst_dequantize
  *   kv_cache.c           KV cache codes (int8, e4m3fn), bst_kv_write
  *   attention_decode.c   bst_decode_attention over the paged pool
@@ -68,6 +70,7 @@
 #include "linear_cols.c"
 #include "linear_a8.c"
 #include "linear_w4a8.c"
+#include "linear_int4q.c"
 #include "linear.c"
 #include "kv_cache.c"
 #include "attention_decode.c"

@@ -34,6 +34,13 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
         w4a8_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
         return;
     }
+    if (wdt == DT_I4Q) { /* int4 quads x float inputs (linear_int4q.c): scale, sz = s, s z in row tiles */
+        float *xq4 = (float *)malloc(sizeof(float) * (size_t)(m * k) + 64);
+        to_f32(x, xdt, m * k, xq4);
+        i4q_linear(xq4, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
+        free(xq4);
+        return;
+    }
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) * (wdt == DT_I4 ? 2 : 1) + 64);
     float *xp = NULL, *xsum = NULL;
     uint32_t *x2 = NULL;
@@ -112,10 +119,14 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
     free(xf);
 }
 
-/* row `row` of W [n, k] (I8 / I8T with scale, I4 / I4D with s, sz, BF16T / F32T) as floats in dst [k]:
+/* row `row` of W [n, k] (I8 / I8T with scale, I4 / I4D / I4Q with s, sz, BF16T / F32T) as floats in dst [k]:
  * q * scale, q * s - s z, the value; float weights held transposed (F32 / BF16): NaN. */
 static void dequantize_row(const void *w, int wdt, int64_t row, int64_t n, int64_t k, const float *scale,
                            const float *sz, int64_t group, float *dst) {
+    if (wdt == DT_I4Q) {
+        i4q_dequantize_row((const uint8_t *)w, row, n, k, scale, sz, group, dst);
+        return;
+    }
     const int64_t groups = wdt == DT_I4 || wdt == DT_I4D ? (k + group - 1) / group : 1;
     int64_t kk = 0;
 #if BST_SIMD /* VW features never cross a block of a tiled layout (16 / 32 / 64 wide) or a group (% 32) */
@@ -157,7 +168,7 @@ static void dequantize_row(const void *w, int wdt, int64_t row, int64_t n, int64
     }
 }
 
-/* W [n, k] (I8 with scale / I4, I4D with s, sz) -> float rows [n, k] in ydt: the dequantized
+/* W [n, k] (I8 with scale / I4, I4D, I4Q with s, sz) -> float rows [n, k] in ydt: the dequantized
  * weight the prefill GEMM multiplies by. */
 void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *scale, const float *sz,
                     int64_t group, void *y, int ydt, int threads) {

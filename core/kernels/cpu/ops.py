@@ -50,6 +50,8 @@ A8_BLOCK = 64  # linear_a8.c: input features per activation scale
 A8_SUM_ROWS = 512  # PackedWeight.int8_a8: rows whose code sums are taken at a time (a multiple of the 8-row tiles)
 KIND_I4A8 = 10  # linear_w4a8.c: int4 codes in quads x int8 activations quantized as KIND_I8A8's (W4A8 dynamic)
 W4A8_CHUNK = 32  # linear_w4a8.c: K % 32 == 0; its segments are 32 or 64 features
+KIND_I4Q = 11  # linear_int4q.c: KIND_I4's codes in the quads layout x float inputs (W4A16, the AVX2 build)
+INT4_LAYOUTS = ("checkpoint", "dot", "quads")  # PackedWeight.int4's layouts: KIND_I4, KIND_I4D, KIND_I4Q
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -97,6 +99,9 @@ class PackedWeight:
     of 8 rows, per 8 features, the rows' 4 bytes one after another) multiplied with int8 activations
     (`int4_a8`); scale = s and scale_zero = z itself, float32 in tiles of 8 rows [ceil(n / 8), groups, 8]
     (the last tile zero-padded); scale_zero None when symmetric (z = 8: no stream of zero points to read).
+    kind KIND_I4Q: KIND_I4's codes in the same quads layout (k % 8 == 0) multiplied with float inputs (`int4`
+    packs it on the AVX2 build: one load for 8 features of 8 rows, ~1.4x its checkpoint-layout GEMV); scale = s
+    and scale_zero = s * z, float32 in tiles of 8 rows [ceil(n / 8), groups, 8] (the last tile zero-padded).
     """
 
     kind: int
@@ -153,23 +158,27 @@ class PackedWeight:
 
     @classmethod
     def int4(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int,
-             dot: bool | None = None) -> PackedWeight:
+             layout: str | None = None) -> PackedWeight:
         """uint8 packed [n, k/2], scale [n, groups], zeros [n, groups] or None (symmetric: 8);
-        group a multiple of 32 (the kernel's block). dot: True, `packed` already is in the dot
-        layout; False, it is in the checkpoint layout and stays there; None, a copy is repacked
-        into the dot layout where `dot_layout_fits`."""
+        group a multiple of 32 (the kernel's block). layout: "checkpoint" (KIND_I4), "dot" (KIND_I4D) or
+        "quads" (KIND_I4Q), the layout `packed` already is in (kept as it is); None, `packed` is in the
+        checkpoint layout and a copy is repacked into `int4_layout(k)`'s."""
         if group % 32:
             raise ValueError(f"int4 group size {group}: the compiled kernel needs a multiple of 32")
+        if layout is not None and layout not in INT4_LAYOUTS:
+            raise ValueError(f"PackedWeight.int4: layout {layout!r}, expected one of {INT4_LAYOUTS}")
         s = scale.float().contiguous()
         z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
         n, k = packed.shape[0], packed.shape[1] * 2
-        if dot is None:
-            dot = dot_layout_fits(k)  # vdpbf16ps: ~1.5x the GEMV
-            packed = packing.pack_int4_dot(packed) if dot else packed
+        if layout is None:
+            layout = int4_layout(k)
+            packed = {"dot": packing.pack_int4_dot, "quads": packing.pack_int4_quads}.get(layout, lambda p: p)(packed)
         sz = s * z
-        if dot:  # the scales of a tile's rows side by side
+        if layout == "quads":  # (rows in tiles of 8, as the codes)
+            return cls(KIND_I4Q, packed.contiguous(), n, k, _row_tiles8(s), _row_tiles8(sz), group)
+        if layout == "dot":  # the scales of a tile's rows side by side
             s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
-        return cls(KIND_I4D if dot else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
+        return cls(KIND_I4D if layout == "dot" else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
 
     @classmethod
     def int4_a8(cls, packed: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, group: int,
@@ -224,6 +233,22 @@ def dot_layout_fits(k: int) -> bool:
     return bf16dot_build() and k % packing.DOT_BLOCK == 0
 
 
+def quads_layout_fits(k: int) -> bool:
+    """True when this build multiplies float inputs by int4 weights of K input features in the quads layout
+    (KIND_I4Q): the avx2 build (measured ~1.4x its checkpoint-layout GEMV there; the AVX-512 builds keep their
+    own GEMVs), k % 8 == 0."""
+    return isa_name(library()) == "avx2" and k % (2 * packing.QUAD_BYTES) == 0
+
+
+def int4_layout(k: int, bfloat16: bool = True) -> str:
+    """The layout `PackedWeight.int4` packs an int4 weight of K input features in on this build: "dot" where
+    `dot_layout_fits` and the inputs are bfloat16 (float32 ones run faster on the checkpoint layout there),
+    "quads" where `quads_layout_fits`, else "checkpoint"."""
+    if dot_layout_fits(k) and bfloat16:
+        return "dot"
+    return "quads" if quads_layout_fits(k) else "checkpoint"
+
+
 def linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x W^T + b: x [M, K] -> [M, N] in out_dtype (default x's). bias float32 [N] or None."""
@@ -251,7 +276,7 @@ def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torc
 
 def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The int8 / int4 weight W [N, K] in `dtype` (float32 / bfloat16)."""
-    if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D, KIND_I8A8, KIND_I4A8):
+    if pw.kind not in (KIND_I8, KIND_I8T, KIND_I4, KIND_I4D, KIND_I8A8, KIND_I4A8, KIND_I4Q):
         raise ValueError("dequantize: only int8 / int4 weights")
     if pw.kind == KIND_I4A8:  # (its scales are tiled, its zero points plain)
         return dequantize_ref(pw).to(dtype)
@@ -280,6 +305,9 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         w = packing.unpack_int4_quads(w)
     elif pw.scale_zero is None:
         raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
+    elif pw.kind == KIND_I4Q:
+        s, sz = _untile8(pw.scale, pw.n), _untile8(pw.scale_zero, pw.n)
+        w = packing.unpack_int4_quads(w)
     else:
         s, sz = pw.scale, pw.scale_zero  # [N, groups]
     if pw.kind == KIND_I4D:

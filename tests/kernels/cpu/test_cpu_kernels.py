@@ -182,7 +182,7 @@ def test_int4_dot_layout_matches_the_checkpoint_layout(cpu_build, group, zp, m, 
     inputs an FMA path; both equal the float32 reference to float32 summation error (output
     float32: no bfloat16 rounding hides an error), each row the same in any batch, and
     `dequantize` reads the layout (codes and scales in 4-row tiles) too. The other builds keep
-    KIND_I4."""
+    KIND_I4 (the avx2 build: the quads, KIND_I4Q, its own test)."""
     gen = torch.Generator().manual_seed(group + m)
     n, k = 37, 384  # n: 9 tiles of 4 rows and one row alone; 384 = 2 groups of 192
     groups = -(-k // group)
@@ -190,7 +190,7 @@ def test_int4_dot_layout_matches_the_checkpoint_layout(cpu_build, group, zp, m, 
     scale = torch.rand(n, groups, generator=gen) + 0.1
     zeros = torch.randint(0, 16, (n, groups), generator=gen).float() if zp else None
     pw = ops.PackedWeight.int4(packed, scale, zeros, group)
-    assert pw.kind == (ops.KIND_I4D if cpu_build == "avx512bf16" else ops.KIND_I4)
+    assert pw.kind == {"avx512bf16": ops.KIND_I4D, "avx2": ops.KIND_I4Q}.get(cpu_build, ops.KIND_I4)
     x = (torch.randn(m, k, generator=gen) * 2).to(xdtype)
     bias = torch.randn(n, generator=gen)
     y = ops.linear(x, pw, bias, out_dtype=torch.float32)

@@ -1,0 +1,97 @@
+"""The int4 x float linear on the quads layout (linear_int4q.c, KIND_I4Q: W4A16 on the avx2 build) against the
+float32 reference (core.kernels.cpu.ops.linear_ref on the checkpoint layout), on every build this CPU runs (the
+cpu_build fixture: the layout is chosen on avx2 only, but every build reads it).
+
+Its sums are float32 in a fixed order per row (4 accumulators by feature mod 4, a group at a time, then the scale
+and the zero-point term), so each row's bits depend neither on the batch, the tiles nor the threads, and every
+build gives the same bits. Shapes: batches across the 2-input tiles (1, 2, 3, 5, 16), K one quad of 8 features to
+2,048 with a short last group, N tails (not a multiple of the 8-row tile), groups of 32 to 192, symmetric and zero
+points, float32 and bfloat16 inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bestiary.core.format import packing
+from bestiary.core.kernels.cpu import build, ops
+
+pytestmark = pytest.mark.skipif(build.compiler() is None or not build.enabled(),
+                                reason="no C compiler (or BESTIARY_CPU_KERNELS=off): the kernels are not built")
+
+
+def _weights(n: int, k: int, group: int, zp: bool, seed: int = 0) -> tuple[ops.PackedWeight, ops.PackedWeight]:
+    """The same random int4 weight in the quads layout (KIND_I4Q) and in the checkpoint layout (KIND_I4)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, groups, generator=gen) + 0.1
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).float() if zp else None
+    return (ops.PackedWeight.int4(packing.pack_int4_quads(packed), scale, zeros, group, layout="quads"),
+            ops.PackedWeight.int4(packed, scale, zeros, group, layout="checkpoint"))
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,group,zp", [(1, 8, 8, 32, False), (2, 13, 96, 32, True), (3, 40, 200, 64, False),
+                                            (5, 67, 576, 128, True), (16, 72, 384, 192, False),
+                                            (1, 253, 2048, 128, True)])
+def test_linear_int4q_matches_reference(cpu_build, m, n, k, group, zp, xdtype):
+    quads, plain = _weights(n, k, group, zp, seed=m + n)
+    assert quads.kind == ops.KIND_I4Q and torch.equal(packing.unpack_int4_quads(quads.weight), plain.weight)
+    gen = torch.Generator().manual_seed(k)
+    x, bias = (torch.randn(m, k, generator=gen) * 2).to(xdtype), torch.randn(n, generator=gen)
+    y = ops.linear(x, quads, bias, out_dtype=torch.float32)
+    assert _rel_err(y, ops.linear_ref(x, plain, bias, out_dtype=torch.float32)) < 2e-6
+    assert torch.equal(ops.linear(x, quads, bias, out_dtype=torch.bfloat16), y.bfloat16())  # rounded once
+    torch.testing.assert_close(ops.dequantize(quads), ops.dequantize_ref(plain))
+    torch.testing.assert_close(ops.dequantize_ref(quads), ops.dequantize_ref(plain), rtol=0, atol=0)
+
+
+def test_linear_int4q_rows_do_not_depend_on_the_batch_or_threads(cpu_build):
+    """Each of 11 input rows gives the same float32 bits alone, in a slice of the batch and in the whole batch,
+    on 1 and 2 threads (200 rows: 25 tiles, split between the threads)."""
+    quads, _ = _weights(200, 576, 64, True)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    whole = ops.linear(x, quads, out_dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(ops.linear(x, quads, out_dtype=torch.float32), whole)
+            for i in range(11):
+                assert torch.equal(ops.linear(x[i:i + 1], quads, out_dtype=torch.float32), whole[i:i + 1])
+            assert torch.equal(ops.linear(x[3:8], quads, out_dtype=torch.float32), whole[3:8])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_int4q_is_the_same_bits_on_every_build(monkeypatch):
+    """The vector builds and the scalar one run the same float32 operations in the same order."""
+    quads, _ = _weights(21, 320, 64, True)  # a short last tile of 5 rows, a short last group
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(2))
+    outs = {}
+    for isa in build.supported_isas():
+        lib = build.library_for(isa)
+        if lib is None:
+            continue
+        monkeypatch.setattr(ops, "library", lambda lib=lib: lib)
+        outs[isa] = ops.linear(x, quads, out_dtype=torch.float32)
+    assert "scalar" in outs and len(outs) >= 2, outs.keys()
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), isa
+
+
+def test_int4_layout_is_the_quads_on_the_avx2_build_only(cpu_build):
+    """`PackedWeight.int4` packs the quads where this build's GEMV reads them (avx2, K % 8 == 0), the dot layout on
+    avx512bf16 (K % 64 == 0), the checkpoint layout elsewhere; a bad layout name is refused."""
+    expect = {"avx2": "quads", "avx512bf16": "dot"}.get(cpu_build, "checkpoint")
+    assert ops.int4_layout(576) == expect
+    assert ops.int4_layout(576, bfloat16=False) == ("checkpoint" if expect == "dot" else expect)
+    assert ops.int4_layout(100) == "checkpoint"  # K % 8 != 0
+    with pytest.raises(ValueError, match="layout 'tiles'"):
+        ops.PackedWeight.int4(torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 1), None, 32, layout="tiles")
