@@ -444,7 +444,7 @@ class DecodePlan:
         K x N and weight kind (e.g. "linear 576x1728 bf16")."""
         names = ["embed", "rms_norm", "linear", "rotary", "kv_write", "attention", "act_mul", "lora"]
         kinds = {ops.KIND_F32: "fp32", ops.KIND_F32T: "fp32", ops.KIND_BF16: "bf16", ops.KIND_BF16T: "bf16",
-                 ops.KIND_I8: "int8", ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4",
+                 ops.KIND_I8: "int8", ops.KIND_I8T: "int8", ops.KIND_I4: "int4", ops.KIND_I4D: "int4", ops.KIND_I4Q: "int4",
                  ops.KIND_I8A8: "int8xint8", ops.KIND_I4A8: "int4xint8"}
         if self.profile is None:
             raise RuntimeError("profile_rows before start_profile")

@@ -34,11 +34,8 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
         w4a8_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
         return;
     }
-    if (wdt == DT_I4Q) { /* int4 quads x float inputs (linear_int4q.c): scale, sz = s, s z in row tiles */
-        float *xq4 = (float *)malloc(sizeof(float) * (size_t)(m * k) + 64);
-        to_f32(x, xdt, m * k, xq4);
-        i4q_linear(xq4, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
-        free(xq4);
+    if (wdt == DT_I4Q) { /* int4 quads x float inputs (linear_int4q.c): scale, sz = s, z (or NULL) in row tiles */
+        i4q_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
         return;
     }
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) * (wdt == DT_I4 ? 2 : 1) + 64);
@@ -119,7 +116,7 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
     free(xf);
 }
 
-/* row `row` of W [n, k] (I8 / I8T with scale, I4 / I4D / I4Q with s, sz, BF16T / F32T) as floats in dst [k]:
+/* row `row` of W [n, k] (I8 / I8T with scale, I4 / I4D with s, sz, I4Q with s, z, BF16T / F32T) as floats in dst [k]:
  * q * scale, q * s - s z, the value; float weights held transposed (F32 / BF16): NaN. */
 static void dequantize_row(const void *w, int wdt, int64_t row, int64_t n, int64_t k, const float *scale,
                            const float *sz, int64_t group, float *dst) {
@@ -168,7 +165,7 @@ static void dequantize_row(const void *w, int wdt, int64_t row, int64_t n, int64
     }
 }
 
-/* W [n, k] (I8 with scale / I4, I4D, I4Q with s, sz) -> float rows [n, k] in ydt: the dequantized
+/* W [n, k] (I8 with scale / I4, I4D with s, sz / I4Q with s, z) -> float rows [n, k] in ydt: the dequantized
  * weight the prefill GEMM multiplies by. */
 void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *scale, const float *sz,
                     int64_t group, void *y, int ydt, int threads) {

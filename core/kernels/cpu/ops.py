@@ -100,8 +100,9 @@ class PackedWeight:
     (`int4_a8`); scale = s and scale_zero = z itself, float32 in tiles of 8 rows [ceil(n / 8), groups, 8]
     (the last tile zero-padded); scale_zero None when symmetric (z = 8: no stream of zero points to read).
     kind KIND_I4Q: KIND_I4's codes in the same quads layout (k % 8 == 0) multiplied with float inputs (`int4`
-    packs it on the AVX2 build: one load for 8 features of 8 rows, ~1.4x its checkpoint-layout GEMV); scale = s
-    and scale_zero = s * z, float32 in tiles of 8 rows [ceil(n / 8), groups, 8] (the last tile zero-padded).
+    packs it on the AVX2 build: one load for 8 features of 8 rows); scale = s and scale_zero = z, as KIND_I4A8's.
+    bfloat16 inputs are read as `q16_round(x)` on the vector builds where k % 32 == 0 (`reads_q16`: 16-bit
+    integer dot products), float32 ones as they are.
     """
 
     kind: int
@@ -174,8 +175,8 @@ class PackedWeight:
             layout = int4_layout(k)
             packed = {"dot": packing.pack_int4_dot, "quads": packing.pack_int4_quads}.get(layout, lambda p: p)(packed)
         sz = s * z
-        if layout == "quads":  # (rows in tiles of 8, as the codes)
-            return cls(KIND_I4Q, packed.contiguous(), n, k, _row_tiles8(s), _row_tiles8(sz), group)
+        if layout == "quads":  # (rows in tiles of 8, as the codes; z itself, None when symmetric)
+            return cls(KIND_I4Q, packed.contiguous(), n, k, _row_tiles8(s), None if zeros is None else _row_tiles8(z), group)
         if layout == "dot":  # the scales of a tile's rows side by side
             s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
         return cls(KIND_I4D if layout == "dot" else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
@@ -212,7 +213,7 @@ def _untile8(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _i4a8_zeros(pw: PackedWeight, s: torch.Tensor) -> torch.Tensor:
-    """A KIND_I4A8 weight's zero points z [N, groups], beside its untiled scales s [N, groups] (8 where it is
+    """A KIND_I4A8 / KIND_I4Q weight's zero points z [N, groups], beside its untiled scales s [N, groups] (8 where it is
     symmetric: scale_zero None)."""
     return torch.full_like(s, 8.0) if pw.scale_zero is None else _untile8(pw.scale_zero, pw.n)
 
@@ -299,15 +300,12 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
     if pw.kind in (KIND_I8, KIND_I8T, KIND_I8A8):
         q = packing.unpack_int8_tiled(w) if pw.kind in (KIND_I8T, KIND_I8A8) else w
         return q.float() * pw.scale[:, None]
-    if pw.kind == KIND_I4A8:
+    if pw.kind in (KIND_I4A8, KIND_I4Q):
         s = _untile8(pw.scale, pw.n)
         sz = s * _i4a8_zeros(pw, s)
         w = packing.unpack_int4_quads(w)
     elif pw.scale_zero is None:
         raise ValueError(f"dequantize_ref: a kind {pw.kind} (int4) weight without its scale_zero")
-    elif pw.kind == KIND_I4Q:
-        s, sz = _untile8(pw.scale, pw.n), _untile8(pw.scale_zero, pw.n)
-        w = packing.unpack_int4_quads(w)
     else:
         s, sz = pw.scale, pw.scale_zero  # [N, groups]
     if pw.kind == KIND_I4D:
@@ -325,7 +323,7 @@ def reads_q16(x: torch.Tensor, pw: PackedWeight) -> bool:
     """True when `linear` reads x in 16-bit integers (kernels.c q16: int8 weights, bfloat16 x, a
     vector build); x then counts as `q16_round(x)`."""
     return (x.dtype == torch.bfloat16 and isa_name(library()) != "scalar"
-            and (pw.kind == KIND_I8T or (pw.kind == KIND_I8 and pw.k % 32 == 0)))
+            and (pw.kind == KIND_I8T or (pw.kind in (KIND_I8, KIND_I4Q) and pw.k % 32 == 0)))
 
 
 def q16_round(x: torch.Tensor) -> torch.Tensor:
