@@ -10,6 +10,9 @@
 #define ROWS 8  /* most weight rows per tile (a single input row: 8 independent FMA chains) */
 #define MT 4    /* most input rows per tile (each weight vector loaded once, used MT times) */
 #define Q16_BLOCK 64 /* features per scale of the int16 inputs of the int8 x bf16 GEMV (q16, below) */
+#ifndef Q16_AHEAD
+#define Q16_AHEAD 2048 /* bytes of a tile's stream the q16 GEMV fetches ahead */
+#endif
 
 /* the input rows a tile reads: floats (xf [m, k]), or for the q16 path int16 codes (xq [m, k]) and
  * their block scales (xs [m, ceil(k / Q16_BLOCK)]) */
@@ -372,6 +375,9 @@ INLINE void q16_step(const int16_t *xq, const float *xs, int64_t k, int64_t nb, 
         for (int v = 0; v < RUNS * Q16_PER; v++) xv[i][v] = q16_x(xq + i * k + kk + v * (32 / Q16_PER));
         sb[i] = vset1(xs[i * nb + b]);
     }
+    if (dt == DT_I8T && R == TILE_ROWS) /* a whole tile: one stream, fetched Q16_AHEAD bytes ahead */
+        for (int l = 0; l < RUNS * 4; l++)
+            _mm_prefetch((const char *)(w + w_off(dt, row0, kk, k)) + Q16_AHEAD + 64 * l, _MM_HINT_T0);
     for (int r = 0; r < R; r++) {
         q16v wv[2 * Q16_PER];
         for (int c = 0; c < RUNS; c++) {
