@@ -66,9 +66,11 @@ DEFAULT_MAX_KERNEL_TOKENS = 8
 #   avx512bf16  int8 1.04-1.38 at 24 rows, 0.87-1.17 at 32;  int4 1.05-1.20 at 16, 0.81-0.92 at 24
 #   avx512      int8 1.21-1.37 at 128;                       int4 1.06-1.41 at 32, 0.82-1.04 at 64
 #   avx2        int8 1.04-1.24 at 128;                       int4 1.00-1.11 at 16, 0.74-0.79 at 24
-# avx2 int4 since its GEMV reads the quads (KIND_I4Q), on an AVX2-only Zen 3 (`--quant --no-native`):
-#   2.09-2.47 at 16, 1.25-2.05 at 24, 1.18-1.52 at 32, 1.01-1.14 at 48, 0.87-1.19 at 64, 0.66-1.03 at 128
-COMPILED_MAX_TOKENS = {"avx512bf16": {8: 24, 4: 16}, "avx512": {8: 128, 4: 32}, "avx2": {8: 128, 4: 48}}
+# avx2 int4 since its GEMV reads the quads (KIND_I4Q), on an AVX2-only Zen 3 (`--quant --no-native`), bfloat16
+# inputs in 16-bit integers: 4.1-5.2 at 16, 1.4-2.5 at 64, 1.0-2.0 at 128, 0.9-1.4 at 192, 0.9-1.5 at 256;
+# float32 inputs (the float path, QUADS_FLOAT_MAX_TOKENS): 1.2-1.5 at 32, 1.0-1.1 at 48, 0.7-1.0 at 128
+COMPILED_MAX_TOKENS = {"avx512bf16": {8: 24, 4: 16}, "avx512": {8: 128, 4: 32}, "avx2": {8: 128, 4: 128}}
+QUADS_FLOAT_MAX_TOKENS = 48
 SCALE_NAMES = ("weights_scaling_factor", "zeros", "in_perm")
 # W4A16_GPTQ layers hold `in_perm` int32 [K_local]: the layer computes x[..., in_perm] W^T, so
 # act-order (GPTQ desc_act) weights are stored with group-contiguous in-features
@@ -267,6 +269,8 @@ class WeightOnlySlot:
                     linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
                 self.layout = want
             self._packed = ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size, layout=self.layout)
+            if self.layout == "quads" and s.dtype != torch.bfloat16:  # float32 inputs: the quads' float path
+                self._kernel_bound = min(self._kernel_bound, QUADS_FLOAT_MAX_TOKENS)
             return
         self._to_checkpoint_layout(linear)  # the aten kernels read the checkpoint layout
         if self.lq.bits == 8:

@@ -394,9 +394,9 @@ def test_kernel_threshold_does_not_change_results(tiny_src, tmp_path):
 
 @pytest.mark.parametrize("mode,bits", [("int8", 8), ("int4_g64_zp", 4)])
 def test_kernel_bound_follows_the_kernel_build(mode, bits, tiny_src, tmp_path, monkeypatch):
-    """A layer on the compiled kernels runs its GEMV up to COMPILED_MAX_TOKENS[build][bits] rows;
-    with AMX (torch's bf16 GEMM) or without the compiled kernels, DEFAULT_MAX_KERNEL_TOKENS;
-    set_max_kernel_tokens overrides either."""
+    """A layer on the compiled kernels runs its GEMV up to COMPILED_MAX_TOKENS[build][bits] rows (int4 quads of a
+    float32 layer, whose inputs take the quads' float path: at most QUADS_FLOAT_MAX_TOKENS); with AMX (torch's
+    bf16 GEMM) or without the compiled kernels, DEFAULT_MAX_KERNEL_TOKENS; set_max_kernel_tokens overrides either."""
     from bestiary.core.kernels.cpu.build import isa_name, library
     from bestiary.core.quant import slot as slot_module
 
@@ -406,7 +406,9 @@ def test_kernel_bound_follows_the_kernel_build(mode, bits, tiny_src, tmp_path, m
     compiled = [m.quant._packed is not None for m in linears]
     default = slot_module.DEFAULT_MAX_KERNEL_TOKENS
     table = slot_module.COMPILED_MAX_TOKENS.get(isa_name(library()), {}).get(bits, default) if any(compiled) else default
-    assert [m.quant.kernel_max_tokens() for m in linears] == [table if c else default for c in compiled]
+    float_quads = [m.quant.layout == "quads" and m.weights_scaling_factor.dtype != torch.bfloat16 for m in linears]
+    expect = [min(table, slot_module.QUADS_FLOAT_MAX_TOKENS) if q else table for q in float_quads]
+    assert [m.quant.kernel_max_tokens() for m in linears] == [e if c else default for e, c in zip(expect, compiled)]
     monkeypatch.setattr(slot_module, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     for m in linears:
         m.quant.prepare(m)

@@ -5,7 +5,8 @@
                     (KIND_I8A8: int8 row tiles x int8 activations quantized per row and block of
                     A8_BLOCK features, any number of rows: W8A8 dynamic, `linear_a8_ref`)
                     (KIND_I4A8: int4 codes in quads x the same int8 activations: W4A8 dynamic,
-                    `linear_w4a8_ref`)
+                    `linear_w4a8_ref`) (KIND_I4Q: the same quads x float activations, W4A16 on
+                    the avx2 build; bfloat16 ones read as `q16_round(x)`)
     dequantize      the float W [N, K] a PackedWeight stands for (prefill GEMMs)
     decode_attention one query token per sequence over the paged KV pool (no gather); float
                     pools or INT8 / FP8 codes with their scales; per-sequence attention
@@ -22,8 +23,8 @@
 Every op computes in float32 and rounds its output once (on the avx512bf16 build, dot products
 of two bfloat16 operands run vdpbf16ps: exact products, float32 sums; nothing is rounded that
 the other builds keep, so the same references and tolerances hold). One exception: int8 weights
-times bfloat16 inputs read the inputs as `q16_round(x)` on the vector builds (16-bit integer dot
-products; exact within 2^7 of each 64-feature block's largest value, `reads_q16`). `supports(*tensors)` says whether
+times bfloat16 inputs (and int4 quads times bfloat16 inputs) read the inputs as `q16_round(x)` on the vector
+builds (16-bit integer dot products; exact within 2^7 of each 64-feature block's largest value, `reads_q16`). `supports(*tensors)` says whether
 the compiled op can take them (CPU, float32 / bfloat16, library built); callers fall back to
 the torch reference otherwise. Tensors must be contiguous unless a docstring says otherwise.
 """
@@ -320,8 +321,8 @@ Q16_BLOCK = 64  # kernels.c: int8 weights x bfloat16 inputs read the inputs per 
 
 
 def reads_q16(x: torch.Tensor, pw: PackedWeight) -> bool:
-    """True when `linear` reads x in 16-bit integers (kernels.c q16: int8 weights, bfloat16 x, a
-    vector build); x then counts as `q16_round(x)`."""
+    """True when `linear` reads x in 16-bit integers (kernels.c q16: int8 weights, or int4 quads with k % 32 == 0,
+    bfloat16 x, a vector build); x then counts as `q16_round(x)`."""
     return (x.dtype == torch.bfloat16 and isa_name(library()) != "scalar"
             and (pw.kind == KIND_I8T or (pw.kind in (KIND_I8, KIND_I4Q) and pw.k % 32 == 0)))
 
