@@ -269,7 +269,7 @@ class WeightOnlySlot:
                     linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
                 self.layout = want
             self._packed = ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size, layout=self.layout)
-            if self.layout == "quads" and s.dtype != torch.bfloat16:  # float32 inputs: the quads' float path
+            if self.layout == "quads" and (s.dtype != torch.bfloat16 or self.lq.act_quant is not None):  # float32 x
                 self._kernel_bound = min(self._kernel_bound, QUADS_FLOAT_MAX_TOKENS)
             return
         self._to_checkpoint_layout(linear)  # the aten kernels read the checkpoint layout

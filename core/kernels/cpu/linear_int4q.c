@@ -23,11 +23,11 @@
  *   x[k] broadcast; the scalar build the same operations one row at a time (the same bits).
  *
  * q16 (bfloat16 inputs on the vector builds, k % 32 == 0): x is read as linear_rows.c's int8 x bfloat16 GEMV
- * reads it, per 64-feature block b as qx 2^(e_b - 15) (q16_inputs: every x of the block within 2^8 of its
+ * reads it, per 64-feature block b as qx 2^(e_b - 15) (q16_inputs: every x of the block within 2^7 of its
  * largest is exact, the others rounded by at most max |x| 2^-15), and, over the segments j of linear_w4a8.c
  * (a 64-feature block intersected with a group: 32 or 64 features) in increasing k, from acc = 0:
- *     D = sum_{k in j} qx[k] q[n, k]       X = sum_{k in j} qx[k]             (exact, int32)
- *     acc = fmaf(2^(e_b - 15) s[n, g], fmaf(-z[n, g], (float)X, (float)D), acc)
+ *     D = sum_{k in j} qx[k] q[n, k]       X = sum_{k in j} qx[k]             (exact, int32: |D| < 2^25)
+ *     acc = fmaf(2^(e_b - 15) s[n, g], fmaf(-z[n, g], (float)X, (float)D), acc)   ((float)D rounds past 2^24)
  *   per quad: & 15 and >> 4 & 15 (each row's 4 even and 4 odd codes as bytes), widened to 16 bits (4 rows a
  *   register, 4 codes each), vpmaddwd with the quad's 4 even or 4 odd input codes (the inputs permuted once
  *   per call, i4q_permute) in each 64 bits: 16 multiply-adds an instruction against 8 of a float FMA after a
@@ -286,8 +286,14 @@ static void i4q_dequantize_row(const uint8_t *w, int64_t row, int64_t n, int64_t
     for (int64_t q = 0; q < k / 8; q++) {
         const int64_t g = q * 8 / group;
         const float sg = s[g * 8], szg = sg * (z ? z[g * 8] : 8.f);
-        uint32_t word;
+        int32_t word;
         memcpy(&word, tile + q * nr * 4 + r * 4, 4);
-        for (int j = 0; j < 8; j++) dst[q * 8 + j] = (float)(word >> (4 * j) & 15) * sg - szg;
+#if BST_SIMD /* the 8 codes of the word in 8 lanes */
+        const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                           _mm256_set1_epi32(15));
+        _mm256_storeu_ps(dst + q * 8, _mm256_fmsub_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(sg), _mm256_set1_ps(szg)));
+#else
+        for (int j = 0; j < 8; j++) dst[q * 8 + j] = (float)((uint32_t)word >> (4 * j) & 15) * sg - szg;
+#endif
     }
 }

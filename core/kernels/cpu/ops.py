@@ -175,9 +175,9 @@ class PackedWeight:
         if layout is None:
             layout = int4_layout(k)
             packed = {"dot": packing.pack_int4_dot, "quads": packing.pack_int4_quads}.get(layout, lambda p: p)(packed)
-        sz = s * z
         if layout == "quads":  # (rows in tiles of 8, as the codes; z itself, None when symmetric)
             return cls(KIND_I4Q, packed.contiguous(), n, k, _row_tiles8(s), None if zeros is None else _row_tiles8(z), group)
+        sz = s * z
         if layout == "dot":  # the scales of a tile's rows side by side
             s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
         return cls(KIND_I4D if layout == "dot" else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
