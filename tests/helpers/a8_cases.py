@@ -1,6 +1,6 @@
 """Inputs and checks shared by the int8-activation kernel tests (test_cpu_linear_a8: int8 x int8,
 test_cpu_linear_w4a8: int4 x int8): the same hard inputs for both kernels, and the batch / thread invariance
-both promise."""
+both promise (test_cpu_linear_int4q's int4 quads x float inputs promise it too)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def hard_inputs(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tenso
 
 def assert_rows_do_not_depend_on_the_batch(pw: ops.PackedWeight) -> None:
     """Each of 11 bfloat16 input rows gives the same float32 bits alone, in a slice of the batch and in the whole
-    batch, on 1 and 2 threads (exact integer block sums, summed in a fixed order)."""
+    batch, on 1 and 2 threads (sums in a fixed order per row)."""
     x = torch.randn(11, pw.k, generator=torch.Generator().manual_seed(1)).bfloat16()
     whole = ops.linear(x, pw, out_dtype=torch.float32)
     threads = torch.get_num_threads()
