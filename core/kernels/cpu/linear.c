@@ -12,15 +12,6 @@ INLINE void row_range(int64_t n, int part, int parts, int64_t *b, int64_t *e) {
     if (*b > n) *b = n;
 }
 
-/* sums [m, ceil(k / group)] (calloc'd) of each input row's features kk < upto, group by group */
-INLINE float *group_sums(const float *xf, int64_t m, int64_t k, int64_t upto, int64_t group) {
-    int64_t groups = (k + group - 1) / group;
-    float *sums = (float *)calloc((size_t)(m * groups), sizeof(float));
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t kk = 0; kk < upto; kk++) sums[i * groups + kk / group] += xf[i * k + kk];
-    return sums;
-}
-
 /* y [m, n] (ydt) = x [m, k] (xdt) @ W^T: F32 / BF16 weights held transposed, Wt [k, n]; I8
  * q [n, k] (I8T: in row tiles) with scale [n]; for I4 s and sz = s * zero [n, ceil(k / group)], group % 32 == 0; bias [n] float or NULL. */
 void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int wdt, int64_t n,

@@ -3,6 +3,16 @@
  * checkpoint layout (DT_I4; AVX-512 and AVX2 each their own tile) and the dot layout (DT_I4D, the
  * avx512bf16 build). Tiles of MT inputs (linear_rows.c). */
 
+/* sums [m, ceil(k / group)] (calloc'd) of each input row's features kk < upto, group by group, each in increasing
+ * k (float32): the zero-point terms of the int4 paths (DT_I4 on AVX2, DT_I4D, DT_I4Q's float path) */
+INLINE float *group_sums(const float *xf, int64_t m, int64_t k, int64_t upto, int64_t group) {
+    int64_t groups = (k + group - 1) / group;
+    float *sums = (float *)calloc((size_t)(m * groups), sizeof(float));
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t kk = 0; kk < upto; kk++) sums[i * groups + kk / group] += xf[i * k + kk];
+    return sums;
+}
+
 /* int4: W[row, k] = q * s - s * z for the nibble q of feature k (byte k / 2, low nibble = even
  * k) and the scales of its group (group % 32 == 0). Per block of I4B = 2 VW features, VW bytes:
  * the input is permuted once per call so that a block reads [VW even k..., VW odd k...] (xp),

@@ -1,7 +1,7 @@
 /* Part of kernels.c, the one translation unit of the CPU kernels: #included there in order, after
- * linear_rows.c (q16_inputs), linear_a8.c and linear_w4a8.c (its segments, W4A8Block, and float step) and before
- * linear.c (bst_linear calls i4q_linear for DT_I4Q; never compiled alone). int4 weights in quads x float inputs
- * (W4A16 on the AVX2 build):
+ * linear_rows.c (q16_inputs), linear_int4.c (group_sums), linear_a8.c and linear_w4a8.c (its segments,
+ * W4A8Block, and float step) and before linear.c (bst_linear calls i4q_linear for DT_I4Q; never compiled alone).
+ * int4 weights in quads x float inputs (W4A16 on the AVX2 build):
  *
  *   DT_I4Q = 11  the int4 codes (unsigned q 0..15, two a byte: low nibble = even k) in quads
  *                (packing.pack_int4_quads, as DT_I4A8's): per tile of 8 rows (the last one n % 8 rows), per
@@ -39,18 +39,6 @@
 #define DT_I4Q 11
 #define I4Q_MT 2       /* input rows per tile (each quad unpacked once for all of them; 4 measured no faster) */
 #define I4Q_AHEAD 2048 /* bytes of the stream fetched ahead */
-
-/* xsum [m, groups]: each input row's features summed per group in increasing k (float32) */
-static void i4q_sums(const float *xf, int64_t m, int64_t k, int64_t group, float *xsum) {
-    const int64_t groups = (k + group - 1) / group;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t end = (g + 1) * group < k ? (g + 1) * group : k;
-            float v = 0.f;
-            for (int64_t kk = g * group; kk < end; kk++) v += xf[i * k + kk];
-            xsum[i * groups + g] = v;
-        }
-}
 
 #if BST_SIMD
 /* out[i][r] = acc of the float path (module comment) of the tile's rows r < nr for M inputs (x rows k apart) */
@@ -257,10 +245,7 @@ static void i4q_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8
         w4a8_blocks(k, group, blk);
     }
 #endif
-    if (!xq) {
-        xsum = (float *)malloc(sizeof(float) * (size_t)(m * ((k + group - 1) / group)) + 4);
-        i4q_sums(xf, m, k, group, xsum);
-    }
+    if (!xq) xsum = group_sums(xf, m, k, k, group);
     const I4QInputs in = {xf, xsum, xq, xc, xs, blk};
     const int64_t tiles = (n + 7) / 8;
     int parts = threads < 1 ? 1 : threads;
