@@ -248,26 +248,13 @@ class WeightOnlySlot:
                 return
             k, z = linear.weight.shape[1] * 2, getattr(linear, "zeros", None)
             if self.lq.act_quant == "int8" and ops.w4a8_fits(k, self.lq.group_size):  # W4A8: every step on the kernel
-                if self.layout == "dot":
-                    self._to_checkpoint_layout(linear)
-                if self.layout == "checkpoint":  # (prepared again: the quads stay, fused members' views on them too)
-                    data = linear.weight.data  # in place where it owns its memory: no second copy of the codes
-                    linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
-                    self.layout = "quads"
+                self._repack_int4(linear, "quads")  # (prepared again: the quads stay, fused members' views on them too)
                 self._packed = ops.PackedWeight.int4_a8(linear.weight, s, z, self.lq.group_size, quads=True)
                 return
             # the layout this build's GEMV reads fastest: the dot layout where the activations are bfloat16
             # (the layer's dtype, its scales'; float32 inputs run faster on the checkpoint layout there), the
             # quads on the avx2 build, else the checkpoint layout
-            want = ops.int4_layout(k, bfloat16=s.dtype == torch.bfloat16 and self.lq.act_quant is None)
-            if self.layout != want:  # (another build may have been loaded since: BESTIARY_CPU_ISA)
-                self._to_checkpoint_layout(linear)
-                data = linear.weight.data  # in place where it owns its memory: one copy
-                if want == "dot":
-                    linear.weight = _param(packing.pack_int4_dot(data))
-                elif want == "quads":
-                    linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
-                self.layout = want
+            self._repack_int4(linear, ops.int4_layout(k, bfloat16=s.dtype == torch.bfloat16 and self.lq.act_quant is None))
             self._packed = ops.PackedWeight.int4(linear.weight, s, z, self.lq.group_size, layout=self.layout)
             if self.layout == "quads" and (s.dtype != torch.bfloat16 or self.lq.act_quant is not None):  # float32 x
                 self._kernel_bound = min(self._kernel_bound, QUADS_FLOAT_MAX_TOKENS)
@@ -286,6 +273,19 @@ class WeightOnlySlot:
             self.layout = "cpu"
         z = getattr(linear, "zeros", None)
         self._kernel_scales = packing.int4_cpu_scale_zeros(s, z, self.compute_dtype)
+
+    def _repack_int4(self, linear: Linear, layout: str) -> None:
+        """An int4 weight into `layout` ("checkpoint", "dot" or "quads"), through the checkpoint layout when it is
+        in another one (another build may have been loaded since: BESTIARY_CPU_ISA); nothing when it is there."""
+        if self.layout == layout:
+            return
+        self._to_checkpoint_layout(linear)
+        data = linear.weight.data  # in place where it owns its memory: no second copy of the codes
+        if layout == "dot":
+            linear.weight = _param(packing.pack_int4_dot(data))
+        elif layout == "quads":
+            linear.weight = _param(packing.pack_int4_quads(data, in_place=cpu_matmul.may_repack_in_place(data)))
+        self.layout = layout
 
     def _to_checkpoint_layout(self, linear: Linear) -> None:
         """An int4 weight in the dot / quads layout, int8 in tiles back into the checkpoint layout, in place."""
