@@ -166,7 +166,7 @@ def _decode_padded(
 
 def compiled_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when a sequence's causal prefill attention runs the compiled CPU kernel
-    (core.kernels.cpu.ops.prefill_attention: bfloat16 on the avx512bf16 build)."""
+    (core.kernels.cpu.ops.prefill_attention: bfloat16 on the vector builds)."""
     return (q.dtype == torch.bfloat16 and not q.requires_grad and dispatch.use_cpu_kernels(q)
             and dispatch.cpu_ops().prefill_attention_fits(q, k, v))
 
@@ -190,7 +190,7 @@ def prefill_attention(
         ki, vi = ki.to(q.dtype), vi.to(q.dtype)  # [L, KVH, D]
         prefix = meta.prefix_lens[i] if meta.prefix_lens else 0
         simple = slopes is None and key_bias is None and (meta.mask == "causal" or prefix <= 1)
-        if simple and compiled_prefill(q, ki, vi):  # the compiled kernel: ~1.8x torch's SDPA on bf16 (384-512 tokens)
+        if simple and compiled_prefill(q, ki, vi):  # the compiled kernel (docs/runtime.md: against torch's SDPA)
             outs.append(dispatch.cpu_ops().prefill_attention(q[start : start + n], ki, vi, scale))
             start += n
             continue

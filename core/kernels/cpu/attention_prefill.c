@@ -1,17 +1,24 @@
 /* Part of kernels.c, the one translation unit of the CPU kernels: #included there in order, after
  * common.h, vector.h and the parts listed before it (never compiled alone). bst_prefill_attention: causal
- * attention of the new tokens, bfloat16, on the avx512bf16 build. */
+ * attention of the new tokens, bfloat16, on the vector builds. */
 
-/* Causal attention of n new queries over L keys (prefill), bfloat16, on the avx512bf16 build:
+/* Causal attention of n new queries over L keys (prefill), bfloat16:
  * out[i, h] = sum_j softmax_j(q[i, h] . k[j, h / G] * scale) v[j, h / G] over the keys j <= L - n + i
  * (query i sits at position L - n + i; G = H / KVH). q row i of head h at q + i * q_stride + h * D,
  * key / value row j of key head c at k + j * k_stride + c * D (likewise v), out [n, H, D] contiguous.
- * D % 32 == 0, D <= PF_MAX_D. Flash-style: per task a head and PF_QB queries, keys PF_QB at a time;
- * the key block transposed once into dim pairs (transpose16), then each query's 16 scores in one
- * register, a vdpbf16ps per dim pair with the query's pair broadcast (exact products, float32 sums;
- * no lane sums: 1.35-1.4x the per-key dot products and shuffle tree this replaced), an online softmax in
- * float32, p v in vdpbf16ps over key pairs (p rounded to bfloat16 as torch's bf16 SDPA does, float32
- * sums). */
+ * D % 32 == 0, D <= PF_MAX_D. Flash-style: per task a head and PF_QB queries, keys PF_QB at a time from
+ * key 0 (the blocks do not depend on n: a query's output is the same whether its prompt is computed whole,
+ * in chunks or after a reused prefix), an online softmax in float32, p rounded to bfloat16 for p v as torch's
+ * bf16 SDPA does, float32 sums, the output rounded once.
+ *   avx512bf16: the key block transposed once into dim pairs (transpose16), then each query's 16 scores in
+ *     one register, a vdpbf16ps per dim pair with the query's pair broadcast (exact products, float32 sums;
+ *     no lane sums: 1.35-1.4x the per-key dot products and shuffle tree this replaced), p v in vdpbf16ps
+ *     over key pairs.
+ *   avx2 / avx512 (pf_prefill_f32): the keys widened to float32 once per call and transposed per block
+ *     ([D][16]: a query's 16 scores are D FMAs with its dims broadcast, in increasing d; 4 queries at a time),
+ *     the values widened once; p v one FMA per key and VW dims, in increasing key order. On a 2-core AVX2 machine ~30x torch's SDPA for a
+ *     2-token prompt (which pads the keys to whole blocks of 512, whole_key_blocks).
+ *   scalar: not called (prefill_attention_fits). */
 #define PF_QB 16
 #define PF_MAX_D 256
 #if BST_BF16DOT
@@ -64,9 +71,127 @@ INLINE void pf_pv(float *accr, const __m512i (*vp)[PF_MAX_D / 16], const uint32_
 }
 #endif
 
+#if BST_SIMD && !BST_BF16DOT
+static const float PF_LANES[PF_QB] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; /* key t of a block */
+
+/* s[r][t] += the scores q_r . k_t of R query rows qf (float32) against a key block transposed to kt [D][PF_QB]:
+ * per dim one FMA per row and VW keys with the row's dim broadcast, in increasing d (called with R = 4 where it
+ * can: 4 x PF_QB / VW sums in registers, the block's dims loaded once for them) */
+INLINE void pf_scores_f32(vf (*s)[PF_QB / VW], float (*qf)[PF_MAX_D], const float *kt, int64_t D, const int R) {
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < PF_QB / VW; u++) s[r][u] = vzero();
+    for (int64_t d = 0; d < D; d++) {
+        vf kd[PF_QB / VW];
+        for (int u = 0; u < PF_QB / VW; u++) kd[u] = vloadu(kt + d * PF_QB + u * VW);
+        for (int r = 0; r < R; r++) {
+            const vf qd = vset1(qf[r][d]);
+            for (int u = 0; u < PF_QB / VW; u++) s[r][u] = vfmadd(kd[u], qd, s[r][u]);
+        }
+    }
+}
+
+#define PF_PV_DIMS 64 /* dims of a row's p v sums held in registers at a time */
+/* acc [nu VW] = acc corr + sum_{t < nv} p[t] vb[t * D ..], in increasing t: nu independent sums in registers, one
+ * broadcast of p[t] per key (called with a constant nu where it can) */
+INLINE void pf_pv_f32(float *acc, const float *vb, int64_t D, const float *p, int nv, float corr, const int nu) {
+    vf a[PF_PV_DIMS / VW];
+    for (int u = 0; u < nu; u++) a[u] = vmul(vloadu(acc + u * VW), vset1(corr));
+    for (int t = 0; t < nv; t++) {
+        const vf pt = vset1(p[t]);
+        for (int u = 0; u < nu; u++) a[u] = vfmadd(pt, vloadu(vb + t * D + u * VW), a[u]);
+    }
+    for (int u = 0; u < nu; u++) vstoreu(acc + u * VW, a[u]);
+}
+
+/* one key block (keys j0 .. j0 + nk - 1: kt [D][PF_QB] float32, transposed; vb [nk][D] float32) of `rows` query
+ * rows qf [r][D] (float32): the online softmax's running max m[r], sum l[r] and acc[r] [D] updated (module
+ * comment; query row r sees keys j0 + t, t < lim0 + r) */
+static void pf_block_f32(float (*qf)[PF_MAX_D], int rows, const float *kt, const float *vb, int nk, int64_t lim0,
+                         int64_t D, float scale, float *m, float *l, float (*acc)[PF_MAX_D]) {
+    vf s[PF_QB][PF_QB / VW];
+    int r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4) pf_scores_f32(s + r0, qf + r0, kt, D, 4);
+    for (; r0 < rows; r0++) pf_scores_f32(s + r0, qf + r0, kt, D, 1);
+    for (int r = 0; r < rows; r++) {
+        const int64_t lim = lim0 + r;
+        if (lim <= 0) continue;
+        const int nv = (int)(lim < nk ? lim : nk);
+        float sc[PF_QB], p[PF_QB];
+        for (int u = 0; u < PF_QB / VW; u++) vstoreu(sc + u * VW, vmul(s[r][u], vset1(scale)));
+        float bmax = -INFINITY;
+        for (int t = 0; t < nv; t++) bmax = sc[t] > bmax ? sc[t] : bmax;
+        const float mnew = m[r] > bmax ? m[r] : bmax; /* the running max moves in few blocks: e^0 and e^-inf skipped */
+        const float corr = mnew == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
+        float bsum = 0.f;
+        for (int u = 0; u < PF_QB / VW; u++) { /* e = exp(s - m) on the visible keys, 0 past them */
+            const vf e = vselect_lt(vloadu(PF_LANES + u * VW), vset1((float)nv), vexp(vsub(vloadu(sc + u * VW), vset1(mnew))),
+                                    vzero());
+            bsum += vsum(e);
+            vstoreu(p + u * VW, vround_bf16(e));
+        }
+        l[r] = l[r] * corr + bsum;
+        m[r] = mnew;
+        for (int64_t d0 = 0; d0 < D; d0 += PF_PV_DIMS) { /* acc = acc corr + sum_t p_t v_t, in increasing t */
+            const int nu = (int)((D - d0 < PF_PV_DIMS ? D - d0 : PF_PV_DIMS) / VW);
+            if (nu == PF_PV_DIMS / VW) pf_pv_f32(acc[r] + d0, vb + d0, D, p, nv, corr, PF_PV_DIMS / VW);
+            else pf_pv_f32(acc[r] + d0, vb + d0, D, p, nv, corr, nu);
+        }
+    }
+}
+
+/* bst_prefill_attention on the avx2 / avx512 builds (module comment): the keys widened to float32 once per call,
+ * transposed per block ([KVH][blocks][D][PF_QB], zeros past L), and the values ([KVH][L][D]) */
+static void pf_prefill_f32(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
+                           int64_t v_stride, uint16_t *out, int64_t n, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                           float scale, int threads) {
+    const int64_t G = H / KVH, blocks = (n + PF_QB - 1) / PF_QB, kblocks = (L + PF_QB - 1) / PF_QB;
+    float *kt = (float *)malloc(sizeof(float) * (size_t)(KVH * kblocks * D * PF_QB));
+    float *vw = (float *)malloc(sizeof(float) * (size_t)(KVH * L * D));
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+    for (int64_t cb = 0; cb < KVH * kblocks; cb++) {
+        const int64_t c = cb / kblocks, j0 = cb % kblocks * PF_QB;
+        float *dst = kt + cb * D * PF_QB;
+        for (int t = 0; t < PF_QB; t++) {
+            const uint16_t *row = k + (j0 + t) * k_stride + c * D;
+            for (int64_t d = 0; d < D; d++) dst[d * PF_QB + t] = j0 + t < L ? bf16_to_f32(row[d]) : 0.f;
+            if (j0 + t < L) to_f32(v + (j0 + t) * v_stride + c * D, DT_BF16, D, vw + (c * L + j0 + t) * D);
+        }
+    }
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * blocks; task++) {
+        const int64_t h = task % H, c = h / G, i0 = (blocks - 1 - task / H) * PF_QB; /* the longest blocks first */
+        const int rows = (int)(n - i0 < PF_QB ? n - i0 : PF_QB);
+        float m[PF_QB], l[PF_QB];
+        float qf[PF_QB][PF_MAX_D], acc[PF_QB][PF_MAX_D];
+        for (int r = 0; r < rows; r++) {
+            to_f32(q + (i0 + r) * q_stride + h * D, DT_BF16, D, qf[r]);
+            m[r] = -INFINITY, l[r] = 0.f;
+            memset(acc[r], 0, sizeof(float) * (size_t)D);
+        }
+        const int64_t kend = L - n + i0 + rows; /* keys the last query sees */
+        for (int64_t j0 = 0; j0 < kend; j0 += PF_QB) {
+            const int nk = (int)(kend - j0 < PF_QB ? kend - j0 : PF_QB);
+            pf_block_f32(qf, rows, kt + (c * kblocks + j0 / PF_QB) * D * PF_QB, vw + (c * L + j0) * D, nk,
+                         L - n + i0 + 1 - j0, D, scale, m, l, acc);
+        }
+        for (int r = 0; r < rows; r++) {
+            const float inv = 1.f / l[r];
+            for (int64_t d = 0; d < D; d++) acc[r][d] *= inv;
+            from_f32(acc[r], D, out + ((i0 + r) * H + h) * D, DT_BF16);
+        }
+    }
+    free(vw);
+    free(kt);
+}
+#endif
+
 void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
                            int64_t v_stride, uint16_t *out, int64_t n, int64_t L, int64_t H, int64_t KVH, int64_t D,
                            float scale, int threads) {
+#if BST_SIMD && !BST_BF16DOT
+    pf_prefill_f32(q, q_stride, k, k_stride, v, v_stride, out, n, L, H, KVH, D, scale, threads);
+    return;
+#endif
     int64_t G = H / KVH, blocks = (n + PF_QB - 1) / PF_QB;
 #pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < H * blocks; task++) {
@@ -139,7 +264,7 @@ void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *
             for (int64_t d = 0; d < D; d++) acc[r][d] *= inv;
             from_f32(acc[r], D, out + ((i0 + r) * H + h) * D, DT_BF16);
         }
-#else /* called on the avx512bf16 build only: NaN rather than a plausible wrong answer */
+#else /* not called on the scalar build (prefill_attention_fits): NaN rather than a plausible wrong answer */
         for (int r = 0; r < rows; r++)
             for (int64_t d = 0; d < D; d++) out[((i0 + r) * H + h) * D + d] = 0x7fc0;
         (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)L, (void)c, (void)scale;

@@ -12,7 +12,7 @@
                     pools or INT8 / FP8 codes with their scales; per-sequence attention
                     windows and sinks (only the keys in the window are read)
     prefill_attention causal attention of a sequence's new queries over its keys (bfloat16,
-                    the avx512bf16 build; elsewhere torch's SDPA runs)
+                    the vector builds; the scalar build and float32 run torch's SDPA)
     kv_write        new keys and values into the pool's slots (as codes for INT8 / FP8 pools)
     rms_norm        y = rms_norm(x [+ residual]) (and the sum)
     rotary          RoPE in place with the step's cos / sin
@@ -434,10 +434,10 @@ PREFILL_MAX_HEAD_DIM = 256  # bst_prefill_attention keeps a block of rows of eac
 
 
 def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when `prefill_attention` takes these: bfloat16 CPU tensors on the avx512bf16 build
-    (vdpbf16ps), head_dim % 32 == 0 and <= PREFILL_MAX_HEAD_DIM, heads and dims contiguous."""
+    """True when `prefill_attention` takes these: bfloat16 CPU tensors on a vector build (avx512bf16: vdpbf16ps;
+    avx2 / avx512: float32 FMAs), head_dim % 32 == 0 and <= PREFILL_MAX_HEAD_DIM, heads and dims contiguous."""
     d = q.shape[-1]
-    return (bf16dot_build() and d % 32 == 0
+    return (isa_name(library()) != "scalar" and d % 32 == 0
             and d <= PREFILL_MAX_HEAD_DIM and all(t.dtype == torch.bfloat16 and t.device.type == "cpu"
                                                  and t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v)))
 
@@ -447,8 +447,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     strided) -> [n, H * D]; query i sits at position L - n + i and sees keys j <= L - n + i.
 
     out[i, h] = softmax_j(q[i, h] . k[j, h / G] * scale) v[j, h / G], G = H / KVH: q . k products
-    exact, float32 sums and softmax; p rounded to bfloat16 for p v (vdpbf16ps, float32 sums), as
-    torch's bf16 SDPA does; the output rounded once (`prefill_attention_fits`)."""
+    exact, float32 sums and softmax; p rounded to bfloat16 for p v (float32 sums), as torch's bf16 SDPA
+    does; the output rounded once (`prefill_attention_fits`). Keys are taken in blocks of 16 from key 0, so a
+    query's output does not depend on n (its prompt whole, in chunks or after a reused prefix)."""
     n, h, d = q.shape
     length, kvh, _ = k.shape
     if length < n or h % kvh or v.shape != k.shape:

@@ -409,12 +409,13 @@ def test_decode_attention_head_groups_equal_single_heads(h, kvh, d, dtype):
 def test_prefill_attention_matches_reference(kernels, n, length, h, kvh, d):
     """Causal prefill of n queries over `length` keys (the last n are the queries' own: a chunk after
     length - n cached tokens), G = h / kvh; strided rows as SelfAttention hands them over (the q, k
-    and v heads of one qkv tensor). Blocks of 16 queries and keys with short tails. Only the
-    avx512bf16 build runs it (vdpbf16ps); elsewhere `prefill_attention_fits` says no and SDPA runs."""
+    and v heads of one qkv tensor). Blocks of 16 queries and keys with short tails. The vector builds run
+    it (avx512bf16: vdpbf16ps; avx2 / avx512: float32 FMAs); on the scalar one `prefill_attention_fits` says no
+    and SDPA runs."""
     gen = torch.Generator().manual_seed(n * length + d)
     qkv = torch.randn(length, h + 2 * kvh, d, generator=gen).bfloat16()
     q, k, v = qkv[length - n :, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
-    if kernels != "avx512bf16":
+    if kernels == "scalar":
         assert not ops.prefill_attention_fits(q, k, v)
         return
     assert ops.prefill_attention_fits(q, k, v)
@@ -436,13 +437,13 @@ def test_prefill_attention_matches_reference(kernels, n, length, h, kvh, d):
 def test_prefill_attention_fits_only_what_it_takes(kernels):
     qkv = torch.randn(8, 6, 64).bfloat16()
     q, k, v = qkv[:, :4], qkv[:, 4:5], qkv[:, 5:]
-    bf16 = kernels == "avx512bf16"
-    assert ops.prefill_attention_fits(q, k, v) == bf16
+    vector = kernels != "scalar"
+    assert ops.prefill_attention_fits(q, k, v) == vector
     assert not ops.prefill_attention_fits(q.float(), k.float(), v.float())  # bf16 only
     odd = torch.randn(8, 6, 48).bfloat16()
     assert not ops.prefill_attention_fits(odd[:, :4], odd[:, 4:5], odd[:, 5:])  # D % 32
     assert not ops.prefill_attention_fits(q.transpose(0, 1).contiguous().transpose(0, 1), k, v)  # strided heads
-    if bf16:
+    if vector:
         with pytest.raises(ValueError, match="prefill_attention"):
             ops.prefill_attention(q, k[:4], v[:4], 0.1)  # fewer keys than queries
 
