@@ -16,8 +16,9 @@
  *     over key pairs.
  *   avx2 / avx512 (pf_prefill_f32): the keys widened to float32 once per call and transposed per block
  *     ([D][16]: a query's 16 scores are D FMAs with its dims broadcast, in increasing d; 4 queries at a time),
- *     the values widened once; p v one FMA per key and VW dims, in increasing key order. On a 2-core AVX2 machine ~30x torch's SDPA for a
- *     2-token prompt (which pads the keys to whole blocks of 512, whole_key_blocks).
+ *     the values widened once; p v one FMA per key and VW dims, in increasing key order. These builds ran
+ *     torch's SDPA on keys padded to whole blocks of 512 (attention_ref.whole_key_blocks) before: a 2-token
+ *     prompt's attention call in SmolLM2-135M took 406 us, now 67-86 us with the Python around it.
  *   scalar: not called (prefill_attention_fits). */
 #define PF_QB 16
 #define PF_MAX_D 256
