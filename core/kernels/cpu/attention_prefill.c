@@ -22,6 +22,23 @@
  *   scalar: not called (prefill_attention_fits). */
 #define PF_QB 16
 #define PF_MAX_D 256
+
+/* a task's running max m[r], sum l[r] and sums acc[r] [D] of its `rows` query rows before the first key block */
+INLINE void pf_rows_begin(float *m, float *l, float (*acc)[PF_MAX_D], int rows, int64_t D) {
+    for (int r = 0; r < rows; r++) {
+        m[r] = -INFINITY, l[r] = 0.f;
+        memset(acc[r], 0, sizeof(float) * (size_t)D);
+    }
+}
+
+/* a task's outputs after its last key block: acc[r] / l[r] rounded once to bfloat16, row r at out + r * stride */
+INLINE void pf_rows_end(float (*acc)[PF_MAX_D], const float *l, int rows, int64_t D, uint16_t *out, int64_t stride) {
+    for (int r = 0; r < rows; r++) {
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; d++) acc[r][d] *= inv;
+        from_f32(acc[r], D, out + r * stride, DT_BF16);
+    }
+}
 #if BST_BF16DOT
 /* m[i] lane j <- m[j] lane i: a 16 x 16 matrix of 32-bit elements (rows m[0..15]) transposed in
  * registers (32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of lane shuffles) */
@@ -69,6 +86,77 @@ INLINE void pf_pv(float *accr, const __m512i (*vp)[PF_MAX_D / 16], const uint32_
         for (int u = 0; u < nd; u++) av[u] = _mm512_dpbf16_ps(av[u], (__m512bh)vp[kp][u], pk);
     }
     for (int u = 0; u < nd; u++) _mm512_storeu_ps(accr + 16 * u, av[u]);
+}
+
+/* bst_prefill_attention on the avx512bf16 build (module comment) */
+static void pf_prefill_bf16dot(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                               const uint16_t *v, int64_t v_stride, uint16_t *out, int64_t n, int64_t L, int64_t H,
+                               int64_t KVH, int64_t D, float scale, int threads) {
+    int64_t G = H / KVH, blocks = (n + PF_QB - 1) / PF_QB;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * blocks; task++) {
+        int64_t h = task % H, c = h / G, i0 = (blocks - 1 - task / H) * PF_QB; /* the longest blocks first */
+        int rows = (int)(n - i0 < PF_QB ? n - i0 : PF_QB);
+        float m[PF_QB], l[PF_QB];
+        float acc[PF_QB][PF_MAX_D];
+        __m512i vp[PF_QB / 2][PF_MAX_D / 16]; /* the block's value rows in key pairs (pf_pv) */
+        __m512i kt[PF_MAX_D / 2];             /* the block's keys in pairs, transposed (pf_scores) */
+        __m512 s[PF_QB];                      /* the scores of each query row (lane t: key t) */
+        const uint32_t *qd[PF_QB];
+        const int nd = (int)(D / 16);
+        for (int r = 0; r < rows; r++) qd[r] = (const uint32_t *)(q + (i0 + r) * q_stride + h * D);
+        pf_rows_begin(m, l, acc, rows, D);
+        int64_t kend = L - n + i0 + rows; /* keys the last query sees */
+        for (int64_t j0 = 0; j0 < kend; j0 += PF_QB) {
+            int nk = (int)(kend - j0 < PF_QB ? kend - j0 : PF_QB);
+            const uint16_t *krow[PF_QB];
+            for (int t = 0; t < nk; t++) krow[t] = k + (j0 + t) * k_stride + c * D;
+            for (int kp = 0; kp < (nk + 1) / 2; kp++) { /* dims of keys 2 kp, 2 kp + 1 interleaved (a missing one: 0) */
+                const uint16_t *va = v + (j0 + 2 * kp) * v_stride + c * D, *vb = va + v_stride;
+                for (int u = 0; u < nd; u++) {
+                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(va + 16 * u)));
+                    __m512i hi = 2 * kp + 1 < nk ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + 16 * u)))
+                                                 : _mm512_setzero_si512();
+                    vp[kp][u] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                }
+            }
+            for (int t = nk; t < PF_QB; t++) krow[t] = krow[0]; /* a short block: key j0 again (masked) */
+            for (int64_t c = 0; c < D / 32; c++) { /* 32 dims (16 pairs) of the 16 keys at a time */
+                __m512i m16[16];
+                for (int t = 0; t < 16; t++) m16[t] = _mm512_loadu_si512(krow[t] + 32 * c);
+                transpose16(m16);
+                for (int p = 0; p < 16; p++) kt[16 * c + p] = m16[p];
+            }
+            if (rows == PF_QB)
+                pf_scores(s, qd, kt, D / 2, PF_QB);
+            else
+                for (int r = 0; r < rows; r++) pf_scores(s + r, qd + r, kt, D / 2, 1);
+            for (int r = 0; r < rows; r++) {
+                int64_t lim = L - n + i0 + r + 1; /* keys < lim */
+                if (j0 >= lim) continue;
+                int nv = (int)(lim - j0 < nk ? lim - j0 : nk);
+                __mmask16 valid = (__mmask16)((1u << nv) - 1u); /* keys past nv (key j0 again) masked */
+                __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[r], _mm512_set1_ps(scale));
+                float bmax = _mm512_reduce_max_ps(sv);
+                float mnew = m[r] > bmax ? m[r] : bmax; /* the running max moves in few blocks: e^0 and e^-inf skipped */
+                float corr = mnew == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
+                __m512 e = _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+                l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+                m[r] = mnew;
+                uint32_t pp[8]; /* the weights in key order, rounded to bfloat16, in pairs */
+                _mm256_storeu_si256((__m256i *)pp, (__m256i)_mm512_cvtneps_pbh(e));
+                __m512 cv = _mm512_set1_ps(corr); /* acc[r] = acc[r] * corr + sum_t p_t v_t */
+                int pairs = (nv + 1) / 2;
+                switch (nd) { /* the common head sizes with constant bounds: the sums in registers */
+                    case 2: pf_pv(acc[r], vp, pp, pairs, cv, 2); break;
+                    case 4: pf_pv(acc[r], vp, pp, pairs, cv, 4); break;
+                    case 8: pf_pv(acc[r], vp, pp, pairs, cv, 8); break;
+                    default: pf_pv(acc[r], vp, pp, pairs, cv, nd);
+                }
+            }
+        }
+        pf_rows_end(acc, l, rows, D, out + (i0 * H + h) * D, H * D);
+    }
 }
 #endif
 
@@ -164,112 +252,33 @@ static void pf_prefill_f32(const uint16_t *q, int64_t q_stride, const uint16_t *
         const int rows = (int)(n - i0 < PF_QB ? n - i0 : PF_QB);
         float m[PF_QB], l[PF_QB];
         float qf[PF_QB][PF_MAX_D], acc[PF_QB][PF_MAX_D];
-        for (int r = 0; r < rows; r++) {
-            to_f32(q + (i0 + r) * q_stride + h * D, DT_BF16, D, qf[r]);
-            m[r] = -INFINITY, l[r] = 0.f;
-            memset(acc[r], 0, sizeof(float) * (size_t)D);
-        }
+        for (int r = 0; r < rows; r++) to_f32(q + (i0 + r) * q_stride + h * D, DT_BF16, D, qf[r]);
+        pf_rows_begin(m, l, acc, rows, D);
         const int64_t kend = L - n + i0 + rows; /* keys the last query sees */
         for (int64_t j0 = 0; j0 < kend; j0 += PF_QB) {
             const int nk = (int)(kend - j0 < PF_QB ? kend - j0 : PF_QB);
             pf_block_f32(qf, rows, kt + (c * kblocks + j0 / PF_QB) * D * PF_QB, vw + (c * L + j0) * D, nk,
                          L - n + i0 + 1 - j0, D, scale, m, l, acc);
         }
-        for (int r = 0; r < rows; r++) {
-            const float inv = 1.f / l[r];
-            for (int64_t d = 0; d < D; d++) acc[r][d] *= inv;
-            from_f32(acc[r], D, out + ((i0 + r) * H + h) * D, DT_BF16);
-        }
+        pf_rows_end(acc, l, rows, D, out + (i0 * H + h) * D, H * D);
     }
     free(vw);
     free(kt);
 }
 #endif
 
+
 void bst_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
                            int64_t v_stride, uint16_t *out, int64_t n, int64_t L, int64_t H, int64_t KVH, int64_t D,
                            float scale, int threads) {
-#if BST_SIMD && !BST_BF16DOT
-    pf_prefill_f32(q, q_stride, k, k_stride, v, v_stride, out, n, L, H, KVH, D, scale, threads);
-    return;
-#endif
-    int64_t G = H / KVH, blocks = (n + PF_QB - 1) / PF_QB;
-#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < H * blocks; task++) {
-        int64_t h = task % H, c = h / G, i0 = (blocks - 1 - task / H) * PF_QB; /* the longest blocks first */
-        int rows = (int)(n - i0 < PF_QB ? n - i0 : PF_QB);
 #if BST_BF16DOT
-        float m[PF_QB], l[PF_QB];
-        float acc[PF_QB][PF_MAX_D];
-        __m512i vp[PF_QB / 2][PF_MAX_D / 16]; /* the block's value rows in key pairs (pf_pv) */
-        __m512i kt[PF_MAX_D / 2];             /* the block's keys in pairs, transposed (pf_scores) */
-        __m512 s[PF_QB];                      /* the scores of each query row (lane t: key t) */
-        const uint32_t *qd[PF_QB];
-        const int nd = (int)(D / 16);
-        for (int r = 0; r < rows; r++) qd[r] = (const uint32_t *)(q + (i0 + r) * q_stride + h * D);
-        for (int r = 0; r < rows; r++) {
-            m[r] = -INFINITY, l[r] = 0.f;
-            memset(acc[r], 0, sizeof(float) * (size_t)D);
-        }
-        int64_t kend = L - n + i0 + rows; /* keys the last query sees */
-        for (int64_t j0 = 0; j0 < kend; j0 += PF_QB) {
-            int nk = (int)(kend - j0 < PF_QB ? kend - j0 : PF_QB);
-            const uint16_t *krow[PF_QB];
-            for (int t = 0; t < nk; t++) krow[t] = k + (j0 + t) * k_stride + c * D;
-            for (int kp = 0; kp < (nk + 1) / 2; kp++) { /* dims of keys 2 kp, 2 kp + 1 interleaved (a missing one: 0) */
-                const uint16_t *va = v + (j0 + 2 * kp) * v_stride + c * D, *vb = va + v_stride;
-                for (int u = 0; u < nd; u++) {
-                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(va + 16 * u)));
-                    __m512i hi = 2 * kp + 1 < nk ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + 16 * u)))
-                                                 : _mm512_setzero_si512();
-                    vp[kp][u] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-                }
-            }
-            for (int t = nk; t < PF_QB; t++) krow[t] = krow[0]; /* a short block: key j0 again (masked) */
-            for (int64_t c = 0; c < D / 32; c++) { /* 32 dims (16 pairs) of the 16 keys at a time */
-                __m512i m16[16];
-                for (int t = 0; t < 16; t++) m16[t] = _mm512_loadu_si512(krow[t] + 32 * c);
-                transpose16(m16);
-                for (int p = 0; p < 16; p++) kt[16 * c + p] = m16[p];
-            }
-            if (rows == PF_QB)
-                pf_scores(s, qd, kt, D / 2, PF_QB);
-            else
-                for (int r = 0; r < rows; r++) pf_scores(s + r, qd + r, kt, D / 2, 1);
-            for (int r = 0; r < rows; r++) {
-                int64_t lim = L - n + i0 + r + 1; /* keys < lim */
-                if (j0 >= lim) continue;
-                int nv = (int)(lim - j0 < nk ? lim - j0 : nk);
-                __mmask16 valid = (__mmask16)((1u << nv) - 1u); /* keys past nv (key j0 again) masked */
-                __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[r], _mm512_set1_ps(scale));
-                float bmax = _mm512_reduce_max_ps(sv);
-                float mnew = m[r] > bmax ? m[r] : bmax; /* the running max moves in few blocks: e^0 and e^-inf skipped */
-                float corr = mnew == m[r] ? 1.f : m[r] == -INFINITY ? 0.f : expf(m[r] - mnew);
-                __m512 e = _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-                l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
-                m[r] = mnew;
-                uint32_t pp[8]; /* the weights in key order, rounded to bfloat16, in pairs */
-                _mm256_storeu_si256((__m256i *)pp, (__m256i)_mm512_cvtneps_pbh(e));
-                __m512 cv = _mm512_set1_ps(corr); /* acc[r] = acc[r] * corr + sum_t p_t v_t */
-                int pairs = (nv + 1) / 2;
-                switch (nd) { /* the common head sizes with constant bounds: the sums in registers */
-                    case 2: pf_pv(acc[r], vp, pp, pairs, cv, 2); break;
-                    case 4: pf_pv(acc[r], vp, pp, pairs, cv, 4); break;
-                    case 8: pf_pv(acc[r], vp, pp, pairs, cv, 8); break;
-                    default: pf_pv(acc[r], vp, pp, pairs, cv, nd);
-                }
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            float inv = 1.f / l[r];
-            for (int64_t d = 0; d < D; d++) acc[r][d] *= inv;
-            from_f32(acc[r], D, out + ((i0 + r) * H + h) * D, DT_BF16);
-        }
+    pf_prefill_bf16dot(q, q_stride, k, k_stride, v, v_stride, out, n, L, H, KVH, D, scale, threads);
+#elif BST_SIMD
+    pf_prefill_f32(q, q_stride, k, k_stride, v, v_stride, out, n, L, H, KVH, D, scale, threads);
 #else /* not called on the scalar build (prefill_attention_fits): NaN rather than a plausible wrong answer */
-        for (int r = 0; r < rows; r++)
-            for (int64_t d = 0; d < D; d++) out[((i0 + r) * H + h) * D + d] = 0x7fc0;
-        (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)L, (void)c, (void)scale;
+    for (int64_t i = 0; i < n * H * D; i++) out[i] = 0x7fc0;
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)L, (void)KVH, (void)scale,
+        (void)threads;
 #endif
-    }
 }
 #undef PF_QB

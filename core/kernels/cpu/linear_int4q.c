@@ -1,7 +1,7 @@
 /* Part of kernels.c, the one translation unit of the CPU kernels: #included there in order, after
  * linear_rows.c (q16_inputs), linear_int4.c (group_sums), linear_a8.c and linear_w4a8.c (the q16 path is its
- * integer walk of the quads on int16 codes: quads_inputs, quads_rows, w4a8_dots16) and before linear.c (bst_linear calls i4q_linear for DT_I4Q; never compiled alone).
- * int4 weights in quads x float inputs (W4A16 on the AVX2 build):
+ * integer walk of the quads on int16 codes: quads_linear, w4a8_dots16) and before linear.c (bst_linear calls
+ * i4q_linear for DT_I4Q; never compiled alone). int4 weights in quads x float inputs (W4A16 on the AVX2 build):
  *
  *   DT_I4Q = 11  the int4 codes (unsigned q 0..15, two a byte: low nibble = even k) in quads
  *                (packing.pack_int4_quads, as DT_I4A8's): per tile of 8 rows (the last one n % 8 rows), per
