@@ -31,6 +31,7 @@ from bestiary.core.runtime.kv_cache import KVCache, blocks_for
 from bestiary.core.runtime.model import DecoderLM, sequence_metadata
 
 DEFAULT_CHUNK = 512
+HEAD = "lm_head"  # the canonical name of the output projection's Linear
 CALIB_TOKENS = 512  # KV scale calibration's tokens at most
 BUILTIN_TEXT = builtin_text("kv_calibration.txt")  # a short general text (package data)
 
@@ -117,7 +118,9 @@ def collect_linear_inputs(
     on_chunk: Callable[[], None] | None = None,
     on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> dict[str, LinearInputStats]:
-    """linear.name -> LinearInputStats of every Linear of `model` (or those in `names`) over `ids`.
+    """linear.name -> LinearInputStats of every Linear of `model` (or those in `names`) over `ids`; a model
+    that shares its embedding has no lm_head Linear, and its head's input (DecoderLM.tied_head) is recorded as
+    HEAD's, the input an untied lm_head Linear would see.
 
     `hessian`: also accumulate sum_t x_t x_t^T (float32 [K, K] per layer); `on_logits`: sees each
     calibration sequence's logits [T, V] (the float model's, e.g. as a distillation target)."""
@@ -129,12 +132,27 @@ def collect_linear_inputs(
             continue
         acc = accs[name] = _Accumulator(hessian)
         handles.append(module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0])))
+    if model.shares_embedding and (names is None or HEAD in names):
+        _observe_tied_head(model, accs.setdefault(HEAD, _Accumulator(hessian)))
     try:
         run_chunks(model, ids, chunk, on_chunk, on_logits)
     finally:
         for h in handles:
             h.remove()
+        model.__dict__.pop("tied_head", None)  # _observe_tied_head's wrapper, if any
     return {name: acc.stats() for name, acc in accs.items() if acc.tokens}
+
+
+def _observe_tied_head(model: DecoderLM, acc: _Accumulator) -> None:
+    """Until collect_linear_inputs removes it, an instance attribute over `model.tied_head` adds each input
+    hidden [T, E] to `acc` before the head runs."""
+    head = model.tied_head
+
+    def observed(hidden: torch.Tensor) -> torch.Tensor:
+        acc.add(hidden)
+        return head(hidden)
+
+    setattr(model, "tied_head", observed)  # noqa: B010 (a method is shadowed, which mypy refuses as an assignment)
 
 
 # --- one calibration run shared by several converts (opt-in) -----------------------------------
@@ -175,13 +193,27 @@ def fingerprint(tensors: dict[str, torch.Tensor], config_json: str, ids: list[in
     return h.hexdigest()
 
 
+def _without_alias_copies(weights: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """`weights` less every alias (DecoderLM.source_aliases: an untied copy of a tied lm_head) that holds its
+    source's values exactly: that model computes what the model sharing the tensor does (and its lm_head's input
+    is recorded under the same name, collect_linear_inputs), so the two key one shared run."""
+    def copy_of_source(alias: str) -> bool:
+        t, src = weights.get(alias), weights.get(aliases[alias])
+        return (t is not None and src is not None and t.dtype == src.dtype and t.shape == src.shape
+                and bool(torch.equal(t, src)))
+
+    copies = {alias for alias in aliases if copy_of_source(alias)}
+    return {k: v for k, v in weights.items() if k not in copies}
+
+
 def calibrate_linears(model: DecoderLM, ids: list[int], hessian: bool, names: set[str], targets: bool,
                       weights: dict[str, torch.Tensor], config_json: str,
                       on_chunk: Callable[[], None] | None = None) -> tuple[dict[str, LinearInputStats], list]:
     """(linear name -> LinearInputStats for `names`, the float model's TeacherTargets per calibration
     sequence when `targets`, else []) from one run of `model` over `ids` (collect_linear_inputs).
     Inside shared_calibration() the run is the one shared by every convert of the same `weights` (the
-    float tensors the model holds), `config_json` and `ids`: it records every Linear with Hessians, and
+    float tensors the model holds, less an untied copy of a tied lm_head: _without_alias_copies), `config_json`
+    and `ids`: it records every Linear with Hessians, and
     the targets, so any mode can take its part."""
     from bestiary.core.convert.tune import TeacherTargets
 
@@ -195,7 +227,7 @@ def calibrate_linears(model: DecoderLM, ids: list[int], hessian: bool, names: se
         stats = collect_linear_inputs(model, ids, hessian=hessian, names=names, on_chunk=on_chunk,
                                       on_logits=record if targets else None)
         return stats, found
-    key = fingerprint(weights, config_json, ids)
+    key = fingerprint(_without_alias_copies(weights, model.source_aliases()), config_json, ids)
     if key in shared:
         if on_chunk is not None:  # the progress bar still counts the chunks
             for _ in calibration_chunks(model, ids):

@@ -290,6 +290,12 @@ class DecoderLM(nn.Module):
         else:
             self._lm_head_t = cpu_matmul.hold_transposed(owner.weight)  # a float lm_head Linear's is already: no copy
 
+    def tied_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, E] -> logits [N, V] = hidden @ embedding^T: the lm_head of a model that shares its embedding
+        (shares_embedding). A method of its own so that calibration can read its input as lm_head's
+        (core.convert.calibration.collect_linear_inputs)."""
+        return torch.nn.functional.linear(hidden, self.transformer.vocab_embedding.weight)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> (project_out, if any: [N, E]) -> logits [N, V] in logits_dtype (gathered over tp ranks),
         soft-capped by logit_softcap when set."""
@@ -302,7 +308,7 @@ class DecoderLM(nn.Module):
         elif self._lm_head_t is not None:
             out = cpu_matmul.matmul_t(hidden, self._lm_head_t)  # [N, H] @ [H, V]
         elif self.shares_embedding:
-            out = torch.nn.functional.linear(hidden, self.transformer.vocab_embedding.weight)
+            out = self.tied_head(hidden)
         else:
             out = self.lm_head(hidden)  # a plain or quantized Linear
         if self.tp_size > 1:

@@ -385,32 +385,57 @@ def test_builtin_weight_calibration_text_is_long_and_read_whole():
     assert weight_calibration_ids(files, 49152, None) == every
 
 
+def _converts_alone_and_shared(src, modes: dict, tmp_path, monkeypatch) -> list:
+    """Convert `src` in each of `modes` (name -> ConvertOptions keywords) alone, then all of them in order under
+    shared_calibration(); assert each shared convert wrote exactly its tensors alone. Returns the list that
+    counts the float model's calibration runs (one entry per run, the ones made after this call too)."""
+    from bestiary.core.convert import calibration
+    from bestiary.core.format.checkpoint import load_rank_weights
+
+    alone = {m: load_rank_weights(convert(src, tmp_path / f"alone-{m}", ConvertOptions(**kw),
+                                          show_progress=False), 0)
+             for m, kw in modes.items()}
+    runs: list = []
+    real = calibration.collect_linear_inputs
+    monkeypatch.setattr(calibration, "collect_linear_inputs", lambda *a, **k: runs.append(1) or real(*a, **k))
+    with calibration.shared_calibration():
+        shared = {m: load_rank_weights(convert(src, tmp_path / f"shared-{m}", ConvertOptions(**kw),
+                                               show_progress=False), 0)
+                  for m, kw in modes.items()}
+    assert not calibration.shared_calibration_active()
+    for m in modes:
+        assert sorted(shared[m]) == sorted(alone[m])
+        assert all(torch.equal(shared[m][k], alone[m][k]) for k in alone[m]), m
+    return runs
+
+
 def test_shared_calibration_runs_the_float_model_once_and_changes_nothing(tiny_src, tmp_path, monkeypatch):
     """Under shared_calibration(), GPTQ int4 (g32 and g64, tuned) and SmoothQuant converts of one source
     calibrate once, and write the tensors each writes alone."""
     from bestiary.core.convert import calibration
-    from bestiary.core.format.checkpoint import load_rank_weights
 
     modes = {"g32": dict(quantization=QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True),
                          tune_steps=2),
              "g64": dict(quantization=QuantConfig(quant_algo="W4A16", group_size=64), tune_steps=2),
              "sq": dict(quantization=QuantConfig(quant_algo="W8A8_SQ_PER_CHANNEL", pre_quant_scale=True))}
-    alone = {m: load_rank_weights(convert(tiny_src, tmp_path / f"alone-{m}", ConvertOptions(**kw),
-                                          show_progress=False), 0)
-             for m, kw in modes.items()}
-    runs = []
-    real = calibration.collect_linear_inputs
-    monkeypatch.setattr(calibration, "collect_linear_inputs", lambda *a, **k: runs.append(1) or real(*a, **k))
-    with calibration.shared_calibration():
-        shared = {m: load_rank_weights(convert(tiny_src, tmp_path / f"shared-{m}", ConvertOptions(**kw),
-                                               show_progress=False), 0)
-                  for m, kw in modes.items()}
-    assert len(runs) == 1 and not calibration.shared_calibration_active()
-    for m in modes:
-        assert sorted(shared[m]) == sorted(alone[m])
-        assert all(torch.equal(shared[m][k], alone[m][k]) for k in alone[m]), m
+    runs = _converts_alone_and_shared(tiny_src, modes, tmp_path, monkeypatch)
+    assert len(runs) == 1
     with calibration.shared_calibration():  # another source (other weights): its own run
         other = make_tiny_llama(tmp_path / "other", seed=1, intermediate_size=128)
         convert(other, tmp_path / "other-ckpt", ConvertOptions(**modes["sq"]), show_progress=False)
         convert(tiny_src, tmp_path / "again", ConvertOptions(**modes["sq"]), show_progress=False)
     assert len(runs) == 3
+
+
+def test_shared_calibration_serves_a_tied_head_and_its_untied_copy(tmp_path, monkeypatch):
+    """A source with tied embeddings: with lm_head float the model shares its embedding (no lm_head Linear);
+    with lm_head quantized it holds an untied copy. The tied one calibrates first, then GPTQ int4 of lm_head
+    (its Hessian) and SmoothQuant (its activation scale) take that run: the head's input was recorded as
+    lm_head's (DecoderLM.tied_head), and each convert writes what it writes alone."""
+    tied = make_tiny_llama(tmp_path / "tied", intermediate_size=128, tie_word_embeddings=True)
+    modes = {"head_float": dict(quantization=QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True,
+                                                         exclude_modules=["lm_head"]), tune_steps=2),
+             "g32": dict(quantization=QuantConfig(quant_algo="W4A16", group_size=32), tune_steps=2),
+             "sq": dict(quantization=QuantConfig(quant_algo="W8A8_SQ_PER_CHANNEL", pre_quant_scale=True))}
+    runs = _converts_alone_and_shared(tied, modes, tmp_path, monkeypatch)
+    assert len(runs) == 1
