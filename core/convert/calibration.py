@@ -133,26 +133,31 @@ def collect_linear_inputs(
         acc = accs[name] = _Accumulator(hessian)
         handles.append(module.register_forward_pre_hook(lambda _m, args, acc=acc: acc.add(args[0])))
     if model.shares_embedding and (names is None or HEAD in names):
-        _observe_tied_head(model, accs.setdefault(HEAD, _Accumulator(hessian)))
+        handles.append(_TiedHeadHook(model, accs.setdefault(HEAD, _Accumulator(hessian))))
     try:
         run_chunks(model, ids, chunk, on_chunk, on_logits)
     finally:
         for h in handles:
             h.remove()
-        model.__dict__.pop("tied_head", None)  # _observe_tied_head's wrapper, if any
     return {name: acc.stats() for name, acc in accs.items() if acc.tokens}
 
 
-def _observe_tied_head(model: DecoderLM, acc: _Accumulator) -> None:
-    """Until collect_linear_inputs removes it, an instance attribute over `model.tied_head` adds each input
-    hidden [T, E] to `acc` before the head runs."""
-    head = model.tied_head
+class _TiedHeadHook:
+    """A forward pre-hook on `model.tied_head`, which is a method, not a module: an instance attribute over it
+    adds each input hidden [T, E] to `acc` before the head runs, until `remove()` (as a hook handle's)."""
 
-    def observed(hidden: torch.Tensor) -> torch.Tensor:
-        acc.add(hidden)
-        return head(hidden)
+    def __init__(self, model: DecoderLM, acc: _Accumulator) -> None:
+        head = model.tied_head
 
-    setattr(model, "tied_head", observed)  # noqa: B010 (a method is shadowed, which mypy refuses as an assignment)
+        def observed(hidden: torch.Tensor) -> torch.Tensor:
+            acc.add(hidden)
+            return head(hidden)
+
+        self.model = model
+        setattr(model, "tied_head", observed)  # noqa: B010 (a method is shadowed, which mypy refuses as an assignment)
+
+    def remove(self) -> None:
+        del self.model.__dict__["tied_head"]
 
 
 # --- one calibration run shared by several converts (opt-in) -----------------------------------
