@@ -131,9 +131,10 @@ def cpu_build(request, monkeypatch) -> str:
 # handed out in this order, not by their number of tests) one worker takes the calibrated quantization gates
 # (~31 min on an AVX2 CI machine, the GPTQ int4 ones most of it), the other the rest of the gates and then the
 # next longest files, and the short files, handed out last, even out the two workers' ends. Measured (one
-# thread each, 2026-12-01): 1,848 / 454 / 295 / 223 / 222 / 130 / 99 / 96 s, then none above 54. A simulation of
-# the hand-out with those durations: the slow stage in 1,902 s, against 1,947 with only the first two named and
-# the rest in collection order (the runtime files last). Order within a file is kept.
+# thread each, 2026-12-01): 1,848 / 454 / 295 / 223 / 222 / 130 / 99 / 96 s, then none above 54. A replay of
+# the hand-out with those durations (benchmarks/slow_suite_schedule.py): the slow stage in 1,902 s, against
+# 1,947 with only the first two named and the rest in collection order (the runtime files last). Order within a
+# file is kept.
 FIRST = ("tests/quant/test_quant_smollm2_calibrated.py", "tests/quant/test_quant_smollm2.py",
          "tests/runtime/test_speculative.py", "tests/cli/test_signals.py", "tests/runtime/test_guided_validity.py",
          "tests/fuzz/test_fuzz.py", "tests/runtime/test_tp_slow.py", "tests/lora/test_lora_smollm2.py")
