@@ -262,7 +262,7 @@ class DecodePlan:
         if bias is not None:
             bias = bias.float().contiguous()
             self._keep.append(bias)
-        return _op(OP_LINEAR, (_dt(x), weight.kind, _dt(out)),
+        return _op(OP_LINEAR, (_dt(x), weight.code, _dt(out)),
                    (x.data_ptr(), weight.weight.data_ptr(), _ptr(weight.scale), _ptr(weight.scale_zero), _ptr(bias),
                     out.data_ptr()),
                    (self.batch, weight.k, weight.n, weight.group))

@@ -13,20 +13,23 @@ INLINE void row_range(int64_t n, int part, int parts, int64_t *b, int64_t *e) {
 }
 
 /* y [m, n] (ydt) = x [m, k] (xdt) @ W^T: F32 / BF16 weights held transposed, Wt [k, n]; I8
- * q [n, k] (I8T: in row tiles) with scale [n]; for I4 s and sz = s * zero [n, ceil(k / group)], group % 32 == 0; bias [n] float or NULL. */
+ * q [n, k] (I8T: in row tiles) with scale [n]; for I4 s and sz = s * zero [n, ceil(k / group)], group % 32 == 0; bias [n] float or NULL.
+ * scale and sz are float32, except those of I4A8 / I4Q with W_SCALES_BF16 in wdt: bfloat16. */
 void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int wdt, int64_t n,
-                const float *scale, const float *sz, int64_t group, const float *bias, void *y, int ydt,
+                const void *scale, const void *sz, int64_t group, const float *bias, void *y, int ydt,
                 int threads) {
+    const int sdt = wdt & W_SCALES_BF16 ? DT_BF16 : DT_F32;
+    wdt &= ~W_SCALES_BF16;
     if (wdt == DT_I8A8) { /* int8 activations (linear_a8.c): sz holds 128 x the codes' block sums */
         a8_linear(x, xdt, m, k, (const int8_t *)w, n, scale, sz, bias, y, ydt, threads);
         return;
     }
     if (wdt == DT_I4A8) { /* int4 quads x int8 activations (linear_w4a8.c): scale, sz = s_w, z (or NULL) in row tiles */
-        w4a8_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
+        w4a8_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, sdt, group, bias, y, ydt, threads);
         return;
     }
     if (wdt == DT_I4Q) { /* int4 quads x float inputs (linear_int4q.c): scale, sz = s, z (or NULL) in row tiles */
-        i4q_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, group, bias, y, ydt, threads);
+        i4q_linear(x, xdt, m, k, (const uint8_t *)w, n, scale, sz, sdt, group, bias, y, ydt, threads);
         return;
     }
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) * (wdt == DT_I4 ? 2 : 1) + 64);
@@ -110,9 +113,9 @@ void bst_linear(const void *x, int xdt, int64_t m, int64_t k, const void *w, int
 /* row `row` of W [n, k] (I8 / I8T with scale, I4 / I4D with s, sz, I4Q with s, z, BF16T / F32T) as floats in dst [k]:
  * q * scale, q * s - s z, the value; float weights held transposed (F32 / BF16): NaN. */
 static void dequantize_row(const void *w, int wdt, int64_t row, int64_t n, int64_t k, const float *scale,
-                           const float *sz, int64_t group, float *dst) {
+                           const float *sz, int sdt, int64_t group, float *dst) {
     if (wdt == DT_I4Q) {
-        i4q_dequantize_row((const uint8_t *)w, row, n, k, scale, sz, group, dst);
+        i4q_dequantize_row((const uint8_t *)w, row, n, k, scale, sz, sdt, group, dst);
         return;
     }
     const int64_t groups = wdt == DT_I4 || wdt == DT_I4D ? (k + group - 1) / group : 1;
@@ -158,14 +161,16 @@ static void dequantize_row(const void *w, int wdt, int64_t row, int64_t n, int64
 
 /* W [n, k] (I8 with scale / I4, I4D with s, sz / I4Q with s, z) -> float rows [n, k] in ydt: the dequantized
  * weight the prefill GEMM multiplies by. */
-void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const float *scale, const float *sz,
+void bst_dequantize(const void *w, int wdt, int64_t n, int64_t k, const void *scale, const void *sz,
                     int64_t group, void *y, int ydt, int threads) {
+    const int sdt = wdt & W_SCALES_BF16 ? DT_BF16 : DT_F32;
+    wdt &= ~W_SCALES_BF16;
     const int parts = threads < 1 ? 1 : threads;
     float *rows = (float *)malloc(sizeof(float) * (size_t)(k * parts));
 #pragma omp parallel for num_threads(parts) schedule(static)
     for (int64_t row = 0; row < n; row++) {
         float *dst = rows + k * omp_get_thread_num();
-        dequantize_row(w, wdt, row, n, k, scale, sz, group, dst);
+        dequantize_row(w, wdt, row, n, k, scale, sz, sdt, group, dst);
         from_f32(dst, k, (char *)y + (size_t)(row * k) * (ydt == DT_F32 ? 4 : 2), ydt);
     }
     free(rows);

@@ -9,8 +9,8 @@
  *                and one 32-byte load holds 8 features of each of its 8 rows, row r in 32-bit lane r, feature
  *                8 c + j in bits 4 j .. 4 j + 3; uint8 [n, k / 2] in all, k % 8 == 0; groups of G features
  *                (G % 32 == 0, the last may be short); `scale` s and `sz` the zero points z (NOT s * z as
- *                DT_I4), float32 in tiles of 8 rows: [ceil(n / 8)][groups][8] (the last tile zero-padded);
- *                sz NULL when symmetric (z = 8)
+ *                DT_I4) in tiles of 8 rows: [ceil(n / 8)][groups][8] (the last tile zero-padded), float32, or
+ *                bfloat16 with W_SCALES_BF16 in the weight-kind code (as DT_I4A8's); sz NULL when symmetric (z = 8)
  *
  * Two paths, each a row's sums in a fixed order (a row's output bits depend on neither the other rows of the
  * call, the tile shapes nor the thread count: batch-invariant):
@@ -42,7 +42,7 @@
 #if BST_SIMD
 /* out[i][r] = acc of the float path (module comment) of the tile's rows r < nr for M inputs (x rows k apart) */
 INLINE void i4q_tile(const float *x, const float *xsum, int64_t k, int64_t group, const uint8_t *tile, int nr,
-                     const float *st, const float *zt, int M, float out[W4A8_MT][8]) {
+                     const void *st, const void *zt, int sdt, int M, float out[W4A8_MT][8]) {
     const int64_t groups = (k + group - 1) / group;
     const __m256i low4 = _mm256_set1_epi32(15);
     const __m256i rows = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -64,7 +64,8 @@ INLINE void i4q_tile(const float *x, const float *xsum, int64_t k, int64_t group
                 for (int i = 0; i < M; i++) a[i][j & 3] = _mm256_fmadd_ps(cf, _mm256_broadcast_ss(xq + i * k + j), a[i][j & 3]);
             }
         }
-        const __m256 s = _mm256_loadu_ps(st + g * 8), z = zt ? _mm256_loadu_ps(zt + g * 8) : _mm256_set1_ps(8.f);
+        const __m256 s = load8_scales(scales_at(st, sdt, g * 8), sdt);
+        const __m256 z = zt ? load8_scales(scales_at(zt, sdt, g * 8), sdt) : _mm256_set1_ps(8.f);
         for (int i = 0; i < M; i++) {
             const __m256 sum = _mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]), _mm256_add_ps(a[i][2], a[i][3]));
             tot[i] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, _mm256_set1_ps(xsum[i * groups + g]), sum), tot[i]);
@@ -76,7 +77,7 @@ INLINE void i4q_tile(const float *x, const float *xsum, int64_t k, int64_t group
 #else
 /* the float path, one row at a time (BST_ISA 0) */
 INLINE void i4q_tile(const float *x, const float *xsum, int64_t k, int64_t group, const uint8_t *tile, int nr,
-                     const float *st, const float *zt, int M, float out[W4A8_MT][8]) {
+                     const void *st, const void *zt, int sdt, int M, float out[W4A8_MT][8]) {
     const int64_t groups = (k + group - 1) / group;
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < M; i++) {
@@ -88,8 +89,8 @@ INLINE void i4q_tile(const float *x, const float *xsum, int64_t k, int64_t group
                     const uint8_t byte = tile[kk / 8 * nr * 4 + r * 4 + kk % 8 / 2];
                     a[kk & 3] = fmaf((float)((kk & 1) ? byte >> 4 : byte & 15), x[i * k + kk], a[kk & 3]);
                 }
-                const float z = zt ? zt[g * 8 + r] : 8.f;
-                acc = fmaf(st[g * 8 + r], fmaf(-z, xsum[i * groups + g], (a[0] + a[1]) + (a[2] + a[3])), acc);
+                const float z = zt ? load_f(zt, sdt, g * 8 + r) : 8.f;
+                acc = fmaf(load_f(st, sdt, g * 8 + r), fmaf(-z, xsum[i * groups + g], (a[0] + a[1]) + (a[2] + a[3])), acc);
             }
             out[i][r] = acc;
         }
@@ -98,7 +99,7 @@ INLINE void i4q_tile(const float *x, const float *xsum, int64_t k, int64_t group
 
 /* tiles [t_begin, t_end) of y for all m inputs on the float path: float rows xf and their group sums xsum */
 static void i4q_rows(const float *xf, const float *xsum, int64_t m, int64_t k, const uint8_t *w, int64_t n,
-                     const float *st, const float *zt, int64_t group, const float *bias, void *y, int ydt,
+                     const void *st, const void *zt, int sdt, int64_t group, const float *bias, void *y, int ydt,
                      int64_t t_begin, int64_t t_end) {
     const int64_t groups = (k + group - 1) / group;
     float out[W4A8_MT][8];
@@ -106,13 +107,13 @@ static void i4q_rows(const float *xf, const float *xsum, int64_t m, int64_t k, c
         const int64_t row0 = t * 8;
         const int nr = n - row0 < 8 ? (int)(n - row0) : 8;
         const uint8_t *tile = w + row0 * (k / 2);
-        const float *s = st + t * groups * 8, *z = zt ? zt + t * groups * 8 : NULL;
+        const void *s = scales_at(st, sdt, t * groups * 8), *z = scales_at(zt, sdt, t * groups * 8);
         for (int64_t i0 = 0; i0 < m; i0 += QUADS_MT16) {
             const int M = m - i0 >= QUADS_MT16 ? QUADS_MT16 : (int)(m - i0);
             const float *xi = xf + i0 * k, *si = xsum + i0 * groups;
-            if (nr < 8) i4q_tile(xi, si, k, group, tile, nr, s, z, M, out); /* the short last tile */
-            else if (M == 1) i4q_tile(xi, si, k, group, tile, 8, s, z, 1, out); /* (constants: unrolled) */
-            else i4q_tile(xi, si, k, group, tile, 8, s, z, QUADS_MT16, out);
+            if (nr < 8) i4q_tile(xi, si, k, group, tile, nr, s, z, sdt, M, out); /* the short last tile */
+            else if (M == 1) i4q_tile(xi, si, k, group, tile, 8, s, z, sdt, 1, out); /* (constants: unrolled) */
+            else i4q_tile(xi, si, k, group, tile, 8, s, z, sdt, QUADS_MT16, out);
             quads_store(out, M, nr, i0, row0, n, bias, y, ydt);
         }
     }
@@ -122,9 +123,9 @@ static void i4q_rows(const float *xf, const float *xsum, int64_t m, int64_t k, c
 INLINE int i4q_reads_q16(int xdt, int64_t k) { return BST_SIMD && xdt == DT_BF16 && k % 32 == 0; }
 
 /* bst_linear for DT_I4Q: y [m, n] (ydt) = x [m, k] (xdt) times the int4 quads w [n, k / 2] (k % 8 == 0) with s and
- * z tiled [ceil(n / 8)][groups][8] (z NULL: 8; module comment) */
-static void i4q_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8_t *w, int64_t n, const float *st,
-                       const float *zt, int64_t group, const float *bias, void *y, int ydt, int threads) {
+ * z tiled [ceil(n / 8)][groups][8] in sdt (z NULL: 8; module comment) */
+static void i4q_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8_t *w, int64_t n, const void *st,
+                       const void *zt, int sdt, int64_t group, const float *bias, void *y, int ydt, int threads) {
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k) + 64);
     to_f32(x, xdt, m * k, xf);
 #if BST_SIMD
@@ -132,7 +133,7 @@ static void i4q_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8
         int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * k) + 64);
         float *xs = (float *)malloc(sizeof(float) * (size_t)(m * q16_blocks(k)));
         q16_inputs(xf, m, k, xq, xs);
-        quads_linear(xq, 1, xs, m, k, w, n, st, zt, group, bias, y, ydt, threads);
+        quads_linear(xq, 1, xs, m, k, w, n, st, zt, sdt, group, bias, y, ydt, threads);
         free(xs);
         free(xq);
         free(xf);
@@ -144,21 +145,21 @@ static void i4q_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8
     float *xsum = group_sums(xf, m, k, k, group);
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int part = 0; part < parts; part++)
-        i4q_rows(xf, xsum, m, k, w, n, st, zt, group, bias, y, ydt, tiles * part / parts, tiles * (part + 1) / parts);
+        i4q_rows(xf, xsum, m, k, w, n, st, zt, sdt, group, bias, y, ydt, tiles * part / parts,
+                 tiles * (part + 1) / parts);
     free(xsum);
     free(xf);
 }
 
 /* row `row` of a DT_I4Q weight as floats dst [k]: q s - s z (bst_dequantize) */
-static void i4q_dequantize_row(const uint8_t *w, int64_t row, int64_t n, int64_t k, const float *st, const float *zt,
-                               int64_t group, float *dst) {
-    const int64_t groups = (k + group - 1) / group, t = row / 8, r = row % 8;
+static void i4q_dequantize_row(const uint8_t *w, int64_t row, int64_t n, int64_t k, const void *st, const void *zt,
+                               int sdt, int64_t group, float *dst) {
+    const int64_t groups = (k + group - 1) / group, t = row / 8, r = row % 8, at = t * groups * 8 + r;
     const int nr = n - t * 8 < 8 ? (int)(n - t * 8) : 8;
     const uint8_t *tile = w + t * 8 * (k / 2);
-    const float *s = st + t * groups * 8 + r, *z = zt ? zt + t * groups * 8 + r : NULL;
     for (int64_t q = 0; q < k / 8; q++) {
         const int64_t g = q * 8 / group;
-        const float sg = s[g * 8], szg = sg * (z ? z[g * 8] : 8.f);
+        const float sg = load_f(st, sdt, at + g * 8), szg = sg * (zt ? load_f(zt, sdt, at + g * 8) : 8.f);
         int32_t word;
         memcpy(&word, tile + q * nr * 4 + r * 4, 4);
 #if BST_SIMD /* the 8 codes of the word in 8 lanes */

@@ -7,9 +7,11 @@
  *                 the tile's rows' 4 bytes one after another, so a tile is one sequential stream and one
  *                 32-byte load holds 8 features of each of its 8 rows, row r in 32-bit lane r; uint8
  *                 [n, k / 2] in all, k % 32 == 0; groups of G features (G % 32 == 0, the last may be
- *                 short); `scale` s_w and `sz` the zero points z (NOT s * z as DT_I4), both float32 in tiles of
- *                 8 rows: [ceil(n / 8)][groups][8] (the last tile padded); sz NULL when symmetric: z = 8 (a
- *                 stream of 4 bytes per row and group not read)
+ *                 short); `scale` s_w and `sz` the zero points z (NOT s * z as DT_I4), both in tiles of 8 rows:
+ *                 [ceil(n / 8)][groups][8] (the last tile padded), float32, or bfloat16 where the weight-kind code
+ *                 carries W_SCALES_BF16 (a checkpoint's bfloat16 s and z, widened exactly: the same sums, 4 bytes
+ *                 fewer per row and group against the group's 64 of codes at G = 128); sz NULL when symmetric:
+ *                 z = 8 (a stream of them not read)
  *
  * Each input row t is quantized as linear_a8.c does (a8_inputs: symmetric int8 codes qx and a scale s_x per
  * A8_BLOCK = 64 features). The features split into segments j, the intersections of an activation block b(j)
@@ -43,6 +45,12 @@
 #define W4A8_CHUNK 32 /* features per int32 sum: a segment is one or two of them */
 #define W4A8_QUAD 8   /* features per quad: 4 bytes of each row of a tile */
 #define W4A8_AHEAD 2048 /* bytes of the stream fetched ahead (2 threads, cold weights: 10-20% faster than none) */
+#define W_SCALES_BF16 256 /* flag of a DT_I4A8 / DT_I4Q weight-kind code: its s and z tiles are bfloat16 (else float32) */
+
+/* the scale or zero-point tiles p (sdt: DT_F32 or DT_BF16) from element i on; NULL stays NULL */
+INLINE const void *scales_at(const void *p, int sdt, int64_t i) {
+    return p ? (const char *)p + i * (sdt == DT_BF16 ? 2 : 4) : NULL;
+}
 
 /* a block of A8_BLOCK features as the segments split it (module comment): its weight groups ga (first 32
  * features) and gb (the next 32), `full` when it has 64 features (else 32: the last block), `split` when its
@@ -85,11 +93,18 @@ static void quads_inputs(void *codes, int wide, int64_t m, int64_t k, int32_t *x
 }
 
 #if BST_SIMD
+/* a tile's 8 scales or zero points at p as float32 (bfloat16 ones widened: exact) */
+INLINE __m256 load8_scales(const void *p, int sdt) {
+    if (sdt == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
 /* the float32 steps of one segment (module comment): acc += (s_x s_w) fmaf(-z, X, D) (z NULL: 8) */
-INLINE __m256 w4a8_step(__m256 acc, __m256i d, int32_t x, float sx, const float *sw, const float *z) {
-    const __m256 zv = z ? _mm256_loadu_ps(z) : _mm256_set1_ps(8.f);
+INLINE __m256 w4a8_step(__m256 acc, __m256i d, int32_t x, float sx, const void *sw, const void *z, int sdt) {
+    const __m256 zv = z ? load8_scales(z, sdt) : _mm256_set1_ps(8.f);
     const __m256 e = _mm256_fnmadd_ps(zv, _mm256_set1_ps((float)x), _mm256_cvtepi32_ps(d));
-    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sx), _mm256_loadu_ps(sw)), e, acc);
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sx), load8_scales(sw, sdt)), e, acc);
 }
 
 /* s[i] lane r += (int16 pairs) the 8 features at xp (input i at xp + i k) times row r's codes, from the one
@@ -163,7 +178,8 @@ INLINE void quads_dots(const void *xp, int wide, int64_t at, int64_t k, const ui
  * `wide`), a block of A8_BLOCK features at a time: its one or two chunks' sums added in int32 (M accumulators
  * live, not one set per chunk: no spills) */
 INLINE void quads_tile(const void *xp, int wide, const int32_t *xc, const float *xs, int64_t k, const uint8_t *tile,
-                       int nr, const W4A8Block *blk, const float *swt, const float *zt, int M, float out[W4A8_MT][8]) {
+                       int nr, const W4A8Block *blk, const void *swt, const void *zt, int sdt, int M,
+                       float out[W4A8_MT][8]) {
     const int64_t chunks = k / W4A8_CHUNK, nb = a8_blocks(k);
     const __m256i rows = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     for (int i = 0; i < M; i++) _mm256_storeu_ps(out[i], _mm256_setzero_ps());
@@ -171,21 +187,22 @@ INLINE void quads_tile(const void *xp, int wide, const int32_t *xc, const float 
         const int64_t k0 = b * A8_BLOCK;
         const W4A8Block s = blk[b];
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(tile + k0 / 2 * nr + W4A8_AHEAD + 64 * l), _MM_HINT_T0);
-        const float *za = zt ? zt + s.ga * 8 : NULL, *zb = zt ? zt + s.gb * 8 : NULL;
+        const void *za = scales_at(zt, sdt, s.ga * 8), *zb = scales_at(zt, sdt, s.gb * 8);
         __m256i d[W4A8_MT];
         for (int i = 0; i < M; i++) d[i] = _mm256_setzero_si256();
         quads_dots(xp, wide, k0, k, tile + k0 / 2 * nr, nr, rows, M, d);
         if (s.split)
             for (int i = 0; i < M; i++) {
                 _mm256_storeu_ps(out[i], w4a8_step(_mm256_loadu_ps(out[i]), d[i], xc[i * chunks + 2 * b], xs[i * nb + b],
-                                                   swt + s.ga * 8, za));
+                                                   scales_at(swt, sdt, s.ga * 8), za, sdt));
                 d[i] = _mm256_setzero_si256();
             }
         if (!s.full) continue; /* (a short block is split: done) */
         quads_dots(xp, wide, k0 + W4A8_CHUNK, k, tile + (k0 + W4A8_CHUNK) / 2 * nr, nr, rows, M, d);
         for (int i = 0; i < M; i++) { /* (not split: ga == gb, one step for the block's D and X) */
             const int32_t xb = xc[i * chunks + 2 * b + 1] + (s.split ? 0 : xc[i * chunks + 2 * b]);
-            _mm256_storeu_ps(out[i], w4a8_step(_mm256_loadu_ps(out[i]), d[i], xb, xs[i * nb + b], swt + s.gb * 8, zb));
+            _mm256_storeu_ps(out[i], w4a8_step(_mm256_loadu_ps(out[i]), d[i], xb, xs[i * nb + b],
+                                               scales_at(swt, sdt, s.gb * 8), zb, sdt));
         }
     }
 }
@@ -198,7 +215,8 @@ INLINE int w4a8_code(const uint8_t *tile, int nr, int r, int64_t kk) {
 
 /* the same, one code at a time (BST_ISA 0: int8 codes xp in k's order; int16 ones are never `wide` here) */
 INLINE void quads_tile(const void *codes, int wide, const int32_t *xc, const float *xs, int64_t k, const uint8_t *tile,
-                       int nr, const W4A8Block *blk, const float *swt, const float *zt, int M, float out[W4A8_MT][8]) {
+                       int nr, const W4A8Block *blk, const void *swt, const void *zt, int sdt, int M,
+                       float out[W4A8_MT][8]) {
     const int8_t *xp = (const int8_t *)codes;
     (void)wide;
     const int64_t chunks = k / W4A8_CHUNK, nb = a8_blocks(k);
@@ -213,12 +231,13 @@ INLINE void quads_tile(const void *codes, int wide, const int32_t *xc, const flo
                         d[h] += xp[i * k + kk] * w4a8_code(tile, nr, r, kk);
                 const int32_t xa = xc[i * chunks + 2 * b], xb = s.full ? xc[i * chunks + 2 * b + 1] : 0;
                 const float sx = xs[i * nb + b];
-                const float za = zt ? zt[s.ga * 8 + r] : 8.f, zb = zt ? zt[s.gb * 8 + r] : 8.f;
+                const float za = zt ? load_f(zt, sdt, s.ga * 8 + r) : 8.f, zb = zt ? load_f(zt, sdt, s.gb * 8 + r) : 8.f;
+                const float swa = load_f(swt, sdt, s.ga * 8 + r), swb = load_f(swt, sdt, s.gb * 8 + r);
                 if (!s.split)
-                    acc = fmaf(sx * swt[s.ga * 8 + r], fmaf(-za, (float)(xa + xb), (float)(d[0] + d[1])), acc);
+                    acc = fmaf(sx * swa, fmaf(-za, (float)(xa + xb), (float)(d[0] + d[1])), acc);
                 else {
-                    acc = fmaf(sx * swt[s.ga * 8 + r], fmaf(-za, (float)xa, (float)d[0]), acc);
-                    if (s.full) acc = fmaf(sx * swt[s.gb * 8 + r], fmaf(-zb, (float)xb, (float)d[1]), acc);
+                    acc = fmaf(sx * swa, fmaf(-za, (float)xa, (float)d[0]), acc);
+                    if (s.full) acc = fmaf(sx * swb, fmaf(-zb, (float)xb, (float)d[1]), acc);
                 }
             }
             out[i][r] = acc;
@@ -239,7 +258,7 @@ INLINE void quads_store(float out[W4A8_MT][8], int M, int nr, int64_t i0, int64_
 /* tiles [t_begin, t_end) of y for all m inputs from their codes xp (int8, or int16 when `wide`: W4A8_MT or
  * QUADS_MT16 inputs a tile) */
 static void quads_rows(const void *xp, int wide, const int32_t *xc, const float *xs, int64_t m, int64_t k,
-                       const uint8_t *w, int64_t n, const W4A8Block *blk, const float *swt, const float *zt,
+                       const uint8_t *w, int64_t n, const W4A8Block *blk, const void *swt, const void *zt, int sdt,
                        int64_t group, const float *bias, void *y, int ydt, int64_t t_begin, int64_t t_end) {
     const int64_t groups = (k + group - 1) / group, chunks = k / W4A8_CHUNK, nb = a8_blocks(k);
     const int mt = wide ? QUADS_MT16 : W4A8_MT;
@@ -248,18 +267,18 @@ static void quads_rows(const void *xp, int wide, const int32_t *xc, const float 
         const int64_t row0 = t * 8;
         const int nr = n - row0 < 8 ? (int)(n - row0) : 8;
         const uint8_t *tile = w + row0 * (k / 2);
-        const float *sw = swt + t * groups * 8, *z = zt ? zt + t * groups * 8 : NULL;
+        const void *sw = scales_at(swt, sdt, t * groups * 8), *z = scales_at(zt, sdt, t * groups * 8);
         for (int64_t i0 = 0; i0 < m; i0 += mt) {
             const int M = m - i0 >= mt ? mt : (int)(m - i0);
             const void *xi = (const char *)xp + i0 * k * (wide ? 2 : 1);
             const int32_t *ci = xc + i0 * chunks;
             const float *si = xs + i0 * nb;
-            if (nr < 8) quads_tile(xi, wide, ci, si, k, tile, nr, blk, sw, z, M, out); /* the short last tile */
+            if (nr < 8) quads_tile(xi, wide, ci, si, k, tile, nr, blk, sw, z, sdt, M, out); /* the short last tile */
             else if (wide) { /* (constants: unrolled) */
-                if (M == 1) quads_tile(xi, 1, ci, si, k, tile, 8, blk, sw, z, 1, out);
-                else quads_tile(xi, 1, ci, si, k, tile, 8, blk, sw, z, QUADS_MT16, out);
+                if (M == 1) quads_tile(xi, 1, ci, si, k, tile, 8, blk, sw, z, sdt, 1, out);
+                else quads_tile(xi, 1, ci, si, k, tile, 8, blk, sw, z, sdt, QUADS_MT16, out);
             } else switch (M) {
-#define QUADS_FULL(R) case R: quads_tile(xi, 0, ci, si, k, tile, 8, blk, sw, z, R, out); break;
+#define QUADS_FULL(R) case R: quads_tile(xi, 0, ci, si, k, tile, 8, blk, sw, z, sdt, R, out); break;
                 QUADS_FULL(1) QUADS_FULL(2) QUADS_FULL(3) QUADS_FULL(4) QUADS_FULL(5) /* (up to W4A8_MT) */
 #undef QUADS_FULL
                 default: break;
@@ -272,7 +291,7 @@ static void quads_rows(const void *xp, int wide, const int32_t *xc, const float 
 /* y [m, n] (ydt) from the input codes xp [m, k] (int8, or int16 when `wide`; permuted in place, quads_inputs)
  * with their block scales xs, times the quads w (module comment), on a8_parts(n, threads) threads */
 static void quads_linear(void *xp, int wide, const float *xs, int64_t m, int64_t k, const uint8_t *w, int64_t n,
-                         const float *swt, const float *zt, int64_t group, const float *bias, void *y, int ydt,
+                         const void *swt, const void *zt, int sdt, int64_t group, const float *bias, void *y, int ydt,
                          int threads) {
     int32_t *xc = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * (k / W4A8_CHUNK)) + 4);
     W4A8Block *blk = (W4A8Block *)malloc(sizeof(W4A8Block) * (size_t)a8_blocks(k));
@@ -282,20 +301,20 @@ static void quads_linear(void *xp, int wide, const float *xs, int64_t m, int64_t
     const int parts = a8_parts(n, threads);
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int part = 0; part < parts; part++)
-        quads_rows(xp, wide, xc, xs, m, k, w, n, blk, swt, zt, group, bias, y, ydt, tiles * part / parts,
+        quads_rows(xp, wide, xc, xs, m, k, w, n, blk, swt, zt, sdt, group, bias, y, ydt, tiles * part / parts,
                    tiles * (part + 1) / parts);
     free(blk);
     free(xc);
 }
 
 /* bst_linear for DT_I4A8: y [m, n] (ydt) = x [m, k] (xdt) quantized per row and block, times the int4 quads
- * w [n, k / 2] (k % 32 == 0) with s_w and z tiled [ceil(n / 8)][groups][8] (module comment) */
-static void w4a8_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8_t *w, int64_t n, const float *swt,
-                        const float *zt, int64_t group, const float *bias, void *y, int ydt, int threads) {
+ * w [n, k / 2] (k % 32 == 0) with s_w and z tiled [ceil(n / 8)][groups][8] in sdt (module comment) */
+static void w4a8_linear(const void *x, int xdt, int64_t m, int64_t k, const uint8_t *w, int64_t n, const void *swt,
+                        const void *zt, int sdt, int64_t group, const float *bias, void *y, int ydt, int threads) {
     int8_t *xq = (int8_t *)malloc((size_t)(m * k) + 64);
     float *xs = (float *)malloc(sizeof(float) * (size_t)(m * a8_blocks(k)));
     a8_quantize(x, xdt, m, k, xq, xs, threads);
-    quads_linear(xq, 0, xs, m, k, w, n, swt, zt, group, bias, y, ydt, threads);
+    quads_linear(xq, 0, xs, m, k, w, n, swt, zt, sdt, group, bias, y, ydt, threads);
     free(xs);
     free(xq);
 }

@@ -52,6 +52,7 @@ A8_SUM_ROWS = 512  # PackedWeight.int8_a8: rows whose code sums are taken at a t
 KIND_I4A8 = 10  # linear_w4a8.c: int4 codes in quads x int8 activations quantized as KIND_I8A8's (W4A8 dynamic)
 W4A8_CHUNK = 32  # linear_w4a8.c: K % 32 == 0; its segments are 32 or 64 features
 KIND_I4Q = 11  # linear_int4q.c: KIND_I4's codes in the quads layout x float inputs (W4A16, the AVX2 build)
+SCALES_BF16 = 256  # linear_w4a8.c W_SCALES_BF16: the flag of a KIND_I4A8 / KIND_I4Q code whose scale tiles are bfloat16
 INT4_LAYOUTS = ("checkpoint", "dot", "quads")  # PackedWeight.int4's layouts: KIND_I4, KIND_I4D, KIND_I4Q
 
 
@@ -98,8 +99,10 @@ class PackedWeight:
     scale and scale_zero in the same tiles, [groups][rows] per tile (`packing.row_tiles`).
     kind KIND_I4A8: KIND_I4's codes in the quads layout (`packing.pack_int4_quads`, k % 32 == 0: per tile
     of 8 rows, per 8 features, the rows' 4 bytes one after another) multiplied with int8 activations
-    (`int4_a8`); scale = s and scale_zero = z itself, float32 in tiles of 8 rows [ceil(n / 8), groups, 8]
-    (the last tile zero-padded); scale_zero None when symmetric (z = 8: no stream of zero points to read).
+    (`int4_a8`); scale = s and scale_zero = z itself in tiles of 8 rows [ceil(n / 8), groups, 8] (the last tile
+    zero-padded), bfloat16 where the checkpoint's s and z are (`quads_scales`: the kernels widen them exactly, and a
+    decode step streams 4 bytes fewer per row and group, ~6% of a g128 weight), else float32; scale_zero None when
+    symmetric (z = 8: no stream of zero points to read).
     kind KIND_I4Q: KIND_I4's codes in the same quads layout (k % 8 == 0) multiplied with float inputs (`int4`
     packs it on the AVX2 build: one load for 8 features of 8 rows); scale = s and scale_zero = z, as KIND_I4A8's.
     bfloat16 inputs are read as `q16_round(x)` on the vector builds where k % 32 == 0 (`reads_q16`: 16-bit
@@ -176,7 +179,8 @@ class PackedWeight:
             layout = int4_layout(k)
             packed = {"dot": packing.pack_int4_dot, "quads": packing.pack_int4_quads}.get(layout, lambda p: p)(packed)
         if layout == "quads":  # (rows in tiles of 8, as the codes; z itself, None when symmetric)
-            return cls(KIND_I4Q, packed.contiguous(), n, k, _row_tiles8(s), None if zeros is None else _row_tiles8(z), group)
+            s_t, z_t = quads_scales(scale, zeros)
+            return cls(KIND_I4Q, packed.contiguous(), n, k, s_t, z_t, group)
         sz = s * z
         if layout == "dot":  # the scales of a tile's rows side by side
             s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
@@ -193,13 +197,31 @@ class PackedWeight:
         if packed.dtype != torch.uint8 or group % W4A8_CHUNK or k % W4A8_CHUNK:
             raise ValueError(f"PackedWeight.int4_a8: uint8 codes [N, K/2] with K % 32 == 0 and a group size multiple "
                              f"of 32, not {packed.dtype} {list(packed.shape)}, group {group}")
-        s_t, z_t = _row_tiles8(scale.float()), None if zeros is None else _row_tiles8(zeros.float())
+        s_t, z_t = quads_scales(scale, zeros)
         codes = packed.contiguous() if quads else packing.pack_int4_quads(packed)
         return cls(KIND_I4A8, codes, n, k, s_t, z_t, group)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.scale_zero) if t is not None)
+
+    @property
+    def code(self) -> int:
+        """The weight-kind code bst_linear and bst_dequantize take: `kind`, with SCALES_BF16 where its scale tiles are
+        bfloat16 (`quads_scales`)."""
+        return _code(self.kind, self.scale)
+
+
+def _code(kind: int, scale: torch.Tensor | None) -> int:
+    return kind | SCALES_BF16 if scale is not None and scale.dtype == torch.bfloat16 else kind
+
+
+def quads_scales(scale: torch.Tensor, zeros: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A quads weight's scales s [n, groups] and zero points z [n, groups] (None: symmetric) in tiles of 8 rows
+    (`_row_tiles8`): bfloat16 when both are (the kernels read them exactly so), else float32."""
+    keep = scale.dtype == torch.bfloat16 and (zeros is None or zeros.dtype == torch.bfloat16)
+    dtype = torch.bfloat16 if keep else torch.float32
+    return _row_tiles8(scale.to(dtype)), None if zeros is None else _row_tiles8(zeros.to(dtype))
 
 
 def _row_tiles8(t: torch.Tensor) -> torch.Tensor:
@@ -216,7 +238,7 @@ def _untile8(t: torch.Tensor, n: int) -> torch.Tensor:
 def _i4a8_zeros(pw: PackedWeight, s: torch.Tensor) -> torch.Tensor:
     """A KIND_I4A8 / KIND_I4Q weight's zero points z [N, groups], beside its untiled scales s [N, groups] (8 where it is
     symmetric: scale_zero None)."""
-    return torch.full_like(s, 8.0) if pw.scale_zero is None else _untile8(pw.scale_zero, pw.n)
+    return torch.full_like(s, 8.0) if pw.scale_zero is None else _untile8(pw.scale_zero, pw.n).float()
 
 
 def w4a8_fits(k: int, group: int) -> bool:
@@ -271,7 +293,7 @@ def _linear(x, kind, w, n, k, scale, scale_zero, group, bias, out_dtype) -> torc
     x = x.contiguous()
     m = x.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)
-    _lib().bst_linear(x.data_ptr(), DTYPES[x.dtype], m, k, w.data_ptr(), kind, n, _ptr(scale), _ptr(scale_zero),
+    _lib().bst_linear(x.data_ptr(), DTYPES[x.dtype], m, k, w.data_ptr(), _code(kind, scale), n, _ptr(scale), _ptr(scale_zero),
                       group, _ptr(bias), out.data_ptr(), DTYPES[out.dtype], _threads())
     return out
 
@@ -283,7 +305,7 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Te
     if pw.kind == KIND_I4A8:  # (its scales are tiled, its zero points plain)
         return dequantize_ref(pw).to(dtype)
     out = torch.empty(pw.n, pw.k, dtype=dtype)
-    kind = KIND_I8T if pw.kind == KIND_I8A8 else pw.kind  # the same tiles (its scale_zero: row sums, unused)
+    kind = KIND_I8T if pw.kind == KIND_I8A8 else pw.code  # the same tiles (its scale_zero: row sums, unused)
     _lib().bst_dequantize(pw.weight.data_ptr(), kind, pw.n, pw.k, _ptr(pw.scale), _ptr(pw.scale_zero),
                           pw.group, out.data_ptr(), DTYPES[dtype], _threads())
     return out
@@ -302,7 +324,7 @@ def dequantize_ref(pw: PackedWeight) -> torch.Tensor:
         q = packing.unpack_int8_tiled(w) if pw.kind in (KIND_I8T, KIND_I8A8) else w
         return q.float() * pw.scale[:, None]
     if pw.kind in (KIND_I4A8, KIND_I4Q):
-        s = _untile8(pw.scale, pw.n)
+        s = _untile8(pw.scale, pw.n).float()
         sz = s * _i4a8_zeros(pw, s)
         w = packing.unpack_int4_quads(w)
     elif pw.scale_zero is None:
@@ -739,7 +761,7 @@ def linear_w4a8_ref(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None
         raise ValueError(f"linear_w4a8_ref: a KIND_I4A8 weight with its scales, not kind {pw.kind}")
     qx, sx = a8_quantize_ref(x)  # [M, K] int8, [M, blocks]
     qw = packing.unpack_int4(packing.unpack_int4_quads(pw.weight)).long()  # [N, K]
-    sw = _untile8(pw.scale, pw.n)  # [N, groups]
+    sw = _untile8(pw.scale, pw.n).float()  # [N, groups]
     z = _i4a8_zeros(pw, sw)
     acc = torch.zeros(x.shape[0], pw.n, dtype=torch.float32)
     for start, width in w4a8_segments(pw.k, pw.group):

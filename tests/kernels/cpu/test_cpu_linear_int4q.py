@@ -116,3 +116,34 @@ def test_linear_int4q_extreme_codes_and_inputs_do_not_overflow(cpu_build):
     y = ops.linear(x, pw, out_dtype=torch.float32)
     expect = torch.tensor([15.0 * k * 1.9921875, 0.0] * 4)
     assert torch.equal(y[0], expect) and torch.equal(y[1], -expect)
+
+
+@pytest.mark.parametrize("zp", [True, False])
+def test_bfloat16_scale_tiles_give_the_float32_ones_bits(cpu_build, zp):
+    """A checkpoint's bfloat16 s and z stay bfloat16 in the quads' tiles (ops.quads_scales: 4 bytes fewer per row and
+    group to stream) and every path reads them exactly: the int4 x float GEMV (float32 inputs, and bfloat16 ones on
+    q16), the int4 x int8 one (W4A8), on batches of 1 and 7, and dequantize, give the bits of float32 tiles of the same
+    values. 21 rows: a short last tile; K 320 with groups of 128: a short last group."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, group = 21, 320, 128
+    codes = packing.pack_int4_quads(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen))
+    scale = (torch.rand(n, 3, generator=gen) + 0.1).bfloat16()
+    zeros = torch.randint(0, 16, (n, 3), generator=gen).bfloat16() if zp else None
+    wide = zeros.float() if zp else None
+    pairs = [(ops.PackedWeight.int4(codes, scale, zeros, group, layout="quads"),
+              ops.PackedWeight.int4(codes, scale.float(), wide, group, layout="quads")),
+             (ops.PackedWeight.int4_a8(codes, scale, zeros, group, quads=True),
+              ops.PackedWeight.int4_a8(codes, scale.float(), wide, group, quads=True))]
+    for short, full in pairs:
+        assert short.scale.dtype == torch.bfloat16 and full.scale.dtype == torch.float32
+        assert short.code == short.kind | ops.SCALES_BF16 and full.code == full.kind
+        assert short.nbytes == full.nbytes - (short.scale.numel() + (short.scale_zero.numel() if zp else 0)) * 2
+        for m in (1, 7):
+            for xdtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=gen).to(xdtype)
+                assert torch.equal(ops.linear(x, short, out_dtype=torch.float32),
+                                   ops.linear(x, full, out_dtype=torch.float32)), (short.kind, m, xdtype)
+        assert torch.equal(ops.dequantize(short), ops.dequantize(full))
+        assert torch.equal(ops.dequantize_ref(short), ops.dequantize_ref(full))
+    x = torch.randn(3, k, generator=gen)
+    assert torch.equal(ops.linear_w4a8_ref(x, pairs[1][0]), ops.linear_w4a8_ref(x, pairs[1][1]))
