@@ -451,8 +451,8 @@ class DecodePlan:
         rows = []
         for record, seconds in zip(self.records, self.profile.tolist()):
             label = names[record.op]
-            if record.op == OP_LINEAR:  # i: batch, K, N, group; dt[1]: the weight kind
-                label = f"linear {record.i[1]}x{record.i[2]} {kinds.get(record.dt[1], '?')}"
+            if record.op == OP_LINEAR:  # i: batch, K, N, group; dt[1]: the weight-kind code (PackedWeight.code)
+                label = f"linear {record.i[1]}x{record.i[2]} {kinds.get(record.dt[1] & ~ops.SCALES_BF16, '?')}"
             rows.append((label, seconds))
         return rows
 

@@ -36,6 +36,8 @@ CASES = {  # name -> (dtype, quantization, relative logits tolerance)
     "bf16": ("bfloat16", None, 3e-2),
     "w8a16": ("float32", QuantConfig(quant_algo="W8A16"), 1e-4),
     "w4a16_g32_zp": ("float32", QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True), 1e-4),
+    # bfloat16 scales and zero points: the quads' tiles keep them so on the avx2 build (ops.quads_scales)
+    "bf16_w4a16_g32_zp": ("bfloat16", QuantConfig(quant_algo="W4A16", group_size=32, has_zero_point=True), 3e-2),
     # INT8 / FP8 KV: the plan writes and reads the codes. Float noise of 1e-6 between compiled and
     # torch ops can flip an odd code by a step (FP8: 1/8 of the value), so these compare with the
     # eager path on the compiled kernels (whose decode attention reads the codes too).
@@ -228,3 +230,16 @@ def test_profiled_plan_times_every_record_and_gives_the_same_logits(hf_dir, tmp_
     # qkv (4 + 2 + 2 heads of 16), dense, fc + gate, proj, the tied lm_head (vocab 96)
     assert {"linear 64x128 fp32", "linear 64x64 fp32", "linear 64x192 fp32", "linear 96x64 fp32",
             "linear 64x96 fp32"} <= labels
+
+
+def test_profile_labels_name_the_kind_of_bfloat16_scaled_int4(hf_dir, tmp_path):
+    """A bf16 W4A16 engine's linears are labelled int4 whatever flag their kernel code carries (PackedWeight.code:
+    SCALES_BF16 where the quads keep bfloat16 scale tiles); it printed "?" for them."""
+    dtype, quant, _ = CASES["bf16_w4a16_g32_zp"]
+    llm = _llm(hf_dir, tmp_path, dtype, quant)
+    _generate(llm)
+    plan = llm.executor.model.__dict__["_decode_plans"][len(PROMPTS)]
+    plan.start_profile()
+    _generate(llm)
+    linears = [label for label, _ in plan.profile_rows() if label.startswith("linear")]
+    assert linears and all(label.endswith(" int4") for label in linears if not label.startswith("linear 64x96")), linears
