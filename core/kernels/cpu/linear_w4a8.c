@@ -231,13 +231,15 @@ INLINE void quads_tile(const void *codes, int wide, const int32_t *xc, const flo
                         d[h] += xp[i * k + kk] * w4a8_code(tile, nr, r, kk);
                 const int32_t xa = xc[i * chunks + 2 * b], xb = s.full ? xc[i * chunks + 2 * b + 1] : 0;
                 const float sx = xs[i * nb + b];
-                const float za = zt ? load_f(zt, sdt, s.ga * 8 + r) : 8.f, zb = zt ? load_f(zt, sdt, s.gb * 8 + r) : 8.f;
-                const float swa = load_f(swt, sdt, s.ga * 8 + r), swb = load_f(swt, sdt, s.gb * 8 + r);
+                const float za = zt ? load_f(zt, sdt, s.ga * 8 + r) : 8.f, swa = load_f(swt, sdt, s.ga * 8 + r);
                 if (!s.split)
                     acc = fmaf(sx * swa, fmaf(-za, (float)(xa + xb), (float)(d[0] + d[1])), acc);
                 else {
                     acc = fmaf(sx * swa, fmaf(-za, (float)xa, (float)d[0]), acc);
-                    if (s.full) acc = fmaf(sx * swb, fmaf(-zb, (float)xb, (float)d[1]), acc);
+                    if (s.full) { /* (gb of a short last block may be one past the last group: read only here) */
+                        const float zb = zt ? load_f(zt, sdt, s.gb * 8 + r) : 8.f, swb = load_f(swt, sdt, s.gb * 8 + r);
+                        acc = fmaf(sx * swb, fmaf(-zb, (float)xb, (float)d[1]), acc);
+                    }
                 }
             }
             out[i][r] = acc;

@@ -172,8 +172,6 @@ class PackedWeight:
             raise ValueError(f"int4 group size {group}: the compiled kernel needs a multiple of 32")
         if layout is not None and layout not in INT4_LAYOUTS:
             raise ValueError(f"PackedWeight.int4: layout {layout!r}, expected one of {INT4_LAYOUTS}")
-        s = scale.float().contiguous()
-        z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
         n, k = packed.shape[0], packed.shape[1] * 2
         if layout is None:
             layout = int4_layout(k)
@@ -181,7 +179,8 @@ class PackedWeight:
         if layout == "quads":  # (rows in tiles of 8, as the codes; z itself, None when symmetric)
             s_t, z_t = quads_scales(scale, zeros)
             return cls(KIND_I4Q, packed.contiguous(), n, k, s_t, z_t, group)
-        sz = s * z
+        s = scale.float().contiguous()
+        sz = s * (zeros.float() if zeros is not None else 8.0)
         if layout == "dot":  # the scales of a tile's rows side by side
             s, sz = (packing.row_tiles(t, packing.DOT_ROWS, 1, to_tiles=True) for t in (s, sz))
         return cls(KIND_I4D if layout == "dot" else KIND_I4, packed.contiguous(), n, k, s, sz.contiguous(), group)
